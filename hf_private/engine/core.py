@@ -1,0 +1,222 @@
+"""Per-example gradient engine: hooks on the model's own modules, one backward pass, one flat clip.
+
+Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on
+the layer output receives the output gradient and turns it into factored per-example terms (biases are
+reduced to B×p at once). When backward has finished for the whole chunk, `finish_backward` computes every
+example's norm over *all* trainable tensors, the clip factors, and the clipped sums from the stored factors,
+then drops everything: nothing is kept across chunks but the clipped sums.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import UnsupportedLayerError, handler_for, supported_layer_names
+from .layers.base import LayerHandler
+from .terms import clipped_sum, inner, squared_norm
+
+logger = logging.getLogger(__name__)
+
+_CLIP_STABILITY = 1e-6
+
+
+@dataclass
+class _HookedLayer:
+    name: str
+    module: nn.Module
+    handler: LayerHandler
+    trainable: dict[str, nn.Parameter]  # parameter name in the module → parameter
+    save_input: bool
+
+
+@dataclass
+class _Call:
+    layer: _HookedLayer
+    saved: torch.Tensor | None
+    saved_version: int | None
+    terms: dict[str, object] = field(default_factory=dict)
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+class PerExampleGradientEngine:
+    """Computes clipped per-example gradient sums for every trainable parameter of `model`."""
+
+    def __init__(self, model: nn.Module, max_grad_norm: float) -> None:
+        self.model = model
+        self.max_grad_norm = float(max_grad_norm)
+        self.parameters = trainable_parameters(model)
+        if not self.parameters:
+            raise ValueError("The model has no trainable parameters (nothing has requires_grad=True).")
+        self.layers = self._find_layers()
+        self.batch_norms = [
+            name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
+        self.clipped_sums: dict[nn.Parameter, torch.Tensor] = {}
+        self.last_norms: torch.Tensor | None = None
+        self._calls: list[_Call] = []
+        self._batch_size: int | None = None
+        self._handles: list = []
+
+    # ------------------------------------------------------------------ set-up
+    def _find_layers(self) -> list[_HookedLayer]:
+        names = {id(p): n for n, p in self.parameters}
+        owners: dict[int, list[str]] = defaultdict(list)
+        layers = []
+        for module_name, module in self.model.named_modules(remove_duplicate=False):
+            own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+            if not own:
+                continue
+            if any(layer.module is module for layer in layers):
+                continue  # the same module reached through a second path
+            label = f"{module_name or '<root>'} ({type(module).__name__})"
+            handler = handler_for(module)
+            unknown = sorted(set(own) - set(handler.params)) if handler else sorted(own)
+            if unknown:
+                raise UnsupportedLayerError(
+                    f"Trainable parameter(s) {unknown} of {label} have no per-example gradient rule. "
+                    f"Supported layers: {', '.join(supported_layer_names())} (and PEFT LoRA, built from them). "
+                    "Freeze these parameters (requires_grad=False) or replace the layer."
+                )
+            handler.check(module, set(own))
+            layers.append(_HookedLayer(label, module, handler, own, handler.needs_input(set(own))))
+            for p in own.values():
+                owners[id(p)].append(label)
+        missing = [n for i, n in names.items() if i not in owners]
+        if missing:
+            raise UnsupportedLayerError(f"Trainable parameters not owned by any module: {missing}.")
+        return layers
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._calls.clear()
+
+    # ------------------------------------------------------------------ hooks
+    def _forward_hook(self, layer: _HookedLayer):
+        def hook(module, args, output):
+            if self._batch_size is None or not torch.is_grad_enabled():
+                return None
+            saved, watched = layer.handler.on_forward(module, args, output, self._batch_size, layer.save_input)
+            call = _Call(layer, saved, saved._version if saved is not None else None)
+            self._calls.append(call)
+            if not watched.requires_grad:
+                watched = watched.detach().requires_grad_(True) if watched is output else watched
+            watched.register_hook(self._grad_hook(call))
+            return watched if watched is not output else None
+
+        return hook
+
+    def _grad_hook(self, call: _Call):
+        def hook(grad_output: torch.Tensor) -> None:
+            if call.saved is not None and call.saved._version != call.saved_version:
+                raise RuntimeError(
+                    f"The input of {call.layer.name} was modified in place after the forward pass; its "
+                    "per-example gradient cannot be computed."
+                )
+            call.terms = call.layer.handler.terms(
+                call.layer.module, call.saved, grad_output, set(call.layer.trainable)
+            )
+            call.saved = None  # keep only what the terms reference
+
+        return hook
+
+    @contextmanager
+    def recording(self, batch_size: int) -> Iterator[None]:
+        """Record per-example terms for the forward/backward of one physical chunk of `batch_size` examples."""
+        training_bn = [n for n in self.batch_norms if self.model.get_submodule(n).training]
+        if training_bn:
+            raise ValueError(
+                f"BatchNorm in train mode ({training_bn}) mixes examples in a batch, so per-example gradients "
+                "and the privacy guarantee break. Replace it with GroupNorm/LayerNorm (opacus "
+                "ModuleValidator.fix) or keep it in eval mode."
+            )
+        self._batch_size = batch_size
+        try:
+            yield
+        finally:
+            self._batch_size = None
+
+    # ------------------------------------------------------------------ clipping
+    def finish_backward(self) -> torch.Tensor:
+        """Clip every example to max_grad_norm over all trainable tensors and add to the running sums."""
+        by_param: dict[nn.Parameter, list] = defaultdict(list)
+        for call in self._calls:
+            for name, term in call.terms.items():
+                by_param[call.layer.trainable[name]].append(term)
+        self._calls.clear()
+        self._check_coverage(by_param)
+        batch = self._batch_of(by_param)
+        norms_sq = None
+        for param, terms in by_param.items():
+            contribution = self._squared_norm(terms, self._accumulation_dtype(param))
+            norms_sq = contribution if norms_sq is None else norms_sq + contribution.to(norms_sq.dtype)
+        norms = norms_sq.sqrt() if norms_sq is not None else torch.zeros(batch)
+        factors = (self.max_grad_norm / (norms + _CLIP_STABILITY)).clamp(max=1.0)
+        for param, terms in by_param.items():
+            dtype = self._accumulation_dtype(param)
+            total = sum(clipped_sum(self._cast(t, dtype), factors.to(dtype), param.shape) for t in terms)
+            running = self.clipped_sums.get(param)
+            self.clipped_sums[param] = total if running is None else running + total
+        for _, p in self.parameters:
+            p.grad = None  # autograd's un-clipped gradient must never reach the optimizer
+        self.last_norms = norms.detach()
+        return self.last_norms
+
+    def _squared_norm(self, terms: list, dtype: torch.dtype) -> torch.Tensor:
+        terms = [self._cast(t, dtype) for t in terms]
+        total = sum(squared_norm(t) for t in terms)
+        for i in range(len(terms)):
+            for j in range(i + 1, len(terms)):
+                total = total + 2 * inner(terms[i], terms[j])
+        return total
+
+    def _check_coverage(self, by_param: dict) -> None:
+        for name, p in self.parameters:
+            if p.grad is not None and p not in by_param:
+                raise UnsupportedLayerError(
+                    f"Parameter {name} received a gradient outside the forward of the module that owns it, so "
+                    "its per-example gradient is unknown. Freeze it or use it through its module."
+                )
+
+    @staticmethod
+    def _batch_of(by_param: dict) -> int:
+        sizes = {t.batch_size for terms in by_param.values() for t in terms}
+        if len(sizes) > 1:
+            raise RuntimeError(f"Per-example terms disagree on the batch size: {sorted(sizes)}.")
+        return sizes.pop() if sizes else 0
+
+    @staticmethod
+    def _accumulation_dtype(param: nn.Parameter) -> torch.dtype:
+        return torch.promote_types(param.dtype, torch.float32)
+
+    @staticmethod
+    def _cast(term, dtype: torch.dtype):
+        return type(term)(
+            **{k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in vars(term).items()}
+        )
+
+    # ------------------------------------------------------------------ state
+    def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
+        sums, self.clipped_sums = self.clipped_sums, {}
+        return sums
+
+    def reset(self) -> None:
+        self._calls.clear()
+        self.clipped_sums = {}

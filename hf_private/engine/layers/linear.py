@@ -1,0 +1,25 @@
+"""`nn.Linear`: weight gradient Σ_t G_t A_tᵀ (kept factored), bias gradient Σ_t G_t."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..terms import OuterTerm, SampleTerm
+from .base import LayerHandler, as_sequence
+from .registry import register_layer
+
+
+@register_layer(nn.Linear)
+class LinearHandler(LayerHandler):
+    params = ("weight", "bias")
+    input_params = ("weight",)
+
+    def terms(self, module, saved, grad_output, trainable):
+        batch = grad_output.shape[0]
+        grads = as_sequence(grad_output, batch)
+        out = {}
+        if "weight" in trainable:
+            out["weight"] = OuterTerm(left=grads, right=as_sequence(saved, batch))
+        if "bias" in trainable:
+            out["bias"] = SampleTerm(grads.sum(1))
+        return out

@@ -1,0 +1,129 @@
+"""Per-example gradient terms in factored form, and the algebra the clip needs on them.
+
+A layer call contributes to a parameter's per-example gradient in one of three shapes:
+
+* `OuterTerm`:   g_b = Σ_t left[b,t] ⊗ right[b,t]   (Linear, Conv1D weights; never materialised if avoidable)
+* `IndexTerm`:   g_b = Σ_t e_{index[b,t]} ⊗ right[b,t]  (Embedding weights; rows picked by token id)
+* `SampleTerm`:  g_b given explicitly, shape [B, *param.shape]  (biases, norm gains: cheap to hold)
+
+A parameter can receive several terms (tied embeddings, a module called twice); its per-example norm then
+needs the cross terms, which `inner` provides, because ‖Σ_i g_i‖² ≠ Σ_i ‖g_i‖².
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Term = "OuterTerm | IndexTerm | SampleTerm"
+
+# Upper bound on elements of a materialised per-example gradient chunk (about 256 MB in fp32).
+_MAX_INSTANTIATED_ELEMENTS = 1 << 26
+
+
+@dataclass
+class OuterTerm:
+    left: torch.Tensor  # [B, T, P]
+    right: torch.Tensor  # [B, T, D]
+
+    @property
+    def batch_size(self) -> int:
+        return self.left.shape[0]
+
+    def uses_ghost_norm(self) -> bool:
+        """Ghost norm (Gram matrices, O(T²)) when cheaper than instantiating B×P×D per-example grads."""
+        t, p, d = self.left.shape[1], self.left.shape[2], self.right.shape[2]
+        return 2 * t * t < p * d
+
+    def instantiate(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return torch.einsum("btp,btd->bpd", self.left[start:stop], self.right[start:stop])
+
+
+@dataclass
+class IndexTerm:
+    index: torch.Tensor  # [B, T] long; positions that must not contribute are masked out of `right`
+    right: torch.Tensor  # [B, T, D]
+    num_rows: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+
+@dataclass
+class SampleTerm:
+    grad: torch.Tensor  # [B, *param.shape]
+
+    @property
+    def batch_size(self) -> int:
+        return self.grad.shape[0]
+
+
+def squared_norm(term) -> torch.Tensor:
+    """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable."""
+    if isinstance(term, SampleTerm):
+        return term.grad.flatten(1).pow(2).sum(1)
+    if isinstance(term, IndexTerm):
+        return _index_squared_norm(term)
+    if term.uses_ghost_norm():
+        gram_left = torch.bmm(term.left, term.left.transpose(1, 2))
+        gram_right = torch.bmm(term.right, term.right.transpose(1, 2))
+        return (gram_left * gram_right).flatten(1).sum(1)
+    return _instantiated_squared_norm(term)
+
+
+def _instantiated_squared_norm(term: OuterTerm) -> torch.Tensor:
+    batch, per_example = term.batch_size, term.left.shape[2] * term.right.shape[2]
+    chunk = max(1, _MAX_INSTANTIATED_ELEMENTS // per_example)
+    return torch.cat(
+        [term.instantiate(i, i + chunk).flatten(1).pow(2).sum(1) for i in range(0, batch, chunk)]
+    )
+
+
+def _index_squared_norm(term: IndexTerm) -> torch.Tensor:
+    """Sum the rows each example touches (one scatter over (example, token) keys): O(B·T·D), no T²."""
+    batch, _, width = term.right.shape
+    example = torch.arange(batch, device=term.index.device).unsqueeze(1).expand_as(term.index)
+    keys = (example * term.num_rows + term.index).reshape(-1)
+    unique_keys, inverse = torch.unique(keys, return_inverse=True)
+    row_sums = term.right.new_zeros(unique_keys.numel(), width).index_add_(0, inverse, term.right.reshape(-1, width))
+    out = term.right.new_zeros(batch)
+    return out.index_add_(0, unique_keys // term.num_rows, row_sums.pow(2).sum(1))
+
+
+def inner(a, b) -> torch.Tensor:
+    """⟨g_b^a, g_b^b⟩ per example for two terms of the same parameter (needed only for shared parameters)."""
+    rank = {SampleTerm: 0, IndexTerm: 1, OuterTerm: 2}
+    if rank[type(a)] > rank[type(b)]:
+        a, b = b, a
+    if isinstance(a, SampleTerm):
+        return _inner_sample(a, b)
+    if isinstance(a, IndexTerm) and isinstance(b, IndexTerm):
+        same_row = (a.index.unsqueeze(2) == b.index.unsqueeze(1)).to(a.right.dtype)
+        return (same_row * torch.bmm(a.right, b.right.transpose(1, 2))).flatten(1).sum(1)
+    if isinstance(a, IndexTerm):  # b is an OuterTerm whose left factor lives in row space
+        picked = b.left.gather(2, a.index.unsqueeze(1).expand(-1, b.left.shape[1], -1))  # [B, S, T]
+        return (picked * torch.bmm(b.right, a.right.transpose(1, 2))).flatten(1).sum(1)
+    gram_left = torch.bmm(a.left, b.left.transpose(1, 2))
+    return (gram_left * torch.bmm(a.right, b.right.transpose(1, 2))).flatten(1).sum(1)
+
+
+def _inner_sample(a: SampleTerm, b) -> torch.Tensor:
+    if isinstance(b, SampleTerm):
+        return (a.grad * b.grad).flatten(1).sum(1)
+    if isinstance(b, IndexTerm):
+        rows = a.grad[torch.arange(a.batch_size, device=b.index.device).unsqueeze(1), b.index]  # [B, T, D]
+        return (rows * b.right).flatten(1).sum(1)
+    return torch.einsum("bpd,btp,btd->b", a.grad, b.left, b.right)
+
+
+def clipped_sum(term, factors: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Σ_b factors[b]·g_b, formed from the stored factors with one contraction."""
+    if isinstance(term, SampleTerm):
+        return torch.einsum("b...,b->...", term.grad, factors)
+    if isinstance(term, IndexTerm):
+        width = term.right.shape[2]
+        scaled = (term.right * factors.view(-1, 1, 1)).reshape(-1, width)
+        return scaled.new_zeros(shape).index_add_(0, term.index.reshape(-1), scaled)
+    return torch.einsum("btp,btd->pd", term.left * factors.view(-1, 1, 1), term.right).reshape(shape)

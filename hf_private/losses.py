@@ -1,0 +1,51 @@
+"""Per-example losses for the standard Hugging Face heads.
+
+DP-SGD needs loss = Σ_b ℓ_b with each ℓ_b depending on example b only; the models' own `loss` is a batch
+mean (over tokens, for language models), which couples examples through the normaliser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PerExampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
+
+IGNORE_INDEX = -100
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    name = type(_base_model(model)).__name__
+    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def default_per_example_loss(model: nn.Module, outputs, labels: torch.Tensor) -> torch.Tensor:
+    """ℓ_b for sequence classification/regression, token classification and causal LM (token mean per example)."""
+    logits = outputs.logits
+    config = getattr(_base_model(model), "config", None)
+    if logits.dim() == 2:
+        problem = getattr(config, "problem_type", None)
+        if logits.shape[-1] == 1 or problem == "regression":
+            return (logits.squeeze(-1).float() - labels.float()).pow(2).reshape(logits.shape[0], -1).sum(1)
+        if problem == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").sum(1)
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+    if logits.dim() == 3 and labels.dim() == 2:
+        if is_causal_lm(model):
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        tokens = F.cross_entropy(
+            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
+        return tokens.sum(1) / counts
+    raise ValueError(
+        f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)} and labels of shape "
+        f"{tuple(labels.shape)}. Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) -> [B]."
+    )

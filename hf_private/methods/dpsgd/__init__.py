@@ -1,0 +1,3 @@
+from .config import DPConfig
+
+__all__ = ["DPConfig"]

@@ -1,0 +1,164 @@
+"""The engine's per-example norms and clipped sums equal an fp64 per-example autograd loop (≤1e-6 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
+from hf_private.engine.terms import OuterTerm
+from hf_private.losses import default_per_example_loss
+from tests import tiny
+
+BATCH, SEQ = 5, 12
+CLIP = 0.05  # small enough that every example is clipped
+
+
+def _batch(causal: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, len(tiny.VOCAB), (BATCH, SEQ), generator=gen)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 8:] = 0
+    ids[1, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100) if causal else torch.randint(0, 2, (BATCH,), generator=gen)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _loss(model, batch) -> torch.Tensor:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return default_per_example_loss(model, model(**inputs), batch["labels"]).sum()
+
+
+def _oracle(model, batch):
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms, sums = [], [torch.zeros_like(p) for p in params]
+    for b in range(BATCH):
+        model.zero_grad()
+        _loss(model, {k: v[b : b + 1] for k, v in batch.items()}).backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(norm)
+        for total, g in zip(sums, grads):
+            total += min(1.0, CLIP / (norm.item() + 1e-6)) * g
+    model.zero_grad()
+    return torch.stack(norms), sums, params
+
+
+def _lora(model, task):
+    return get_peft_model(model, LoraConfig(task_type=task, r=4, lora_alpha=8, lora_dropout=0.0))
+
+
+MODELS = {
+    "bert": (tiny.bert, False, None),
+    "roberta": (tiny.roberta, False, None),
+    "gpt2-tied": (tiny.gpt2, True, None),
+    "llama": (tiny.llama, True, None),
+    "llama-tied": (lambda: tiny.llama(tie_word_embeddings=True), True, None),
+    "bert-lora": (tiny.bert, False, "SEQ_CLS"),
+    "roberta-lora": (tiny.roberta, False, "SEQ_CLS"),
+    "gpt2-lora": (tiny.gpt2, True, "CAUSAL_LM"),
+    "llama-lora": (tiny.llama, True, "CAUSAL_LM"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_engine_matches_fp64_per_example_loop(name):
+    factory, causal, lora_task = MODELS[name]
+    model = factory().double()
+    if lora_task:
+        model = _lora(model, lora_task)
+    model.train()
+    batch = _batch(causal)
+    ref_norms, ref_sums, params = _oracle(model, batch)
+
+    engine = PerExampleGradientEngine(model, CLIP)
+    engine.attach()
+    with engine.recording(BATCH):
+        _loss(model, batch).backward()
+    norms = engine.finish_backward()
+    engine.detach()
+
+    assert torch.all(ref_norms > CLIP), "every example should be clipped, or the test checks less than it claims"
+    assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
+    ours = torch.cat([engine.clipped_sums[p].flatten() for p in params])
+    ref = torch.cat([s.flatten() for s in ref_sums])
+    assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6
+    assert all(p.grad is None for p in params), "autograd's un-clipped gradient must be dropped"
+
+
+def test_lora_uses_both_ghost_and_instantiated_norms():
+    """LoRA factors (r·d small) instantiate; square hidden×hidden weights use the ghost norm at T=12."""
+    model = _lora(tiny.roberta().double(), "SEQ_CLS")
+    model.train()
+    seen = []
+    original = OuterTerm.uses_ghost_norm
+
+    def spy(self):
+        seen.append(original(self))
+        return seen[-1]
+
+    OuterTerm.uses_ghost_norm = spy
+    try:
+        engine = PerExampleGradientEngine(model, CLIP)
+        engine.attach()
+        with engine.recording(BATCH):
+            _loss(model, _batch(False)).backward()
+        engine.finish_backward()
+    finally:
+        OuterTerm.uses_ghost_norm = original
+    assert True in seen and False in seen
+
+
+def test_clip_factors_do_not_depend_on_module_registration_order():
+    """A head registered before the body (fastDP's silent failure): norms still cover every tensor."""
+
+    class HeadFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 2)
+            self.body = torch.nn.Linear(4, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.head(self.norm(self.body(x)))
+
+    torch.manual_seed(0)
+    model = HeadFirst().double()
+    x = torch.randn(6, 3, 4, dtype=torch.float64)
+    engine = PerExampleGradientEngine(model, 1e-3)
+    engine.attach()
+    with engine.recording(6):
+        model(x).pow(2).sum().backward()
+    norms = engine.finish_backward()
+    expected = []
+    for b in range(6):
+        model.zero_grad()
+        model(x[b : b + 1]).pow(2).sum().backward()
+        expected.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())))
+    assert torch.allclose(norms, torch.stack(expected), rtol=1e-10)
+
+
+def test_unsupported_trainable_layer_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv2d(1, 1, 3))
+    with pytest.raises(UnsupportedLayerError, match=r"1 \(Conv2d\)"):
+        PerExampleGradientEngine(model, 1.0)
+
+
+def test_parameter_used_outside_its_module_is_refused():
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(4, 4)
+            self.bypassed = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x) @ self.bypassed.weight  # bypassed's forward never runs: no hook sees it
+
+    model = Functional()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    with engine.recording(3):
+        model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(UnsupportedLayerError, match="bypassed.weight"):
+        engine.finish_backward()

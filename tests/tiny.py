@@ -1,0 +1,88 @@
+"""Tiny models (hidden 32, 2 layers) built from configs, an in-memory tokenizer and a learnable toy task."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
+
+POSITIVE = ["good", "great", "fine", "nice", "happy", "love", "superb", "bright"]
+NEGATIVE = ["bad", "awful", "poor", "sad", "hate", "dull", "broken", "worse"]
+NEUTRAL = ["the", "a", "movie", "plot", "was", "it", "and", "very", "this", "film", "story", "actor"]
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+VOCAB = SPECIAL + POSITIVE + NEGATIVE + NEUTRAL
+VOCAB_SIZE = 64  # > len(VOCAB): unused rows must still get noise and stay consistent
+SEQ_LEN = 16
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        model_max_length=SEQ_LEN,
+    )
+
+
+def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        words = rng.choices(NEUTRAL, k=rng.randint(3, 8))
+        words += rng.choices(POSITIVE if label else NEGATIVE, k=rng.randint(1, 3))
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+        labels.append(label)
+    tok = tokenizer()
+    enc = tok(texts, truncation=True, max_length=SEQ_LEN)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
+
+
+def lm_dataset(n: int, seed: int = 0) -> Dataset:
+    data = sentiment_dataset(n, seed)
+    return data.map(lambda ex: {"labels": ex["input_ids"]}, remove_columns=["label"])
+
+
+_ENCODER = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                max_position_embeddings=SEQ_LEN + 4)
+
+
+def bert(**kw) -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**{**_ENCODER, **kw}))
+
+
+def roberta(**kw) -> RobertaForSequenceClassification:
+    torch.manual_seed(0)
+    return RobertaForSequenceClassification(RobertaConfig(**{**_ENCODER, "pad_token_id": 0, **kw}))
+
+
+def gpt2(**kw) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB_SIZE, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ_LEN + 4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=2, eos_token_id=3,
+                        pad_token_id=0, **kw)
+    return GPT2LMHeadModel(config)
+
+
+def llama(**kw) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=SEQ_LEN + 4,
+                         bos_token_id=2, eos_token_id=3, pad_token_id=0, **kw)
+    return LlamaForCausalLM(config)
