@@ -1,0 +1,130 @@
+"""Poisson batch sampling and empty-batch-safe collation (design invariant 1).
+
+The privacy accountant assumes every example enters every logical batch independently with
+probability ``q``.  Shuffled fixed-size batches do not satisfy that, so the train loader is built from
+:class:`PoissonBatchSampler`; its batches can be empty, which stock collators cannot handle, hence
+:class:`EmptySafeCollator`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["EmptySafeCollator", "PoissonBatchSampler", "batch_size_of", "expected_steps_per_epoch"]
+
+
+def _check_sample_rate(sample_rate: float) -> float:
+    if not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
+        raise ValueError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}")
+    return float(sample_rate)
+
+
+def _check_int(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def expected_steps_per_epoch(sample_rate: float) -> int:
+    """Steps that visit N examples in expectation: N / E[batch] = 1 / q, at least one."""
+    return max(1, round(1.0 / _check_sample_rate(sample_rate)))
+
+
+def _secret_generator() -> torch.Generator:
+    """A generator seeded from the OS, so neither ``args.seed`` nor the global RNG predicts it."""
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return generator
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields Poisson(q) logical batches, each split into ``num_chunks`` micro-batches.
+
+    Every step, each index of this rank's shard ``range(rank, num_samples, world_size)`` is kept
+    independently with probability ``sample_rate``; the union over ranks is a Poisson sample of the
+    whole dataset.  The logical batch is yielded as exactly ``num_chunks`` lists (near-equal, in
+    order, possibly empty) because Trainer's gradient-accumulation loop fetches that many batches per
+    optimizer step.  Empty batches are yielded, never skipped: the step still adds noise.
+
+    The mask is drawn over all ``num_samples`` indices and then restricted to the shard, so the union
+    stays Poisson whether the ranks use independent generators or one generator seeded alike.
+    """
+
+    steps_per_epoch_for = staticmethod(expected_steps_per_epoch)
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: int,
+        num_chunks: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.num_samples = _check_int("num_samples", num_samples, 1)
+        self.sample_rate = _check_sample_rate(sample_rate)
+        self.steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch, 1)
+        self.num_chunks = _check_int("num_chunks", num_chunks, 1)
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.rank = _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.generator = generator if generator is not None else _secret_generator()
+        self._shard_indices = torch.arange(rank, num_samples, world_size)
+
+    def _draw(self) -> torch.Tensor:
+        """One logical batch of this rank: its shard's indices whose uniform draw falls below q."""
+        uniforms = torch.rand(self.num_samples, generator=self.generator, device=self.generator.device)
+        keep = (uniforms[self.rank :: self.world_size] < self.sample_rate).cpu()
+        return self._shard_indices[keep]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps_per_epoch):
+            for chunk in torch.tensor_split(self._draw(), self.num_chunks):
+                yield chunk.tolist()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_chunks
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: reseeding from the (public) epoch number would make the sample predictable."""
+
+
+class EmptySafeCollator:
+    """Wraps a collate function so that an empty Poisson batch yields zero-length tensors.
+
+    Stock collators fail on ``[]`` (``DataCollatorWithPadding`` raises AttributeError,
+    ``default_data_collator`` IndexError).  The empty batch mirrors the collated template example:
+    same keys, same dtypes and trailing shapes, batch dimension 0.
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Mapping[str, Any]], template_example: dict) -> None:
+        self.collate_fn = collate_fn
+        self.template_example = template_example
+        self._empty: dict[str, Any] | None = None
+
+    def __call__(self, features: list) -> Mapping[str, Any]:
+        if len(features) > 0:
+            return self.collate_fn(features)
+        if self._empty is None:
+            self._empty = {
+                key: value.new_empty((0, *value.shape[1:]))
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in self.collate_fn([self.template_example]).items()
+            }
+        return dict(self._empty)
+
+
+def batch_size_of(inputs: Mapping[str, Any]) -> int:
+    """Batch dimension of the first batched tensor; Poisson batches make this vary, 0 included."""
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError(f"no batched tensor in inputs (keys: {list(inputs)})")
