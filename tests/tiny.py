@@ -53,8 +53,8 @@ def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
 
 
 def lm_dataset(n: int, seed: int = 0) -> Dataset:
-    data = sentiment_dataset(n, seed)
-    return data.map(lambda ex: {"labels": ex["input_ids"]}, remove_columns=["label"])
+    """Token sequences only: DataCollatorForLanguageModeling makes the labels."""
+    return sentiment_dataset(n, seed).remove_columns(["label"])
 
 
 _ENCODER = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,0 +1,246 @@
+"""DP step time and peak memory against non-private training of the same model, in one process.
+
+    python -m benchmarks.speed --models bert-base gpt2-small --seq-lens 128 512 --modes full lora
+
+For every (model, T, mode) the arms — non-private, hf_private, Opacus hooks, Opacus ghost — run in alternating
+rounds on the same batch, so machine load hits them alike; the table reports median step time and peak memory as
+ratios to the non-private arm. Models are built from config (random init): speed does not depend on the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
+
+from benchmarks.memory import peak_bytes, reset_peak
+from hf_private.engine import PerExampleGradientEngine
+from hf_private.losses import default_per_example_loss
+from hf_private.optimizer import NoisyOptimizer
+
+logger = logging.getLogger("benchmarks.speed")
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "bert-base": lambda: BertForSequenceClassification(BertConfig(num_labels=2)),
+    "roberta-base": lambda: RobertaForSequenceClassification(
+        RobertaConfig(vocab_size=50265, max_position_embeddings=514, num_labels=2)
+    ),
+    "gpt2-small": lambda: GPT2LMHeadModel(GPT2Config()),
+}
+LORA_TARGETS = {"bert-base": ["query", "value"], "roberta-base": ["query", "value"], "gpt2-small": ["c_attn"]}
+CLIP, SIGMA = 1.0, 1.0
+
+
+def make_batch(model: torch.nn.Module, batch_size: int, seq_len: int, device: torch.device) -> dict:
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
+    labels = ids.clone() if is_lm else torch.randint(0, 2, (batch_size,), generator=gen)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": labels.to(device)}
+
+
+def per_example_loss(model, batch) -> torch.Tensor:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return default_per_example_loss(model, model(**inputs), batch["labels"])
+
+
+class NonPrivate:
+    name = "non-private"
+
+    def __init__(self, model, batch_size):
+        self.model = model
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        per_example_loss(self.model, batch).mean().backward()
+        self.optimizer.step()
+
+
+class HfPrivate:
+    name = "hf_private"
+
+    def __init__(self, model, batch_size):
+        self.model = model
+        self.engine = PerExampleGradientEngine(model, CLIP)
+        self.engine.attach()
+        device = next(model.parameters()).device
+        inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
+        self.optimizer = NoisyOptimizer(
+            inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size,
+            generator=torch.Generator(device=device), may_step=lambda: True, on_step=lambda: None,
+        )
+        self.batch_size = batch_size
+
+    def step(self, batch):
+        with self.engine.recording(self.batch_size):
+            per_example_loss(self.model, batch).sum().backward()
+        self.engine.finish_backward()
+        self.optimizer.step()
+
+
+class OpacusHooks:
+    name = "opacus-hooks"
+
+    def __init__(self, model, batch_size):
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.module = GradSampleModule(model, loss_reduction="sum")
+        inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        self.optimizer = DPOptimizer(inner, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                     expected_batch_size=batch_size, loss_reduction="sum")
+        self.model = model
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        default_per_example_loss(self.model, self.module(**inputs), batch["labels"]).sum().backward()
+        self.optimizer.step()
+
+
+class OpacusGhost:
+    name = "opacus-ghost"
+
+    def __init__(self, model, batch_size):
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        self.module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True,
+                                                           loss_reduction="sum")
+        inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        self.optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                                         expected_batch_size=batch_size, loss_reduction="sum")
+        self.criterion = DPLossFastGradientClipping(self.module, self.optimizer, torch.nn.CrossEntropyLoss(),
+                                                    loss_reduction="sum")
+        self.is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.module(**inputs).logits
+        if self.is_lm:
+            logits, labels = logits[:, :-1].contiguous(), batch["labels"][:, 1:].contiguous()
+            loss = self.criterion(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), shape=logits.shape)
+        else:
+            loss = self.criterion(logits, batch["labels"])
+        loss.backward()
+        self.optimizer.step()
+
+
+ARMS = (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost)
+
+
+def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    for module in model.modules():  # dropout off: identical work in every arm
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if mode == "lora":
+        task = "CAUSAL_LM" if model_name.startswith("gpt2") else "SEQ_CLS"
+        model = get_peft_model(model, LoraConfig(task_type=task, r=8, lora_alpha=16,
+                                                 target_modules=LORA_TARGETS[model_name]))
+    return model.to(device).train()
+
+
+def bench_config(model_name, mode, seq_len, batch_size, steps, rounds, device) -> dict:
+    base = build(model_name, mode, device)
+    batch = make_batch(base, batch_size, seq_len, device)
+    arms, errors = {}, {}
+    for arm_cls in ARMS:
+        try:
+            arm = arm_cls(copy.deepcopy(base), batch_size)
+            arm.step(batch)  # warm-up, and proof that the arm runs on this model
+            arms[arm_cls.name] = arm
+        except Exception as err:  # an Opacus mode that does not support this model is reported, not fatal
+            errors[arm_cls.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            logger.warning("%s does not run on %s/%s: %s", arm_cls.name, model_name, mode, errors[arm_cls.name])
+    del base
+    times = {name: [] for name in arms}
+    peaks = {name: 0 for name in arms}
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            reset_peak(device)
+            for _ in range(steps):
+                start = time.perf_counter()
+                arm.step(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[name].append(time.perf_counter() - start)
+            peaks[name] = max(peaks[name], peak_bytes(device))
+    result = {"model": model_name, "mode": mode, "seq_len": seq_len, "batch_size": batch_size, "arms": {},
+              "errors": errors}
+    reference = statistics.median(times["non-private"])
+    for name in arms:
+        median = statistics.median(times[name])
+        result["arms"][name] = {"median_step_s": median, "peak_bytes": peaks[name],
+                                "time_ratio": median / reference, "memory_ratio": peaks[name] / peaks["non-private"]}
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    header = f"{'model':<13}{'mode':<6}{'T':>5}{'B':>4}  " + "".join(f"{a.name:>26}" for a in ARMS[1:])
+    print(header + "\n" + "-" * len(header))
+    for r in results:
+        cells = []
+        for arm in ARMS[1:]:
+            if arm.name in r["arms"]:
+                a = r["arms"][arm.name]
+                cells.append(f"{a['time_ratio']:>11.2f}x t {a['memory_ratio']:>8.2f}x mem")
+            else:
+                cells.append(f"{'n/a':>26}")
+        base = r["arms"]["non-private"]
+        row = f"{r['model']:<13}{r['mode']:<6}{r['seq_len']:>5}{r['batch_size']:>4}  "
+        print(row + "".join(f"{c:>26}" for c in cells)
+              + f"   (non-private {base['median_step_s'] * 1e3:.0f} ms, {base['peak_bytes'] / 2**20:.0f} MiB)")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["bert-base", "gpt2-small"], choices=sorted(MODELS))
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per arm per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the arms")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="benchmarks/results/speed.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    device = torch.device(args.device)
+    results = []
+    for model_name in args.models:
+        for seq_len in args.seq_lens:
+            for mode in args.modes:
+                logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
+                results.append(bench_config(model_name, mode, seq_len, args.batch_size, args.steps, args.rounds,
+                                            device))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "results": results}, f, indent=2)
+    print_table(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The model card of a privately trained model: a `privacy:` metadata block plus a readable Privacy section.
+
+The card carries held-out evaluation only: training loss and gradient norms are computed on private data
+without noise, so they never appear here.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+TEMPLATE = "private_model.md"
+
+NOT_COVERED = (
+    "Training-loss values in logs and `trainer_state.json`: they are computed on private data without noise. "
+    "Do not publish them.",
+    "Hyperparameter tuning or model selection on private data: every extra run or choice spends privacy that "
+    "this ε does not count.",
+    "Evaluation on private data, and anything else done with the data outside this training run.",
+    "Users who contribute several examples: the unit is one example, so a user with k examples is protected "
+    "only at about k·ε (group privacy).",
+    "Data-dependent preprocessing (e.g. a vocabulary or normalisation statistics computed from the private data).",
+)
+
+CITATIONS = {
+    "dp-sgd": (
+        "Abadi et al., *Deep Learning with Differential Privacy*, CCS 2016.",
+        "Gopi, Lee, Wutschitz, *Numerical Composition of Differential Privacy* (PRV accountant), NeurIPS 2021.",
+    ),
+}
+
+
+def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `privacy:` YAML block, from a `PrivateTrainer.privacy_report()`."""
+    block: dict[str, Any] = {
+        "guarantee": report["guarantee"],
+        "epsilon": float(report["epsilon"]),
+        "delta": float(report["delta"]),
+        "accountant": report["accountant"],
+        "unit": "example",
+        "method": method,
+        "dataset_size": int(report["dataset_size"]),
+        "mechanisms": [dict(m) for m in report["mechanisms"]],
+    }
+    if report.get("guarantee_note"):
+        block["guarantee_note"] = report["guarantee_note"]
+    if audit is not None:
+        block["audit"] = {"kind": "empirical lower bound (not the guarantee)", **audit}
+    return block
+
+
+def build_model_card(
+    *,
+    privacy: dict[str, Any],
+    base_model: str | None,
+    model_title: str,
+    training: dict[str, Any],
+    eval_results: dict[str, float],
+    load_snippet: str,
+    library_name: str | None = None,
+    tags: list[str] | None = None,
+    adapter_note: str | None = None,
+) -> ModelCard:
+    card_data = ModelCardData(
+        base_model=base_model or None,
+        library_name=library_name,
+        tags=sorted({"differential-privacy", "hf_private", privacy["method"], *(tags or [])}),
+        privacy=privacy,
+    )
+    template = resources.files("hf_private.model_cards").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_title=model_title,
+        method_name=privacy["method"],
+        base_model=base_model,
+        adapter_note=adapter_note,
+        not_covered=NOT_COVERED,
+        training=training,
+        eval_results=eval_results,
+        load_snippet=load_snippet,
+        citations=CITATIONS.get(privacy["method"], ()),
+    )
+
+
+def write_model_card(card: ModelCard, output_dir: str | os.PathLike) -> str:
+    path = os.path.join(output_dir, "README.md")
+    card.save(path)
+    return path

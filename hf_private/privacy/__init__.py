@@ -1,0 +1,18 @@
+"""Privacy accounting: the ledger of released mechanisms, ε from opacus' PRV/RDP accountants, noise
+calibration to a target ε, and the secret generator for noise and sampling."""
+
+from .accountants import SUPPORTED_ACCOUNTANTS, compute_epsilon
+from .calibration import BudgetError, calibrate_noise_multiplier, max_steps_within
+from .ledger import MechanismGroup, PrivacyLedger
+from .rng import make_secret_generator
+
+__all__ = [
+    "SUPPORTED_ACCOUNTANTS",
+    "BudgetError",
+    "MechanismGroup",
+    "PrivacyLedger",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "make_secret_generator",
+    "max_steps_within",
+]

@@ -1,0 +1,34 @@
+"""Building PrivateTrainers on tiny models for tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DataCollatorWithPadding, TrainingArguments
+
+from hf_private import DPConfig, PrivateTrainer
+from tests import tiny
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    defaults = dict(
+        per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
+
+
+def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides) -> PrivateTrainer:
+    model = model if model is not None else tiny.bert()
+    dataset = dataset if dataset is not None else tiny.sentiment_dataset(96)
+    dp = dp if dp is not None else DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)
+    tok = tiny.tokenizer()
+    return PrivateTrainer(
+        model=model, args=training_args(output_dir, **arg_overrides), train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=dp,
+    )
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
+    return state
