@@ -63,6 +63,7 @@ def build_model_card(
     library_name: str | None = None,
     tags: list[str] | None = None,
     adapter_note: str | None = None,
+    needs_hf_private: bool = False,
 ) -> ModelCard:
     card_data = ModelCardData(
         base_model=base_model or None,
@@ -83,6 +84,7 @@ def build_model_card(
         eval_results=eval_results,
         load_snippet=load_snippet,
         citations=CITATIONS.get(privacy["method"], ()),
+        needs_hf_private=needs_hf_private,
     )
 
 

@@ -284,6 +284,12 @@ class PrivateTrainer(Trainer):
             self._write_card(self.args.output_dir, model_name=model_name, finetuned_from=finetuned_from,
                              tags=[tags] if isinstance(tags, str) else tags, dataset=dataset)
 
+    def _inner_optimizer_name(self) -> str:
+        optimizer = self.optimizer
+        while hasattr(optimizer, "optimizer"):  # AcceleratedOptimizer → NoisyOptimizer → the real one
+            optimizer = optimizer.optimizer
+        return type(optimizer).__name__
+
     def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None) -> None:
         report = self.privacy_report()
         base_model = finetuned_from or _base_model_name(self.model)
@@ -297,7 +303,7 @@ class PrivateTrainer(Trainer):
             "planned steps": self.planned_steps,
             "expected logical batch size (q·N)": self.expected_batch_size,
             "learning rate": self.args.learning_rate,
-            "optimizer": type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__,
+            "optimizer": self._inner_optimizer_name(),
             "trainable parameters": f"{trainable} of {total} ({100 * trainable / max(total, 1):.2f}%)",
         }
         card = build_model_card(
@@ -348,9 +354,10 @@ def _is_peft(model: nn.Module) -> bool:
 
 
 def _base_model_name(model: nn.Module) -> str | None:
+    """The pre-trained model's Hub id or path; None for a model built from config."""
     base = model.get_base_model() if _is_peft(model) else model
     name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
-    return name or None
+    return name if name and " " not in name else None
 
 
 def _held_out_metrics(log_history: list[dict]) -> dict[str, float]:

@@ -56,5 +56,4 @@ def demo_dataset(train_size: int = 20000, validation_size: int = 1000, seed: int
 def demo_model(num_labels: int = 2) -> BertForSequenceClassification:
     config = BertConfig(vocab_size=len(demo_tokenizer()), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=MAX_LENGTH + 2, num_labels=num_labels)
-    config._name_or_path = "hf_private/demo-bert-tiny (random init, built from config)"
     return BertForSequenceClassification(config)

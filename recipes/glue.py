@@ -12,13 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    HfArgumentParser,
-    TrainingArguments,
-)
+from transformers import DataCollatorWithPadding, HfArgumentParser, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,8 +29,8 @@ TASK_KEYS = {
 }
 METHODS = ("dpsgd", "lora", "bitfit", "frost", "sparse_lowrank", "dpfp")
 AVAILABLE_METHODS = ("dpsgd", "lora")
-DEMO_DEFAULTS = ["--output_dir", "outputs/demo", "--num_train_epochs", "4", "--per_device_train_batch_size", "64",
-                 "--learning_rate", "2e-3", "--logging_steps", "10", "--eval_strategy", "no", "--save_strategy", "no",
+DEMO_DEFAULTS = ["--output_dir", "outputs/demo", "--num_train_epochs", "6", "--per_device_train_batch_size", "256",
+                 "--learning_rate", "3e-3", "--logging_steps", "20", "--eval_strategy", "no", "--save_strategy", "no",
                  "--report_to", "none", "--use_cpu", "true"]
 
 
@@ -68,7 +62,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if recipe.method not in METHODS:
         raise SystemExit(f"--method must be one of {METHODS}, got {recipe.method!r}.")
     if recipe.method not in AVAILABLE_METHODS:
-        raise SystemExit(f"--method {recipe.method} is not yet available in hf_private; use one of {AVAILABLE_METHODS}.")
+        raise SystemExit(
+            f"--method {recipe.method} is not yet available in hf_private; use one of {AVAILABLE_METHODS}."
+        )
 
     if demo:
         logger.warning("DEMO: no --model_name_or_path/--train_file given, so this trains a small randomly initialised "

@@ -163,8 +163,9 @@ def calibrate_noise_multiplier(
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}.")
-    if not 0 < tolerance < target_epsilon:
-        raise ValueError(f"tolerance must be in (0, target_epsilon), got {tolerance}.")
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0, got {tolerance}.")
+    tolerance = min(tolerance, target_epsilon / 10)  # a tiny target still gets a relative precision
     if not max_noise_multiplier > 0:
         raise ValueError(f"max_noise_multiplier must be > 0, got {max_noise_multiplier}.")
     if prior:
