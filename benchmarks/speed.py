@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -33,6 +35,7 @@ from benchmarks.memory import peak_bytes, reset_peak
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.losses import default_per_example_loss
 from hf_private.optimizer import NoisyOptimizer
+from hf_private.privacy.noise import GaussianNoise
 
 logger = logging.getLogger("benchmarks.speed")
 
@@ -47,13 +50,22 @@ LORA_TARGETS = {"bert-base": ["query", "value"], "roberta-base": ["query", "valu
 CLIP, SIGMA = 1.0, 1.0
 
 
-def make_batch(model: torch.nn.Module, batch_size: int, seq_len: int, device: torch.device) -> dict:
-    vocab = model.config.vocab_size
+def make_chunks(model: torch.nn.Module, batch_size: int, seq_len: int, grad_accum: int, device: torch.device):
+    """`grad_accum` physical chunks of one logical batch. Position ids are explicit and batch-shaped for every
+    arm alike, because Opacus' hooks fail on HF's broadcast [1, T] position ids (hf_private handles both)."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    is_lm = isinstance(base, GPT2LMHeadModel)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
-    is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
-    labels = ids.clone() if is_lm else torch.randint(0, 2, (batch_size,), generator=gen)
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": labels.to(device)}
+    chunks = []
+    for _ in range(grad_accum):
+        ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=gen)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "position_ids": torch.arange(seq_len).expand(batch_size, -1).contiguous(),
+                 "labels": ids.clone() if is_lm else torch.randint(0, 2, (batch_size,), generator=gen)}
+        if not is_lm:
+            batch["token_type_ids"] = torch.zeros_like(ids)
+        chunks.append({k: v.to(device) for k, v in batch.items()})
+    return chunks
 
 
 def per_example_loss(model, batch) -> torch.Tensor:
@@ -68,9 +80,10 @@ class NonPrivate:
         self.model = model
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
-    def step(self, batch):
+    def step(self, chunks):
         self.optimizer.zero_grad(set_to_none=True)
-        per_example_loss(self.model, batch).mean().backward()
+        for batch in chunks:
+            per_example_loss(self.model, batch).mean().backward()
         self.optimizer.step()
 
 
@@ -85,14 +98,15 @@ class HfPrivate:
         inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
         self.optimizer = NoisyOptimizer(
             inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size,
-            generator=torch.Generator(device=device), may_step=lambda: True, on_step=lambda: None,
+            noise=GaussianNoise(device), may_step=lambda: True, on_step=lambda: None,
         )
         self.batch_size = batch_size
 
-    def step(self, batch):
-        with self.engine.recording(self.batch_size):
-            per_example_loss(self.model, batch).sum().backward()
-        self.engine.finish_backward()
+    def step(self, chunks):
+        for batch in chunks:
+            with self.engine.recording(self.batch_size):
+                per_example_loss(self.model, batch).sum().backward()
+            self.engine.finish_backward()
         self.optimizer.step()
 
 
@@ -109,10 +123,15 @@ class OpacusHooks:
                                      expected_batch_size=batch_size, loss_reduction="sum")
         self.model = model
 
-    def step(self, batch):
+    def step(self, chunks):
         self.optimizer.zero_grad(set_to_none=True)
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        default_per_example_loss(self.model, self.module(**inputs), batch["labels"]).sum().backward()
+        for i, batch in enumerate(chunks):
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            default_per_example_loss(self.model, self.module(**inputs), batch["labels"]).sum().backward()
+            if i < len(chunks) - 1:  # Opacus' own accumulation: clip this chunk, keep summed_grad, no noise
+                self.optimizer.signal_skip_step(do_skip=True)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.step()
 
 
@@ -129,11 +148,14 @@ class OpacusGhost:
         inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         self.optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=SIGMA, max_grad_norm=CLIP,
                                                          expected_batch_size=batch_size, loss_reduction="sum")
-        self.criterion = DPLossFastGradientClipping(self.module, self.optimizer, torch.nn.CrossEntropyLoss(),
-                                                    loss_reduction="sum")
+        criterion = torch.nn.CrossEntropyLoss(reduction="sum")
+        self.criterion = DPLossFastGradientClipping(self.module, self.optimizer, criterion, loss_reduction="sum")
         self.is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
 
-    def step(self, batch):
+    def step(self, chunks):
+        if len(chunks) > 1:
+            raise NotImplementedError("Opacus ghost clipping clears gradients between backward passes: no GA")
+        batch = chunks[0]
         self.optimizer.zero_grad(set_to_none=True)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = self.module(**inputs).logits
@@ -162,35 +184,62 @@ def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
     return model.to(device).train()
 
 
-def bench_config(model_name, mode, seq_len, batch_size, steps, rounds, device) -> dict:
+def _make_arms(model_name, mode, batch_size, chunks, device, only: str | None = None):
     base = build(model_name, mode, device)
-    batch = make_batch(base, batch_size, seq_len, device)
     arms, errors = {}, {}
     for arm_cls in ARMS:
+        if only is not None and arm_cls.name != only:
+            continue
         try:
             arm = arm_cls(copy.deepcopy(base), batch_size)
-            arm.step(batch)  # warm-up, and proof that the arm runs on this model
+            arm.step(chunks)  # warm-up (optimizer state allocated), and proof that the arm runs on this model
             arms[arm_cls.name] = arm
         except Exception as err:  # an Opacus mode that does not support this model is reported, not fatal
             errors[arm_cls.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             logger.warning("%s does not run on %s/%s: %s", arm_cls.name, model_name, mode, errors[arm_cls.name])
-    del base
+    return arms, errors
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so the next peak starts low
+    except OSError:
+        pass
+
+
+def bench_config(model_name, mode, seq_len, batch_size, grad_accum, steps, rounds, device) -> dict:
+    """Time all arms in alternating rounds; then measure each arm's peak memory with only that arm alive."""
+    probe = build(model_name, mode, device)
+    chunks = make_chunks(probe, batch_size, seq_len, grad_accum, device)
+    del probe
+    arms, errors = _make_arms(model_name, mode, batch_size, chunks, device)
     times = {name: [] for name in arms}
-    peaks = {name: 0 for name in arms}
     for _ in range(rounds):
         for name, arm in arms.items():
-            reset_peak(device)
             for _ in range(steps):
                 start = time.perf_counter()
-                arm.step(batch)
+                arm.step(chunks)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[name].append(time.perf_counter() - start)
-            peaks[name] = max(peaks[name], peak_bytes(device))
-    result = {"model": model_name, "mode": mode, "seq_len": seq_len, "batch_size": batch_size, "arms": {},
-              "errors": errors}
+    names = list(arms)
+    del arms
+    peaks = {}
+    for name in names:
+        _release_memory()
+        arm = _make_arms(model_name, mode, batch_size, chunks, device, only=name)[0][name]
+        _release_memory()
+        reset_peak(device)
+        arm.step(chunks)
+        peaks[name] = peak_bytes(device)
+        del arm
+    result = {"model": model_name, "mode": mode, "seq_len": seq_len, "batch_size": batch_size,
+              "grad_accum": grad_accum, "arms": {}, "errors": errors}
     reference = statistics.median(times["non-private"])
-    for name in arms:
+    for name in names:
         median = statistics.median(times[name])
         result["arms"][name] = {"median_step_s": median, "peak_bytes": peaks[name],
                                 "time_ratio": median / reference, "memory_ratio": peaks[name] / peaks["non-private"]}
@@ -198,7 +247,7 @@ def bench_config(model_name, mode, seq_len, batch_size, steps, rounds, device) -
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'model':<13}{'mode':<6}{'T':>5}{'B':>4}  " + "".join(f"{a.name:>26}" for a in ARMS[1:])
+    header = f"{'model':<13}{'mode':<6}{'T':>5}{'B x GA':>8}" + "".join(f"{a.name:>26}" for a in ARMS[1:])
     print(header + "\n" + "-" * len(header))
     for r in results:
         cells = []
@@ -209,7 +258,7 @@ def print_table(results: list[dict]) -> None:
             else:
                 cells.append(f"{'n/a':>26}")
         base = r["arms"]["non-private"]
-        row = f"{r['model']:<13}{r['mode']:<6}{r['seq_len']:>5}{r['batch_size']:>4}  "
+        row = f"{r['model']:<13}{r['mode']:<6}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
         print(row + "".join(f"{c:>26}" for c in cells)
               + f"   (non-private {base['median_step_s'] * 1e3:.0f} ms, {base['peak_bytes'] / 2**20:.0f} MiB)")
 
@@ -219,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", nargs="+", default=["bert-base", "gpt2-small"], choices=sorted(MODELS))
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4, help="physical batch (examples per backward)")
+    parser.add_argument("--grad-accum", type=int, default=4, help="physical chunks per logical batch (one step)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per arm per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the arms")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,8 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seq_len in args.seq_lens:
             for mode in args.modes:
                 logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
-                results.append(bench_config(model_name, mode, seq_len, args.batch_size, args.steps, args.rounds,
-                                            device))
+                results.append(bench_config(model_name, mode, seq_len, args.batch_size, args.grad_accum, args.steps,
+                                            args.rounds, device))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),

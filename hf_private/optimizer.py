@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import PerExampleGradientEngine
+from .privacy import GaussianNoise
 
 
 class NoisyOptimizer(torch.optim.Optimizer):
@@ -26,7 +27,7 @@ class NoisyOptimizer(torch.optim.Optimizer):
         noise_multiplier: float,
         max_grad_norm: float,
         expected_batch_size: float,
-        generator: torch.Generator,
+        noise: GaussianNoise,
         may_step: Callable[[], bool],
         on_step: Callable[[], None],
     ) -> None:
@@ -36,11 +37,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(max_grad_norm)
         self.expected_batch_size = float(expected_batch_size)
-        self.generator = generator
+        self.noise = noise
         self.may_step = may_step
         self.on_step = on_step
-        self.last_noise: dict[torch.nn.Parameter, torch.Tensor] | None = None  # kept only for statistical tests
-        self.keep_noise_for_tests = False
 
     # ------------------------------------------------------------------ proxying
     @property
@@ -84,23 +83,18 @@ class NoisyOptimizer(torch.optim.Optimizer):
             return None
         sums = self.engine.pop_clipped_sums()
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        adds_noise = not distributed or dist.get_rank() == 0
-        noise_std = self.noise_multiplier * self.max_grad_norm
-        self.last_noise = {} if self.keep_noise_for_tests else None
-        for _, param in self.engine.parameters:
-            total = sums.get(param)
-            if total is None:
-                total = torch.zeros(param.shape, dtype=torch.promote_types(param.dtype, torch.float32),
-                                    device=param.device)
-            if adds_noise:
-                noise = torch.normal(0.0, noise_std, size=param.shape, generator=self.generator,
-                                     dtype=torch.float32, device=self.generator.device).to(param.device)
-                total = total + noise.to(total.dtype)
-                if self.last_noise is not None:
-                    self.last_noise[param] = noise
+        params = [p for _, p in self.engine.parameters]
+        totals = [
+            sums[p] if p in sums else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                                  device=p.device)
+            for p in params
+        ]
+        if not distributed or dist.get_rank() == 0:  # exactly once, before the reduction
+            self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+        for param, total in zip(params, totals):
             if distributed:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            param.grad = (total / self.expected_batch_size).to(param.dtype)
+            param.grad = total.div_(self.expected_batch_size).to(param.dtype)
         self.optimizer.step()
         self.on_step()
         return None

@@ -23,7 +23,13 @@ from .losses import PerExampleLoss, default_per_example_loss
 from .methods import DPConfig
 from .model_card import build_model_card, privacy_metadata, write_model_card
 from .optimizer import NoisyOptimizer
-from .privacy import PrivacyLedger, calibrate_noise_multiplier, make_secret_generator, max_steps_within
+from .privacy import (
+    GaussianNoise,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    make_secret_generator,
+    max_steps_within,
+)
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
 
 logger = logging.getLogger(__name__)
@@ -158,7 +164,7 @@ class PrivateTrainer(Trainer):
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.dp_config.max_grad_norm,
             expected_batch_size=self.expected_batch_size,
-            generator=make_secret_generator(self.args.device, test_seed=self.dp_config.noise_seed),
+            noise=GaussianNoise(self.args.device, test_seed=self.dp_config.noise_seed),
             may_step=self._may_step,
             on_step=self._record_step,
         )

@@ -74,17 +74,21 @@ def test_engine_matches_fp64_per_example_loop(name):
 
     engine = PerExampleGradientEngine(model, CLIP)
     engine.attach()
-    with engine.recording(BATCH):
-        _loss(model, batch).backward()
-    norms = engine.finish_backward()
-    engine.detach()
-
-    assert torch.all(ref_norms > CLIP), "every example should be clipped, or the test checks less than it claims"
-    assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
-    ours = torch.cat([engine.clipped_sums[p].flatten() for p in params])
     ref = torch.cat([s.flatten() for s in ref_sums])
-    assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6
-    assert all(p.grad is None for p in params), "autograd's un-clipped gradient must be dropped"
+    assert torch.all(ref_norms > CLIP), "every example should be clipped, or the test checks less than it claims"
+    # First chunk: autograd's gradients on, checked by the engine; second: ghost differentiation (flags off).
+    for verified in (False, True):
+        assert engine.verified is verified
+        with engine.recording(BATCH):
+            _loss(model, batch).backward()
+        norms = engine.finish_backward()
+        assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
+        sums = engine.pop_clipped_sums()
+        ours = torch.cat([sums[p].flatten() for p in params])
+        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6
+        assert all(p.grad is None for p in params), "autograd's un-clipped gradient must be dropped"
+        assert all(p.requires_grad for p in params), "trainable flags must be restored after the chunk"
+    engine.detach()
 
 
 def test_lora_uses_both_ghost_and_instantiated_norms():
@@ -161,4 +165,22 @@ def test_parameter_used_outside_its_module_is_refused():
     with engine.recording(3):
         model(torch.randn(3, 4)).sum().backward()
     with pytest.raises(UnsupportedLayerError, match="bypassed.weight"):
+        engine.finish_backward()
+
+
+def test_parameter_partly_used_outside_its_module_fails_the_self_check():
+    class PartlyHidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x) + x @ self.proj.weight  # the second use is invisible to hooks
+
+    model = PartlyHidden()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    with engine.recording(3):
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+    with pytest.raises(UnsupportedLayerError, match="proj.weight"):
         engine.finish_backward()

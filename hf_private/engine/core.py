@@ -5,6 +5,11 @@ the layer output receives the output gradient and turns it into factored per-exa
 reduced to B×p at once). When backward has finished for the whole chunk, `finish_backward` computes every
 example's norm over *all* trainable tensors, the clip factors, and the clipped sums from the stored factors,
 then drops everything: nothing is kept across chunks but the clipped sums.
+
+Autograd's own parameter gradients would be computed and thrown away, so while a chunk is recorded the
+trainable parameters are flagged `requires_grad=False` ("ghost differentiation"): backward then only
+propagates activation gradients. The first chunk runs with autograd's gradients on and checks that the
+engine's unclipped sums reproduce them, which catches a parameter used outside its module's forward.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from .terms import clipped_sum, inner, squared_norm
 logger = logging.getLogger(__name__)
 
 _CLIP_STABILITY = 1e-6
+# Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total.
+_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+_CHECK_TOLERANCE_LOW_PRECISION = 5e-2
 
 
 @dataclass
@@ -42,6 +50,11 @@ class _Call:
     saved: torch.Tensor | None
     saved_version: int | None
     terms: dict[str, object] = field(default_factory=dict)
+
+
+def vars_tensors(terms: list) -> Iterator[torch.Tensor]:
+    for term in terms:
+        yield from (v for v in vars(term).values() if torch.is_tensor(v) and v.is_floating_point())
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -66,6 +79,7 @@ class PerExampleGradientEngine:
         self._calls: list[_Call] = []
         self._batch_size: int | None = None
         self._handles: list = []
+        self.verified = False  # set after the first chunk's per-example sums matched autograd
 
     # ------------------------------------------------------------------ set-up
     def _find_layers(self) -> list[_HookedLayer]:
@@ -116,8 +130,8 @@ class PerExampleGradientEngine:
             saved, watched = layer.handler.on_forward(module, args, output, self._batch_size, layer.save_input)
             call = _Call(layer, saved, saved._version if saved is not None else None)
             self._calls.append(call)
-            if not watched.requires_grad:
-                watched = watched.detach().requires_grad_(True) if watched is output else watched
+            if not watched.requires_grad:  # nothing trainable upstream: start the backward graph here
+                watched = watched.detach().requires_grad_(True)
             watched.register_hook(self._grad_hook(call))
             return watched if watched is not output else None
 
@@ -147,11 +161,16 @@ class PerExampleGradientEngine:
                 "and the privacy guarantee break. Replace it with GroupNorm/LayerNorm (opacus "
                 "ModuleValidator.fix) or keep it in eval mode."
             )
+        frozen_for_chunk = [p for _, p in self.parameters] if self.verified else []
+        for p in frozen_for_chunk:
+            p.requires_grad_(False)
         self._batch_size = batch_size
         try:
             yield
         finally:
             self._batch_size = None
+            for p in frozen_for_chunk:
+                p.requires_grad_(True)
 
     # ------------------------------------------------------------------ clipping
     def finish_backward(self) -> torch.Tensor:
@@ -162,6 +181,8 @@ class PerExampleGradientEngine:
                 by_param[call.layer.trainable[name]].append(term)
         self._calls.clear()
         self._check_coverage(by_param)
+        if not self.verified:
+            self._check_against_autograd(by_param)
         batch = self._batch_of(by_param)
         norms_sq = None
         for param, terms in by_param.items():
@@ -171,9 +192,10 @@ class PerExampleGradientEngine:
         factors = (self.max_grad_norm / (norms + _CLIP_STABILITY)).clamp(max=1.0)
         for param, terms in by_param.items():
             dtype = self._accumulation_dtype(param)
-            total = sum(clipped_sum(self._cast(t, dtype), factors.to(dtype), param.shape) for t in terms)
-            running = self.clipped_sums.get(param)
-            self.clipped_sums[param] = total if running is None else running + total
+            for term in terms:
+                part = clipped_sum(self._cast(term, dtype), factors.to(dtype), param.shape)
+                running = self.clipped_sums.get(param)
+                self.clipped_sums[param] = part if running is None else running.add_(part)
         for _, p in self.parameters:
             p.grad = None  # autograd's un-clipped gradient must never reach the optimizer
         self.last_norms = norms.detach()
@@ -194,6 +216,32 @@ class PerExampleGradientEngine:
                     f"Parameter {name} received a gradient outside the forward of the module that owns it, so "
                     "its per-example gradient is unknown. Freeze it or use it through its module."
                 )
+
+    def _check_against_autograd(self, by_param: dict) -> None:
+        """Σ_b g_b from the engine must equal autograd's gradient, or some use of a parameter is invisible."""
+        pairs = []
+        for name, p in self.parameters:
+            terms = by_param.get(p, [])
+            dtype = self._accumulation_dtype(p)
+            ones = None
+            ours = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            for term in terms:
+                ones = torch.ones(term.batch_size, dtype=dtype, device=p.device) if ones is None else ones
+                ours = ours + clipped_sum(self._cast(term, dtype), ones, p.shape)
+            reference = p.grad.to(dtype) if p.grad is not None else torch.zeros_like(ours)
+            low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(terms))
+            pairs.append((name, ours, reference, low_precision))
+        total = torch.sqrt(sum(ref.double().pow(2).sum() for _, _, ref, _ in pairs))
+        for name, ours, reference, low_precision in pairs:
+            tol = _CHECK_TOLERANCE_LOW_PRECISION if low_precision else _CHECK_TOLERANCE.get(reference.dtype, 1e-3)
+            error = (ours - reference).double().norm()
+            if error > tol * (reference.double().norm() + 1e-4 * total):
+                raise UnsupportedLayerError(
+                    f"Parameter {name}: the per-example gradients seen by hooks do not add up to its gradient "
+                    f"(relative error {error / reference.double().norm().clamp(min=1e-30):.2e}). It is used outside "
+                    "its module's forward (or by an unsupported operation); freeze it or use it through its module."
+                )
+        self.verified = True
 
     @staticmethod
     def _batch_of(by_param: dict) -> int:

@@ -121,9 +121,15 @@ def _inner_sample(a: SampleTerm, b) -> torch.Tensor:
 def clipped_sum(term, factors: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Σ_b factors[b]·g_b, formed from the stored factors with one contraction."""
     if isinstance(term, SampleTerm):
-        return torch.einsum("b...,b->...", term.grad, factors)
+        return torch.tensordot(factors, term.grad, dims=1)
     if isinstance(term, IndexTerm):
         width = term.right.shape[2]
         scaled = (term.right * factors.view(-1, 1, 1)).reshape(-1, width)
         return scaled.new_zeros(shape).index_add_(0, term.index.reshape(-1), scaled)
-    return torch.einsum("btp,btd->pd", term.left * factors.view(-1, 1, 1), term.right).reshape(shape)
+    left, right = term.left, term.right
+    if left.shape[2] <= right.shape[2]:  # scale the narrower factor
+        left = left * factors.view(-1, 1, 1)
+    else:
+        right = right * factors.view(-1, 1, 1)
+    # One GEMM over all (example, position) rows, as autograd's own weight gradient would be.
+    return torch.mm(left.reshape(-1, left.shape[2]).t(), right.reshape(-1, right.shape[2])).reshape(shape)

@@ -4,11 +4,13 @@ calibration to a target ε, and the secret generator for noise and sampling."""
 from .accountants import SUPPORTED_ACCOUNTANTS, compute_epsilon
 from .calibration import BudgetError, calibrate_noise_multiplier, max_steps_within
 from .ledger import MechanismGroup, PrivacyLedger
+from .noise import GaussianNoise
 from .rng import make_secret_generator
 
 __all__ = [
     "SUPPORTED_ACCOUNTANTS",
     "BudgetError",
+    "GaussianNoise",
     "MechanismGroup",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
