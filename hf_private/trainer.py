@@ -262,8 +262,14 @@ class PrivateTrainer(Trainer):
 
     def privacy_report(self) -> dict[str, Any]:
         report = self.ledger.report()
+        if self.dp_config.noise_seed is None:
+            report.update(guarantee="formal")
+        else:
+            report.update(guarantee="none", guarantee_note=(
+                "Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be "
+                "replayed by anyone who knows the seed, so the ε below holds only against those who do not."
+            ))
         report.update(
-            guarantee="formal",
             method=self.dp_config.method,
             unit="example",
             target_epsilon=self.dp_config.target_epsilon,

@@ -222,3 +222,21 @@ def test_card_yaml_has_no_training_loss(tmp_path):
     header = open(tmp_path / "README.md").read().split("---")[1]
     metadata = yaml.safe_load(header)
     assert "loss" not in json.dumps(metadata).lower()
+
+
+def test_insecure_test_mode_is_not_called_a_guarantee(tmp_path):
+    trainer = make_trainer(tmp_path, dp=DPConfig(noise_multiplier=1.0, noise_seed=7), max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    privacy = ModelCard.load(os.path.join(tmp_path, "README.md")).data.to_dict()["privacy"]
+    assert privacy["guarantee"] == "none" and "noise_seed" in privacy["guarantee_note"]
+
+
+def test_model_stays_the_users_model(tmp_path):
+    model = tiny.bert()
+    trainer = make_trainer(tmp_path, model=model, max_steps=1)
+    trainer.train()
+    assert trainer.model is model
+    trainer.save_model()
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert torch.equal(reloaded.classifier.weight, model.classifier.weight)
