@@ -136,7 +136,7 @@ class OpacusHooks:
 
 
 class OpacusGhost:
-    name = "opacus-ghost"
+    name = "opacus-ghost"  # one pass over the logical batch (see step)
 
     def __init__(self, model, batch_size):
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -153,9 +153,9 @@ class OpacusGhost:
         self.is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
 
     def step(self, chunks):
-        if len(chunks) > 1:
-            raise NotImplementedError("Opacus ghost clipping clears gradients between backward passes: no GA")
-        batch = chunks[0]
+        # Ghost clipping's second backward clears gradients, so it cannot accumulate chunks: it gets the whole
+        # logical batch in one pass (same examples and work; more activation memory).
+        batch = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
         self.optimizer.zero_grad(set_to_none=True)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = self.module(**inputs).logits

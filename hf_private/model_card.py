@@ -25,14 +25,6 @@ NOT_COVERED = (
     "Data-dependent preprocessing (e.g. a vocabulary or normalisation statistics computed from the private data).",
 )
 
-CITATIONS = {
-    "dp-sgd": (
-        "Abadi et al., *Deep Learning with Differential Privacy*, CCS 2016.",
-        "Gopi, Lee, Wutschitz, *Numerical Composition of Differential Privacy* (PRV accountant), NeurIPS 2021.",
-    ),
-}
-
-
 def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `privacy:` YAML block, from a `PrivateTrainer.privacy_report()`."""
     block: dict[str, Any] = {
@@ -45,8 +37,9 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "dataset_size": int(report["dataset_size"]),
         "mechanisms": [dict(m) for m in report["mechanisms"]],
     }
-    if report.get("guarantee_note"):
-        block["guarantee_note"] = report["guarantee_note"]
+    for optional in ("guarantee_note", "trainable_fraction", "phases"):
+        if report.get(optional) is not None:
+            block[optional] = report[optional]
     if audit is not None:
         block["audit"] = {"kind": "empirical lower bound (not the guarantee)", **audit}
     return block
@@ -62,6 +55,7 @@ def build_model_card(
     load_snippet: str,
     library_name: str | None = None,
     tags: list[str] | None = None,
+    citations: tuple[str, ...] = (),
     adapter_note: str | None = None,
     needs_hf_private: bool = False,
 ) -> ModelCard:
@@ -83,7 +77,7 @@ def build_model_card(
         training=training,
         eval_results=eval_results,
         load_snippet=load_snippet,
-        citations=CITATIONS.get(privacy["method"], ()),
+        citations=citations,
         needs_hf_private=needs_hf_private,
     )
 

@@ -57,6 +57,7 @@ class PrivateTrainer(Trainer):
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
         _check_model(model)
+        dp_config.prepare_model(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -82,6 +83,9 @@ class PrivateTrainer(Trainer):
         )
         self.noise_multiplier = self._noise_multiplier()
         self.ledger = PrivacyLedger(self.dataset_size, self.delta, dp_config.accountant)
+        self.phases = dp_config.phases()
+        self.phase = 0
+        self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
         self._step_limit: int | None = None
@@ -121,8 +125,28 @@ class PrivateTrainer(Trainer):
             return float(self.dp_config.noise_multiplier)
         return calibrate_noise_multiplier(
             self.dp_config.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
-            accountant=self.dp_config.accountant, name=self.dp_config.method,
+            accountant=self.dp_config.accountant, name=self.dp_config.phases()[0][0],
         )
+
+    @property
+    def mechanism_name(self) -> str:
+        return self.phases[self.phase][0]
+
+    def _maybe_start_next_phase(self) -> None:
+        """Between logical batches: switch to the next phase's trainable set once its step is reached."""
+        if self.phase >= len(self.phase_switch_steps) or self.ledger.total_steps < self.phase_switch_steps[self.phase]:
+            return
+        self.phase += 1
+        self.dp_config.select_phase_two(self.model)
+        self.engine.detach()
+        self.engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
+        self.engine.attach()
+        noisy = self.optimizer
+        while not isinstance(noisy, NoisyOptimizer):
+            noisy = noisy.optimizer
+        noisy.engine = self.engine  # the optimizer keeps every phase's parameters; untouched ones get no grad
+        logger.info("Phase %d (%s) starts after %d steps: %d trainable tensors.", self.phase + 1,
+                    self.mechanism_name, self.ledger.total_steps, len(self.engine.parameters))
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -184,6 +208,7 @@ class PrivateTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward/backward in physical chunks of at most per_device_train_batch_size, each clipped per example."""
         zero = torch.zeros((), device=self.args.device)
+        self._maybe_start_next_phase()
         if not self._may_step():
             self._stop_for_budget()
             return zero
@@ -203,7 +228,7 @@ class PrivateTrainer(Trainer):
         return self._step_limit is None or self.ledger.total_steps < self._step_limit
 
     def _record_step(self) -> None:
-        self.ledger.record(self.dp_config.method, self.noise_multiplier, self.sample_rate, self.dp_config.max_grad_norm)
+        self.ledger.record(self.mechanism_name, self.noise_multiplier, self.sample_rate, self.dp_config.max_grad_norm)
 
     def _stop_for_budget(self) -> None:
         if not self._budget_exhausted:
@@ -227,7 +252,7 @@ class PrivateTrainer(Trainer):
         if self.dp_config.target_epsilon is not None:
             self._step_limit = self.ledger.total_steps + max_steps_within(
                 self.dp_config.target_epsilon, self.delta, self.noise_multiplier, self.sample_rate,
-                accountant=self.dp_config.accountant, prior=self.ledger.mechanisms, name=self.dp_config.method,
+                accountant=self.dp_config.accountant, prior=self.ledger.mechanisms, name=self.mechanism_name,
             )
         self._budget_exhausted = not self._may_step()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -278,8 +303,15 @@ class PrivateTrainer(Trainer):
             max_grad_norm=self.dp_config.max_grad_norm,
             planned_steps=self.planned_steps,
             expected_batch_size=self.expected_batch_size,
+            trainable_fraction=self._trainable_fraction(),
+            phases=[{"mechanism": name, "from_step": start} for (name, _), start
+                    in zip(self.phases, [0, *self.phase_switch_steps])],
         )
         return report
+
+    def _trainable_fraction(self) -> float:
+        trainable = sum(p.numel() for _, p in self.engine.parameters)
+        return round(trainable / sum(p.numel() for p in self.model.parameters()), 6)
 
     # ------------------------------------------------------------------ saving and the card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -306,8 +338,6 @@ class PrivateTrainer(Trainer):
         report = self.privacy_report()
         base_model = finetuned_from or _base_model_name(self.model)
         repo = self.args.hub_model_id or model_name or os.path.basename(os.path.abspath(self.args.output_dir))
-        trainable = sum(p.numel() for _, p in self.engine.parameters)
-        total = sum(p.numel() for p in self.model.parameters())
         training = {
             "method": report["method"],
             "dataset": dataset or "private training data (not published)",
@@ -316,7 +346,7 @@ class PrivateTrainer(Trainer):
             "expected logical batch size (q·N)": self.expected_batch_size,
             "learning rate": self.args.learning_rate,
             "optimizer": self._inner_optimizer_name(),
-            "trainable parameters": f"{trainable} of {total} ({100 * trainable / max(total, 1):.2f}%)",
+            "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
         }
         card = build_model_card(
             privacy=privacy_metadata(report, report["method"]),
@@ -327,6 +357,7 @@ class PrivateTrainer(Trainer):
             load_snippet=_load_snippet(self.model, repo),
             library_name="peft" if _is_peft(self.model) else "transformers",
             tags=tags,
+            citations=self.dp_config.citations(),
         )
         write_model_card(card, output_dir)
 

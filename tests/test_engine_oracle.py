@@ -6,13 +6,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.engine.terms import OuterTerm
 from hf_private.losses import default_per_example_loss
 from tests import tiny
 
 BATCH, SEQ = 5, 12
-CLIP = 0.05  # small enough that every example is clipped
+CLIP = 0.05  # any clip will do where only the choice of norm path is checked
 
 
 def _batch(causal: bool) -> dict[str, torch.Tensor]:
@@ -31,51 +32,64 @@ def _loss(model, batch) -> torch.Tensor:
 
 
 def _oracle(model, batch):
+    """Per-example gradients by one backward per example; the clip is set below every norm."""
     params = [p for p in model.parameters() if p.requires_grad]
-    norms, sums = [], [torch.zeros_like(p) for p in params]
+    norms, grads = [], []
     for b in range(BATCH):
         model.zero_grad()
         _loss(model, {k: v[b : b + 1] for k, v in batch.items()}).backward()
-        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        for total, g in zip(sums, grads):
-            total += min(1.0, CLIP / (norm.item() + 1e-6)) * g
+        grads.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+        norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads[-1])))
     model.zero_grad()
-    return torch.stack(norms), sums, params
+    norms = torch.stack(norms)
+    clip = 0.5 * norms.min().item()  # every example is clipped: the sums test the clip factors too
+    sums = [sum(min(1.0, clip / (n.item() + 1e-6)) * g[i] for n, g in zip(norms, grads)) for i in range(len(params))]
+    return norms, sums, params, clip
 
 
 def _lora(model, task):
     return get_peft_model(model, LoraConfig(task_type=task, r=4, lora_alpha=8, lora_dropout=0.0))
 
 
-MODELS = {
+def _bitfit(**kw):
+    def prepare(model):
+        BitFitConfig(noise_multiplier=1.0, **kw).prepare_model(model)
+        return model
+
+    return prepare
+
+
+MODELS = {  # name: (factory, causal LM?, how to select what trains)
     "bert": (tiny.bert, False, None),
     "roberta": (tiny.roberta, False, None),
     "gpt2-tied": (tiny.gpt2, True, None),
     "llama": (tiny.llama, True, None),
     "llama-tied": (lambda: tiny.llama(tie_word_embeddings=True), True, None),
-    "bert-lora": (tiny.bert, False, "SEQ_CLS"),
-    "roberta-lora": (tiny.roberta, False, "SEQ_CLS"),
-    "gpt2-lora": (tiny.gpt2, True, "CAUSAL_LM"),
-    "llama-lora": (tiny.llama, True, "CAUSAL_LM"),
+    "bert-lora": (tiny.bert, False, lambda m: _lora(m, "SEQ_CLS")),
+    "roberta-lora": (tiny.roberta, False, lambda m: _lora(m, "SEQ_CLS")),
+    "gpt2-lora": (tiny.gpt2, True, lambda m: _lora(m, "CAUSAL_LM")),
+    "llama-lora": (tiny.llama, True, lambda m: _lora(m, "CAUSAL_LM")),
+    "roberta-bitfit": (tiny.roberta, False, _bitfit()),
+    "roberta-bitfit-paper": (tiny.roberta, False, _bitfit(train_head=False)),
+    "bert-bitfit-norms": (tiny.bert, False, _bitfit(train_norm_weights=True)),
+    "gpt2-bitfit": (tiny.gpt2, True, _bitfit()),
+    "llama-norm-gains": (tiny.llama, True, _bitfit(train_norm_weights=True)),
 }
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_engine_matches_fp64_per_example_loop(name):
-    factory, causal, lora_task = MODELS[name]
+    factory, causal, prepare = MODELS[name]
     model = factory().double()
-    if lora_task:
-        model = _lora(model, lora_task)
+    if prepare:
+        model = prepare(model)
     model.train()
     batch = _batch(causal)
-    ref_norms, ref_sums, params = _oracle(model, batch)
+    ref_norms, ref_sums, params, clip = _oracle(model, batch)
 
-    engine = PerExampleGradientEngine(model, CLIP)
+    engine = PerExampleGradientEngine(model, clip)
     engine.attach()
     ref = torch.cat([s.flatten() for s in ref_sums])
-    assert torch.all(ref_norms > CLIP), "every example should be clipped, or the test checks less than it claims"
     # First chunk: autograd's gradients on, checked by the engine; second: ghost differentiation (flags off).
     for verified in (False, True):
         assert engine.verified is verified
@@ -184,3 +198,28 @@ def test_parameter_partly_used_outside_its_module_fails_the_self_check():
         model(torch.randn(3, 4)).pow(2).sum().backward()
     with pytest.raises(UnsupportedLayerError, match="proj.weight"):
         engine.finish_backward()
+
+
+def test_conv_biases_match_the_per_example_loop():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.GELU(), torch.nn.Conv1d(3, 2, 1)).double()
+    net = lambda x: model[2](model[1](model[0](x)).flatten(2))  # noqa: E731
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    engine = PerExampleGradientEngine(model, 1e-3)
+    engine.attach()
+    with engine.recording(4):
+        net(x).pow(2).sum().backward()
+    norms = engine.finish_backward()
+    expected = []
+    for b in range(4):
+        model.zero_grad()
+        net(x[b : b + 1]).pow(2).sum().backward()
+        expected.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.requires_grad)))
+    assert torch.allclose(norms, torch.stack(expected), rtol=1e-10)
+
+
+def test_trainable_conv_weight_is_refused():
+    with pytest.raises(UnsupportedLayerError, match=r"\['weight'\].*Conv2d"):
+        PerExampleGradientEngine(torch.nn.Conv2d(1, 1, 3), 1.0)

@@ -45,12 +45,13 @@ def test_trains_logs_epsilon_every_step_and_writes_card(tmp_path):
     assert not _logged(trainer, "grad_norm"), "the non-private gradient norm must not be logged"
     report = trainer.privacy_report()
     assert 29.0 < report["epsilon"] <= 30.0
-    assert report["guarantee"] == "formal" and report["steps"] == trainer.planned_steps
+    assert report["guarantee"] == "none", "a run with a test seed must not claim a formal guarantee"
+    assert report["steps"] == trainer.planned_steps
 
     trainer.save_model()
     card = ModelCard.load(os.path.join(tmp_path, "README.md"))
     privacy = card.data.to_dict()["privacy"]
-    assert privacy["guarantee"] == "formal" and privacy["unit"] == "example" and privacy["method"] == "dp-sgd"
+    assert privacy["unit"] == "example" and privacy["method"] == "dp-sgd"
     assert privacy["dataset_size"] == 800 and privacy["accountant"] == "prv"
     recomputed = compute_epsilon([MechanismGroup.from_dict(m) for m in privacy["mechanisms"]], privacy["delta"], "prv")
     assert recomputed == pytest.approx(privacy["epsilon"], rel=1e-9)
@@ -70,7 +71,8 @@ def test_lora_adapter_is_saved_with_privacy_card(tmp_path):
     trainer.save_model()
     assert os.path.isfile(os.path.join(tmp_path, "adapter_model.safetensors"))
     card = ModelCard.load(os.path.join(tmp_path, "README.md"))
-    assert card.data.library_name == "peft" and card.data.to_dict()["privacy"]["epsilon"] > 0
+    privacy = card.data.to_dict()["privacy"]
+    assert card.data.library_name == "peft" and privacy["guarantee"] == "formal" and privacy["epsilon"] > 0
 
 
 @pytest.mark.parametrize("factory", [tiny.gpt2, tiny.llama])

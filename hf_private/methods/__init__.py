@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from .bitfit import BitFitConfig
 from .dpsgd import DPConfig
 
-_CONFIG_CLASSES: dict[str, type[DPConfig]] = {DPConfig.method: DPConfig}
+_CONFIG_CLASSES: dict[str, type[DPConfig]] = {cls.method: cls for cls in (DPConfig, BitFitConfig)}
 
 
 def config_class_for(method: str) -> type[DPConfig]:
@@ -14,4 +15,4 @@ def config_class_for(method: str) -> type[DPConfig]:
         raise ValueError(f"Unknown DP method {method!r}; known: {sorted(_CONFIG_CLASSES)}.") from None
 
 
-__all__ = ["DPConfig", "config_class_for"]
+__all__ = ["BitFitConfig", "DPConfig", "config_class_for"]

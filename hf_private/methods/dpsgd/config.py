@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from torch import nn
+
 CONFIG_NAME = "dp_config.json"
 
 
@@ -65,6 +67,23 @@ class DPConfig:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
         if self.accountant not in ("prv", "rdp"):
             raise ValueError(f"accountant must be 'prv' or 'rdp', got {self.accountant!r}.")
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Select what trains (requires_grad). DP-SGD trains whatever the user left trainable."""
+
+    def phases(self) -> list[tuple[str, float]]:
+        """(mechanism name, epochs) in order; the last phase runs to the end of training."""
+        return [(self.method, float("inf"))]
+
+    def select_phase_two(self, model: nn.Module) -> None:
+        """Re-select trainable tensors when the second phase starts (two-phase methods only)."""
+        raise NotImplementedError(f"{type(self).__name__} has a single phase.")
+
+    def citations(self) -> tuple[str, ...]:
+        return (
+            "Abadi et al., *Deep Learning with Differential Privacy*, CCS 2016.",
+            "Gopi, Lee, Wutschitz, *Numerical Composition of Differential Privacy* (PRV accountant), NeurIPS 2021.",
+        )
 
     def resolve_delta(self, dataset_size: int) -> float:
         """δ for a dataset of this size; a δ ≥ 1/N would allow publishing one record outright."""

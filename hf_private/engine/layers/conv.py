@@ -1,0 +1,20 @@
+"""`nn.Conv1d/2d/3d` biases (DP-BiTFiT on vision models): Σ over spatial positions of the output gradient.
+
+Conv weights are not supported yet: a trainable conv weight raises an error naming the layer.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..terms import SampleTerm
+from .base import LayerHandler
+from .registry import register_layer
+
+
+@register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvBiasHandler(LayerHandler):
+    params = ("bias",)
+
+    def terms(self, module, saved, grad_output, trainable):
+        return {"bias": SampleTerm(grad_output.flatten(2).sum(2))}

@@ -1,0 +1,3 @@
+from .config import BitFitConfig
+
+__all__ = ["BitFitConfig"]
