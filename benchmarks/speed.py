@@ -10,7 +10,6 @@ ratios to the non-private arm. Models are built from config (random init): speed
 from __future__ import annotations
 
 import argparse
-import copy
 import ctypes
 import gc
 import json
@@ -32,6 +31,7 @@ from transformers import (
 )
 
 from benchmarks.memory import peak_bytes, reset_peak
+from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.losses import default_per_example_loss
 from hf_private.optimizer import NoisyOptimizer
@@ -168,10 +168,14 @@ class OpacusGhost:
         self.optimizer.step()
 
 
-ARMS = (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost)
+def arms_for(mode: str) -> list[tuple[str, type, str]]:
+    """(label, arm class, what trains) for the speed table; the first is the reference."""
+    return [("non-private", NonPrivate, mode), ("hf_private", HfPrivate, mode),
+            ("opacus-hooks", OpacusHooks, mode), ("opacus-ghost", OpacusGhost, mode)]
 
 
 def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
+    """The same weights every time (seeded init); `mode` picks what trains: full, lora or bitfit."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
     for module in model.modules():  # dropout off: identical work in every arm
@@ -181,23 +185,21 @@ def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
         task = "CAUSAL_LM" if model_name.startswith("gpt2") else "SEQ_CLS"
         model = get_peft_model(model, LoraConfig(task_type=task, r=8, lora_alpha=16,
                                                  target_modules=LORA_TARGETS[model_name]))
+    elif mode == "bitfit":
+        BitFitConfig(noise_multiplier=SIGMA).prepare_model(model)
     return model.to(device).train()
 
 
-def _make_arms(model_name, mode, batch_size, chunks, device, only: str | None = None):
-    base = build(model_name, mode, device)
-    arms, errors = {}, {}
-    for arm_cls in ARMS:
-        if only is not None and arm_cls.name != only:
-            continue
-        try:
-            arm = arm_cls(copy.deepcopy(base), batch_size)
-            arm.step(chunks)  # warm-up (optimizer state allocated), and proof that the arm runs on this model
-            arms[arm_cls.name] = arm
-        except Exception as err:  # an Opacus mode that does not support this model is reported, not fatal
-            errors[arm_cls.name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            logger.warning("%s does not run on %s/%s: %s", arm_cls.name, model_name, mode, errors[arm_cls.name])
-    return arms, errors
+def _make_arm(model_name, spec, batch_size, chunks, device, errors: dict):
+    label, arm_cls, mode = spec
+    try:
+        arm = arm_cls(build(model_name, mode, device), batch_size)
+        arm.step(chunks)  # warm-up (optimizer state allocated), and proof that the arm runs on this model
+        return arm
+    except Exception as err:  # an Opacus mode that does not support this model is reported, not fatal
+        errors[label] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        logger.warning("%s does not run on %s/%s: %s", label, model_name, mode, errors[label])
+        return None
 
 
 def _release_memory() -> None:
@@ -210,57 +212,65 @@ def _release_memory() -> None:
         pass
 
 
-def bench_config(model_name, mode, seq_len, batch_size, grad_accum, steps, rounds, device) -> dict:
+def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, rounds, device) -> dict:
     """Time all arms in alternating rounds; then measure each arm's peak memory with only that arm alive."""
-    probe = build(model_name, mode, device)
-    chunks = make_chunks(probe, batch_size, seq_len, grad_accum, device)
-    del probe
-    arms, errors = _make_arms(model_name, mode, batch_size, chunks, device)
-    times = {name: [] for name in arms}
+    chunks = make_chunks(build(model_name, specs[0][2], device), batch_size, seq_len, grad_accum, device)
+    errors: dict[str, str] = {}
+    arms = {spec[0]: _make_arm(model_name, spec, batch_size, chunks, device, errors) for spec in specs}
+    arms = {label: arm for label, arm in arms.items() if arm is not None}
+    times = {label: [] for label in arms}
     for _ in range(rounds):
-        for name, arm in arms.items():
+        for label, arm in arms.items():
             for _ in range(steps):
                 start = time.perf_counter()
                 arm.step(chunks)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times[name].append(time.perf_counter() - start)
-    names = list(arms)
-    del arms
+                times[label].append(time.perf_counter() - start)
+    arms.clear()
     peaks = {}
-    for name in names:
+    for spec in specs:
+        if spec[0] not in times:
+            continue
         _release_memory()
-        arm = _make_arms(model_name, mode, batch_size, chunks, device, only=name)[0][name]
+        arm = _make_arm(model_name, spec, batch_size, chunks, device, errors)
         _release_memory()
         reset_peak(device)
         arm.step(chunks)
-        peaks[name] = peak_bytes(device)
+        peaks[spec[0]] = peak_bytes(device)
         del arm
-    result = {"model": model_name, "mode": mode, "seq_len": seq_len, "batch_size": batch_size,
-              "grad_accum": grad_accum, "arms": {}, "errors": errors}
-    reference = statistics.median(times["non-private"])
-    for name in names:
-        median = statistics.median(times[name])
-        result["arms"][name] = {"median_step_s": median, "peak_bytes": peaks[name],
-                                "time_ratio": median / reference, "memory_ratio": peaks[name] / peaks["non-private"]}
+    reference = specs[0][0]
+    result = {"model": model_name, "mode": specs[1][2], "seq_len": seq_len, "batch_size": batch_size,
+              "grad_accum": grad_accum, "reference": reference, "arms": {}, "errors": errors}
+    for label in times:
+        median = statistics.median(times[label])
+        result["arms"][label] = {
+            "median_step_s": median, "peak_bytes": peaks[label],
+            "time_ratio": median / statistics.median(times[reference]),
+            "memory_ratio": peaks[label] / peaks[reference],
+        }
     return result
 
 
-def print_table(results: list[dict]) -> None:
-    header = f"{'model':<13}{'mode':<6}{'T':>5}{'B x GA':>8}" + "".join(f"{a.name:>26}" for a in ARMS[1:])
+def print_table(results: list[dict], labels: list[str]) -> None:
+    header = f"{'model':<13}{'mode':<7}{'T':>5}{'B x GA':>8}" + "".join(f"{label:>30}" for label in labels[1:])
     print(header + "\n" + "-" * len(header))
     for r in results:
         cells = []
-        for arm in ARMS[1:]:
-            if arm.name in r["arms"]:
-                a = r["arms"][arm.name]
-                cells.append(f"{a['time_ratio']:>11.2f}x t {a['memory_ratio']:>8.2f}x mem")
-            else:
-                cells.append(f"{'n/a':>26}")
-        base = r["arms"]["non-private"]
-        row = f"{r['model']:<13}{r['mode']:<6}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
-        print(row + "".join(f"{c:>26}" for c in cells)
-              + f"   (non-private {base['median_step_s'] * 1e3:.0f} ms, {base['peak_bytes'] / 2**20:.0f} MiB)")
+        for label in labels[1:]:
+            a = r["arms"].get(label)
+            cells.append(f"{a['time_ratio']:>13.2f}x t {a['memory_ratio']:>7.2f}x mem" if a else f"{'n/a':>30}")
+        ref = r["arms"][r["reference"]]
+        row = f"{r['model']:<13}{r['mode']:<7}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
+        print(row + "".join(cells)
+              + f"   ({r['reference']} {ref['median_step_s'] * 1e3:.0f} ms, {ref['peak_bytes'] / 2**20:.0f} MiB)")
+
+
+def write_results(path: str, device: torch.device, results: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "results": results}, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -282,13 +292,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seq_len in args.seq_lens:
             for mode in args.modes:
                 logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
-                results.append(bench_config(model_name, mode, seq_len, args.batch_size, args.grad_accum, args.steps,
-                                            args.rounds, device))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                   "results": results}, f, indent=2)
-    print_table(results)
+                results.append(bench_config(model_name, arms_for(mode), seq_len, args.batch_size, args.grad_accum,
+                                            args.steps, args.rounds, device))
+    write_results(args.out, device, results)
+    print_table(results, [label for label, _, _ in arms_for("full")])
     return results
 
 

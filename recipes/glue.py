@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from demo_task import MAX_LENGTH, demo_dataset, demo_model, demo_tokenizer  # noqa: E402
 
-from hf_private import DPConfig, PrivateTrainer  # noqa: E402
+from hf_private import BitFitConfig, DPConfig, PrivateTrainer  # noqa: E402
 
 logger = logging.getLogger("recipes.glue")
 
@@ -28,7 +28,7 @@ TASK_KEYS = {
     "qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"),
 }
 METHODS = ("dpsgd", "lora", "bitfit", "frost", "sparse_lowrank", "dpfp")
-AVAILABLE_METHODS = ("dpsgd", "lora")
+AVAILABLE_METHODS = ("dpsgd", "lora", "bitfit")
 DEMO_DEFAULTS = ["--output_dir", "outputs/demo", "--num_train_epochs", "6", "--per_device_train_batch_size", "256",
                  "--learning_rate", "3e-3", "--logging_steps", "20", "--eval_strategy", "no", "--save_strategy", "no",
                  "--report_to", "none", "--use_cpu", "true"]
@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=recipe.lora_r, lora_alpha=2 * recipe.lora_r,
                                                  target_modules=["query", "value"]))
-    dp_config = DPConfig(target_epsilon=recipe.epsilon, target_delta=recipe.delta,
-                         max_grad_norm=recipe.clip_norm, accountant=recipe.accountant)
+    config_cls = BitFitConfig if recipe.method == "bitfit" else DPConfig
+    dp_config = config_cls(target_epsilon=recipe.epsilon, target_delta=recipe.delta,
+                           max_grad_norm=recipe.clip_norm, accountant=recipe.accountant)
     trainer = PrivateTrainer(
         model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["validation"],
         processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer), dp_config=dp_config,
