@@ -32,9 +32,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device)
-    results = [bench_config(args.model, ARMS, t, args.batch_size, args.grad_accum, args.steps, args.rounds, device)
-               for t in args.seq_lens]
-    write_results(args.out, device, results)
+    results = []
+    for seq_len in args.seq_lens:
+        results.append(bench_config(args.model, ARMS, seq_len, args.batch_size, args.grad_accum, args.steps,
+                                    args.rounds, device))
+        write_results(args.out, device, results)  # after every configuration: a crash loses one
     print_table(results, [label for label, _, _ in ARMS])
     for r in results:
         dp, full = r["arms"]["hf_private bitfit"], r["arms"]["non-private full"]

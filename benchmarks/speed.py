@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
                 results.append(bench_config(model_name, arms_for(mode), seq_len, args.batch_size, args.grad_accum,
                                             args.steps, args.rounds, device))
-    write_results(args.out, device, results)
+                write_results(args.out, device, results)  # after every configuration: a crash loses one
     print_table(results, [label for label, _, _ in arms_for("full")])
     return results
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..terms import OuterTerm, SampleTerm
@@ -14,12 +15,15 @@ class LinearHandler(LayerHandler):
     params = ("weight", "bias")
     input_params = ("weight",)
 
+    def weight_term(self, grads: torch.Tensor, inputs: torch.Tensor) -> OuterTerm:
+        return OuterTerm(left=grads, right=inputs)  # weight is [out, in]
+
     def terms(self, module, saved, grad_output, trainable):
         batch = grad_output.shape[0]
         grads = as_sequence(grad_output, batch)
         out = {}
         if "weight" in trainable:
-            out["weight"] = OuterTerm(left=grads, right=as_sequence(saved, batch))
+            out["weight"] = self.weight_term(grads, as_sequence(saved, batch))
         if "bias" in trainable:
             out["bias"] = SampleTerm(grads.sum(1))
         return out
