@@ -14,6 +14,7 @@ import ctypes
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import time
@@ -168,6 +169,9 @@ class OpacusGhost:
         self.optimizer.step()
 
 
+ARM_CLASSES = {cls.__name__: cls for cls in (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost)}
+
+
 def arms_for(mode: str) -> list[tuple[str, type, str]]:
     """(label, arm class, what trains) for the speed table; the first is the reference."""
     return [("non-private", NonPrivate, mode), ("hf_private", HfPrivate, mode),
@@ -212,6 +216,33 @@ def _release_memory() -> None:
         pass
 
 
+def _peak_worker(model_name, spec_names, seq_len, batch_size, grad_accum, device_name, queue) -> None:
+    label, arm_name, mode = spec_names
+    device = torch.device(device_name)
+    spec = (label, ARM_CLASSES[arm_name], mode)
+    chunks = make_chunks(build(model_name, mode, device), batch_size, seq_len, grad_accum, device)
+    errors: dict[str, str] = {}
+    arm = _make_arm(model_name, spec, batch_size, chunks, device, errors)  # includes a warm-up step
+    _release_memory()
+    reset_peak(device)
+    arm.step(chunks)
+    queue.put(peak_bytes(device))
+
+
+def peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, device) -> int:
+    """Peak memory of one steady-state step with only this arm alive, in a new interpreter: in a long-lived
+    process the high-water mark also counts pages that earlier arms freed but the allocator kept."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    names = (spec[0], spec[1].__name__, spec[2])
+    process = context.Process(target=_peak_worker,
+                              args=(model_name, names, seq_len, batch_size, grad_accum, str(device), queue))
+    process.start()
+    peak = queue.get()
+    process.join()
+    return peak
+
+
 def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, rounds, device) -> dict:
     """Time all arms in alternating rounds; then measure each arm's peak memory with only that arm alive."""
     chunks = make_chunks(build(model_name, specs[0][2], device), batch_size, seq_len, grad_accum, device)
@@ -228,17 +259,8 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
                     torch.cuda.synchronize(device)
                 times[label].append(time.perf_counter() - start)
     arms.clear()
-    peaks = {}
-    for spec in specs:
-        if spec[0] not in times:
-            continue
-        _release_memory()
-        arm = _make_arm(model_name, spec, batch_size, chunks, device, errors)
-        _release_memory()
-        reset_peak(device)
-        arm.step(chunks)
-        peaks[spec[0]] = peak_bytes(device)
-        del arm
+    peaks = {label: peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, device)
+             for spec in specs if (label := spec[0]) in times}
     reference = specs[0][0]
     result = {"model": model_name, "mode": specs[1][2], "seq_len": seq_len, "batch_size": batch_size,
               "grad_accum": grad_accum, "reference": reference, "arms": {}, "errors": errors}
