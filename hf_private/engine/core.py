@@ -128,6 +128,7 @@ class PerExampleGradientEngine:
             if self._batch_size is None or not torch.is_grad_enabled():
                 return None
             saved, watched = layer.handler.on_forward(module, args, output, self._batch_size, layer.save_input)
+            saved = saved.detach() if saved is not None else None  # the values only, never the forward graph
             call = _Call(layer, saved, saved._version if saved is not None else None)
             self._calls.append(call)
             if not watched.requires_grad:  # nothing trainable upstream: start the backward graph here
@@ -173,16 +174,22 @@ class PerExampleGradientEngine:
                 p.requires_grad_(True)
 
     # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
     def finish_backward(self) -> torch.Tensor:
         """Clip every example to max_grad_norm over all trainable tensors and add to the running sums."""
         by_param: dict[nn.Parameter, list] = defaultdict(list)
         for call in self._calls:
             for name, term in call.terms.items():
                 by_param[call.layer.trainable[name]].append(term)
+            # The output's autograd node keeps the hook closure (and so this call) alive after backward:
+            # drop the call's references now, or every chunk's activations and gradients would linger.
+            call.terms, call.saved = {}, None
         self._calls.clear()
         self._check_coverage(by_param)
         if not self.verified:
             self._check_against_autograd(by_param)
+        for _, p in self.parameters:
+            p.grad = None  # autograd's un-clipped gradient must never reach the optimizer; free it before the sums
         batch = self._batch_of(by_param)
         norms_sq = None
         for param, terms in by_param.items():
@@ -196,8 +203,7 @@ class PerExampleGradientEngine:
                 part = clipped_sum(self._cast(term, dtype), factors.to(dtype), param.shape)
                 running = self.clipped_sums.get(param)
                 self.clipped_sums[param] = part if running is None else running.add_(part)
-        for _, p in self.parameters:
-            p.grad = None  # autograd's un-clipped gradient must never reach the optimizer
+            by_param[param] = None  # release this parameter's stored factors as soon as they are used
         self.last_norms = norms.detach()
         return self.last_norms
 
@@ -266,5 +272,7 @@ class PerExampleGradientEngine:
         return sums
 
     def reset(self) -> None:
+        for call in self._calls:
+            call.terms, call.saved = {}, None
         self._calls.clear()
         self.clipped_sums = {}
