@@ -7,8 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_private import BitFitConfig
-from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
-from hf_private.engine.terms import OuterTerm
+from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, terms
 from hf_private.losses import default_per_example_loss
 from tests import tiny
 
@@ -105,26 +104,23 @@ def test_engine_matches_fp64_per_example_loop(name):
     engine.detach()
 
 
-def test_lora_uses_both_ghost_and_instantiated_norms():
+def test_lora_uses_both_ghost_and_instantiated_norms(monkeypatch):
     """LoRA factors (r·d small) instantiate; square hidden×hidden weights use the ghost norm at T=12."""
     model = _lora(tiny.roberta().double(), "SEQ_CLS")
     model.train()
     seen = []
-    original = OuterTerm.uses_ghost_norm
+    original = terms.ghost_norm_is_cheaper
 
-    def spy(self):
-        seen.append(original(self))
+    def spy(*shape):
+        seen.append(original(*shape))
         return seen[-1]
 
-    OuterTerm.uses_ghost_norm = spy
-    try:
-        engine = PerExampleGradientEngine(model, CLIP)
-        engine.attach()
-        with engine.recording(BATCH):
-            _loss(model, _batch(False)).backward()
-        engine.finish_backward()
-    finally:
-        OuterTerm.uses_ghost_norm = original
+    monkeypatch.setattr(terms, "ghost_norm_is_cheaper", spy)
+    engine = PerExampleGradientEngine(model, CLIP)
+    engine.attach()
+    with engine.recording(BATCH):
+        _loss(model, _batch(False)).backward()
+    engine.finish_backward()
     assert True in seen and False in seen
 
 

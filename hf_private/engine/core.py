@@ -1,10 +1,11 @@
 """Per-example gradient engine: hooks on the model's own modules, one backward pass, one flat clip.
 
 Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on
-the layer output receives the output gradient and turns it into factored per-example terms (biases are
-reduced to B×p at once). When backward has finished for the whole chunk, `finish_backward` computes every
-example's norm over *all* trainable tensors, the clip factors, and the clipped sums from the stored factors,
-then drops everything: nothing is kept across chunks but the clipped sums.
+the layer output receives the output gradient and turns it into per-example terms: factored for the ghost
+norm, or instantiated at once where that is cheaper (biases are always reduced to B×p at once). When
+backward has finished for the whole chunk, `finish_backward` computes every example's norm over *all*
+trainable tensors, the clip factors, and the clipped sums from the stored terms, then drops everything:
+nothing is kept across chunks but the clipped sums.
 
 Autograd's own parameter gradients would be computed and thrown away, so while a chunk is recorded the
 trainable parameters are flagged `requires_grad=False` ("ghost differentiation"): backward then only

@@ -2,7 +2,7 @@
 
 A layer call contributes to a parameter's per-example gradient in one of three shapes:
 
-* `OuterTerm`:   g_b = Σ_t left[b,t] ⊗ right[b,t]   (Linear, Conv1D weights; never materialised if avoidable)
+* `OuterTerm`:   g_b = Σ_t left[b,t] ⊗ right[b,t]   (Linear, Conv1D weights, kept factored for the ghost norm)
 * `IndexTerm`:   g_b = Σ_t e_{index[b,t]} ⊗ right[b,t]  (Embedding weights; rows picked by token id)
 * `SampleTerm`:  g_b given explicitly, shape [B, *param.shape]  (biases, norm gains: cheap to hold)
 
@@ -18,9 +18,6 @@ import torch
 
 Term = "OuterTerm | IndexTerm | SampleTerm"
 
-# Upper bound on elements of a materialised per-example gradient chunk (about 256 MB in fp32).
-_MAX_INSTANTIATED_ELEMENTS = 1 << 26
-
 
 @dataclass
 class OuterTerm:
@@ -30,14 +27,6 @@ class OuterTerm:
     @property
     def batch_size(self) -> int:
         return self.left.shape[0]
-
-    def uses_ghost_norm(self) -> bool:
-        """Ghost norm (Gram matrices, O(T²)) when cheaper than instantiating B×P×D per-example grads."""
-        t, p, d = self.left.shape[1], self.left.shape[2], self.right.shape[2]
-        return 2 * t * t < p * d
-
-    def instantiate(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        return torch.einsum("btp,btd->bpd", self.left[start:stop], self.right[start:stop])
 
 
 @dataclass
@@ -60,25 +49,31 @@ class SampleTerm:
         return self.grad.shape[0]
 
 
+def ghost_norm_is_cheaper(seq_len: int, left_width: int, right_width: int) -> bool:
+    """Gram matrices cost O(T²) per example, an instantiated gradient O(P·D)."""
+    return 2 * seq_len * seq_len < left_width * right_width
+
+
+def outer_product_term(left: torch.Tensor, right: torch.Tensor) -> OuterTerm | SampleTerm:
+    """Keep Σ_t left ⊗ right factored for the ghost norm, or instantiate it now when that is cheaper.
+
+    Instantiating at once is also the smaller choice in memory (P·D ≤ 2T² implies P·D ≤ T·(P+D)), and the
+    clipped sum then costs one B-weighted reduction instead of a second GEMM over every position.
+    """
+    if ghost_norm_is_cheaper(left.shape[1], left.shape[2], right.shape[2]):
+        return OuterTerm(left=left, right=right)
+    return SampleTerm(torch.einsum("btp,btd->bpd", left, right))
+
+
 def squared_norm(term) -> torch.Tensor:
     """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable."""
     if isinstance(term, SampleTerm):
         return term.grad.flatten(1).pow(2).sum(1)
     if isinstance(term, IndexTerm):
         return _index_squared_norm(term)
-    if term.uses_ghost_norm():
-        gram_left = torch.bmm(term.left, term.left.transpose(1, 2))
-        gram_right = torch.bmm(term.right, term.right.transpose(1, 2))
-        return (gram_left * gram_right).flatten(1).sum(1)
-    return _instantiated_squared_norm(term)
-
-
-def _instantiated_squared_norm(term: OuterTerm) -> torch.Tensor:
-    batch, per_example = term.batch_size, term.left.shape[2] * term.right.shape[2]
-    chunk = max(1, _MAX_INSTANTIATED_ELEMENTS // per_example)
-    return torch.cat(
-        [term.instantiate(i, i + chunk).flatten(1).pow(2).sum(1) for i in range(0, batch, chunk)]
-    )
+    gram_left = torch.bmm(term.left, term.left.transpose(1, 2))
+    gram_right = torch.bmm(term.right, term.right.transpose(1, 2))
+    return (gram_left * gram_right).flatten(1).sum(1)
 
 
 def _index_squared_norm(term: IndexTerm) -> torch.Tensor:

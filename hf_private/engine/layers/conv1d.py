@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers.pytorch_utils import Conv1D
 
-from ..terms import OuterTerm
+from ..terms import outer_product_term
 from .linear import LinearHandler
 from .registry import register_layer
 
@@ -12,4 +12,4 @@ from .registry import register_layer
 @register_layer(Conv1D)
 class Conv1DHandler(LinearHandler):
     def weight_term(self, grads, inputs):
-        return OuterTerm(left=inputs, right=grads)  # weight is [in, out]
+        return outer_product_term(left=inputs, right=grads)  # weight is [in, out]

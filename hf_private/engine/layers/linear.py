@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..terms import OuterTerm, SampleTerm
+from ..terms import OuterTerm, SampleTerm, outer_product_term
 from .base import LayerHandler, as_sequence
 from .registry import register_layer
 
@@ -15,8 +15,8 @@ class LinearHandler(LayerHandler):
     params = ("weight", "bias")
     input_params = ("weight",)
 
-    def weight_term(self, grads: torch.Tensor, inputs: torch.Tensor) -> OuterTerm:
-        return OuterTerm(left=grads, right=inputs)  # weight is [out, in]
+    def weight_term(self, grads: torch.Tensor, inputs: torch.Tensor) -> OuterTerm | SampleTerm:
+        return outer_product_term(left=grads, right=inputs)  # weight is [out, in]
 
     def terms(self, module, saved, grad_output, trainable):
         batch = grad_output.shape[0]
