@@ -201,9 +201,8 @@ class PerExampleGradientEngine:
         for param, terms in by_param.items():
             dtype = self._accumulation_dtype(param)
             for term in terms:
-                part = clipped_sum(self._cast(term, dtype), factors.to(dtype), param.shape)
                 running = self.clipped_sums.get(param)
-                self.clipped_sums[param] = part if running is None else running.add_(part)
+                self.clipped_sums[param] = clipped_sum(self._cast(term, dtype), factors.to(dtype), param.shape, running)
             by_param[param] = None  # release this parameter's stored factors as soon as they are used
         self.last_norms = norms.detach()
         return self.last_norms
@@ -234,7 +233,7 @@ class PerExampleGradientEngine:
             ours = torch.zeros(p.shape, dtype=dtype, device=p.device)
             for term in terms:
                 ones = torch.ones(term.batch_size, dtype=dtype, device=p.device) if ones is None else ones
-                ours = ours + clipped_sum(self._cast(term, dtype), ones, p.shape)
+                ours = clipped_sum(self._cast(term, dtype), ones, p.shape, out=ours)
             reference = p.grad.to(dtype) if p.grad is not None else torch.zeros_like(ours)
             low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(terms))
             pairs.append((name, ours, reference, low_precision))
