@@ -35,6 +35,10 @@ from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, exp
 logger = logging.getLogger(__name__)
 
 LEDGER_NAME = "privacy_ledger.json"
+_SUPPORTED_PARALLELISM = (
+    "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "
+    "or torchrun), each holding the whole model."
+)
 _NON_METRIC_EVAL_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 
@@ -111,14 +115,16 @@ class PrivateTrainer(Trainer):
             raise ValueError("Activation checkpointing re-runs forward hooks and is not supported yet; turn it off.")
         if args.n_gpu > 1:
             raise ValueError(
-                "torch DataParallel (several GPUs in one process) is not supported: launch one process per GPU "
-                "with `accelerate launch` (DDP)."
+                f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}"
             )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
-                "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible; use plain DDP "
-                "through `accelerate launch --multi_gpu`."
+                "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: "
+                + _SUPPORTED_PARALLELISM
             )
+        if self.is_model_parallel or self.is_distributed_loading_by_transformers:  # Trainer's own reading
+            raise ValueError("Model or tensor parallelism (one model split over several devices) is not supported: "
+                             + _SUPPORTED_PARALLELISM)
 
     def _noise_multiplier(self) -> float:
         if self.dp_config.noise_multiplier is not None:
@@ -154,10 +160,10 @@ class PrivateTrainer(Trainer):
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
+        # Secret mode: an independent OS-seeded generator per rank. Test mode: one seed on every rank, so a
+        # multi-process run draws the very logical batch a single process would (each rank keeps its shard).
         seed = self.dp_config.noise_seed
-        generator = make_secret_generator(
-            "cpu", test_seed=None if seed is None else seed + 7919 * (self.args.process_index + 1)
-        )
+        generator = make_secret_generator("cpu", test_seed=None if seed is None else seed + 7919)
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
             rank=self.args.process_index, world_size=self.args.world_size, generator=generator,
@@ -364,6 +370,11 @@ class PrivateTrainer(Trainer):
 
 # ---------------------------------------------------------------------- helpers
 def _check_model(model: nn.Module) -> None:
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise ValueError(
+            f"Pass the model itself, not a {type(model).__name__} wrapper: Trainer wraps it for DDP and "
+            f"PrivateTrainer reduces the clipped gradients itself. {_SUPPORTED_PARALLELISM}"
+        )
     batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batch_norms:
         raise ValueError(

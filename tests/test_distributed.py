@@ -1,0 +1,126 @@
+"""Distributed DP (issue 8): two CPU processes under `accelerate launch` (gloo) against one process.
+
+Each launch runs tests/distributed_worker.py; see its docstring for the two cases.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from tests import distributed_worker as worker
+from tests import tiny
+from tests.helpers import make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ["full", "lora", "bitfit"]
+
+
+def _launch(method: str, case: str, out: Path) -> list[dict]:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(ROOT / "tests" / "distributed_worker.py"), "--method", method, "--case", case, "--out", str(out)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def update_runs(request, tmp_path_factory):
+    """(rank 0, rank 1, one-process reference) of three noise-free steps on the same logical batches."""
+    method = request.param
+    ranks = _launch(method, "update", tmp_path_factory.mktemp(f"{method}-2proc"))
+    single_dir = tmp_path_factory.mktemp(f"{method}-1proc")
+    add_noise = worker.GaussianNoise.add_
+    try:
+        worker.run(method, "update", single_dir, world_size=1)
+    finally:
+        worker.GaussianNoise.add_ = add_noise
+    return method, ranks, torch.load(single_dir / "rank0.pt", weights_only=False)
+
+
+def test_ranks_hold_identical_parameters(update_runs):
+    _, (rank0, rank1), _ = update_runs
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert rank0["wrapped"] == "DistributedDataParallel", "the run must actually be DDP"
+    moved = [n for n in rank0["after"] if not torch.equal(rank0["after"][n], rank0["before"][n])]
+    assert moved, "training changed nothing"
+    assert all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+
+
+def test_two_processes_update_like_one(update_runs):
+    """Same logical batches (test-mode sampling), no noise: the clipped sums are reduced, not averaged or lost."""
+    _, (rank0, _), single = update_runs
+    assert single["world_size"] == 1 and rank0["global_step"] == single["global_step"] == 3
+    difference = sum((rank0["after"][n] - single["after"][n]).pow(2).sum() for n in single["after"]).sqrt()
+    update = sum((single["after"][n] - single["before"][n]).pow(2).sum() for n in single["after"]).sqrt()
+    assert update > 0
+    assert (difference / update).item() <= 1e-6
+
+
+def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
+    _, (rank0, rank1), single = update_runs
+    assert rank0["report"] == rank1["report"]
+    assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / worker.DATASET_SIZE  # global q, not per rank
+    assert rank0["report"]["steps"] == rank0["global_step"]  # one ledger step per logical batch
+    assert rank0["report"]["epsilon"] == pytest.approx(single["report"]["epsilon"], rel=1e-12)
+
+
+def test_card_ledger_and_weights_written_once(update_runs):
+    _, (rank0, rank1), _ = update_runs
+    assert rank0["calls"]["card"] >= 1 and rank0["calls"]["ledger"] >= 1 and rank0["calls"]["model"] >= 1
+    assert rank1["calls"] == {"card": 0, "ledger": 0, "model": 0}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_noise_is_added_exactly_once(method, tmp_path):
+    """Zero loss: the update is the noise alone, so (update·qN)² averages σ²C² — not 2σ²C² (noise on every rank)
+    and not 0 (no noise). Tolerance: 5 standard errors of a mean of squared standard normals."""
+    rank0, rank1 = _launch(method, "noise", tmp_path)
+    assert all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+    noise = torch.cat([(rank0["after"][n] - rank0["before"][n]).flatten() for n in rank0["after"]])
+    noise = noise * worker.LOGICAL_BATCH / worker.LEARNING_RATE["noise"]  # undo the q·N division and the lr
+    expected = (worker.NOISE_MULTIPLIER * worker.CLIP) ** 2
+    ratio = noise.pow(2).mean().item() / expected
+    assert abs(ratio - 1) <= 5 * math.sqrt(2 / noise.numel()), (ratio, noise.numel())
+
+
+# ---------------------------------------------------------------------- unsupported parallel set-ups
+def test_data_parallel_wrapper_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a DataParallel wrapper"):
+        make_trainer(tmp_path, model=torch.nn.DataParallel(tiny.bert()))
+
+
+def test_several_gpus_in_one_process_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="DataParallel.*accelerate launch --multi_gpu"):
+        make_trainer(tmp_path)
+
+
+@pytest.mark.parametrize("flag", ["is_fsdp_enabled", "is_deepspeed_enabled"])
+def test_sharded_training_is_refused(flag, tmp_path, monkeypatch):
+    """Neither FSDP nor DeepSpeed can start on this CPU machine, so switch on Trainer's own flag for it."""
+    set_up = Trainer.create_accelerator_and_postprocess
+
+    def with_flag(self):
+        set_up(self)
+        setattr(self, flag, True)
+
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", with_flag)
+    with pytest.raises(ValueError, match="DeepSpeed and FSDP.*one process per device"):
+        make_trainer(tmp_path)
+
+
+def test_model_parallel_is_refused(tmp_path):
+    model = tiny.bert()
+    model.hf_device_map = {"bert.embeddings": 0, "bert.encoder": 1, "classifier": 1}  # as device_map="auto" sets it
+    with pytest.raises(ValueError, match="Model or tensor parallelism.*one process per device"):
+        make_trainer(tmp_path, model=model)
