@@ -41,7 +41,7 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:
-        block["audit"] = {"kind": "empirical lower bound (not the guarantee)", **audit}
+        block["audit"] = {**audit, "kind": "empirical lower bound (not the guarantee)"}  # the label always wins
     return block
 
 

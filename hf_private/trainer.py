@@ -94,6 +94,7 @@ class PrivateTrainer(Trainer):
         self.engine.attach()
         self._step_limit: int | None = None
         self._budget_exhausted = False
+        self.audit: dict[str, Any] | None = None  # `AuditResult.card_entry()`: a lower bound, never the guarantee
         logger.info(
             "DP-SGD plan: N=%d, q=%.5g, %d steps, σ=%.4g, C=%g, δ=%.3g, accountant=%s.",
             self.dataset_size, self.sample_rate, self.planned_steps, self.noise_multiplier,
@@ -355,7 +356,7 @@ class PrivateTrainer(Trainer):
             "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
         }
         card = build_model_card(
-            privacy=privacy_metadata(report, report["method"]),
+            privacy=privacy_metadata(report, report["method"], audit=self.audit),
             base_model=base_model,
             model_title=model_name or repo,
             training=training,
