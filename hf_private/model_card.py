@@ -82,6 +82,36 @@ def build_model_card(
     )
 
 
+def load_snippet(adapter_format: str, model_class: str, base_model: str | None, repo: str,
+                 num_labels: int | None = None) -> str:
+    """The card's "How to load" code for each save format (see `hf_private.adapters`)."""
+    if adapter_format == "full":
+        return f'from transformers import {model_class}\n\nmodel = {model_class}.from_pretrained("{repo}")'
+    base = base_model or "<the base model this was trained from>"
+    base_line = f'base = {model_class}.from_pretrained("{base}"{f", num_labels={num_labels}" if num_labels else ""})'
+    if adapter_format == "peft":
+        return (f"from peft import PeftModel\nfrom transformers import {model_class}\n\n{base_line}\n"
+                f'model = PeftModel.from_pretrained(base, "{repo}")')
+    return (f"from hf_private import load_private_adapter\nfrom transformers import {model_class}\n\n{base_line}\n"
+            f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory')
+
+
+def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float) -> str:
+    """One sentence on what the repository holds, so a reader knows what the base model must supply."""
+    if adapter_format == "full":
+        return ("Every weight was trained with differential privacy: the repository holds the full model, plus the "
+                "method config `dp_config.json`.")
+    if adapter_format == "peft":
+        return ("The repository holds a PEFT adapter (`adapter_model.safetensors`, `adapter_config.json`): only the "
+                "tensors trained with differential privacy, plus the method config `dp_config.json`. The base "
+                "model's weights are public and unchanged.")
+    return (f"The repository holds only what differentially private training changed: {trained_tensors} tensors "
+            f"({100 * trained_fraction:.3g}% of the model's parameters) in `private_adapter.safetensors`, plus the "
+            "method config `dp_config.json`. The base model's other weights are public and unchanged; "
+            "`hf_private.load_private_adapter` puts the trained tensors back onto it and checks that the base "
+            "matches.")
+
+
 def write_model_card(card: ModelCard, output_dir: str | os.PathLike) -> str:
     path = os.path.join(output_dir, "README.md")
     card.save(path)

@@ -10,18 +10,28 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
+from .adapters import (
+    ADAPTER_WEIGHTS_NAME,
+    adapter_format,
+    has_private_adapter,
+    load_adapter_weights,
+    save_private_adapter,
+)
 from .engine import PerExampleGradientEngine
 from .losses import PerExampleLoss, default_per_example_loss
 from .methods import DPConfig
-from .model_card import build_model_card, privacy_metadata, write_model_card
+from .methods.dpsgd.config import CONFIG_NAME as DP_CONFIG_NAME
+from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
 from .optimizer import NoisyOptimizer
 from .privacy import (
     GaussianNoise,
@@ -92,6 +102,8 @@ class PrivateTrainer(Trainer):
         self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
+        # Every tensor trainable in any phase: what a saved adapter must contain.
+        self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self._step_limit: int | None = None
         self._budget_exhausted = False
         self.audit: dict[str, Any] | None = None  # `AuditResult.card_entry()`: a lower bound, never the guarantee
@@ -145,6 +157,7 @@ class PrivateTrainer(Trainer):
             return
         self.phase += 1
         self.dp_config.select_phase_two(self.model)
+        self.trained_parameter_names |= {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.engine.detach()
         self.engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
         self.engine.attach()
@@ -316,6 +329,12 @@ class PrivateTrainer(Trainer):
         )
         return report
 
+    def _trained_fraction(self) -> float:
+        """Share of the model's values trained in any phase (what a saved adapter holds)."""
+        params = dict(self.model.named_parameters())
+        trained = sum(params[n].numel() for n in self.trained_parameter_names if n in params)
+        return trained / sum(p.numel() for p in params.values())
+
     def _trainable_fraction(self) -> float:
         trainable = sum(p.numel() for _, p in self.engine.parameters)
         return round(trainable / sum(p.numel() for p in self.model.parameters()), 6)
@@ -328,6 +347,49 @@ class PrivateTrainer(Trainer):
             self.ledger.save(os.path.join(output_dir, LEDGER_NAME))
             self.dp_config.save_pretrained(output_dir)
             self._write_card(output_dir)
+
+    @property
+    def adapter_format(self) -> str:
+        """How save_model stores the result: 'peft', 'private_adapter' (only the trained tensors) or 'full'."""
+        return adapter_format(self.model, self.trained_parameter_names)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Checkpoints and final saves alike write only what was trained (see `hf_private.adapters`)."""
+        if self.adapter_format != "private_adapter":
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        save_private_adapter(self.model, output_dir, self.trained_parameter_names)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if has_private_adapter(resume_from_checkpoint):
+            logger.info("Loading the private adapter from %s.", resume_from_checkpoint)
+            load_adapter_weights(model if model is not None else self.model, resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best and has_private_adapter(best):
+            logger.info("Loading the best private adapter from %s (score: %s).", best, self.state.best_metric)
+            load_adapter_weights(self.model, best)
+            return
+        super()._load_best_model()
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer copies only transformers/PEFT weight files; the adapter, ledger and card must travel together."""
+        busy = (not self.args.hub_always_push and self.push_in_progress is not None
+                and not self.push_in_progress.is_done())
+        if self.is_world_process_zero() and self.args.hub_strategy != "end" and not busy:
+            for name in (ADAPTER_WEIGHTS_NAME, DP_CONFIG_NAME, LEDGER_NAME, "README.md"):
+                source = os.path.join(checkpoint_folder, name)
+                if os.path.isfile(source):
+                    shutil.copy(source, os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
@@ -343,6 +405,8 @@ class PrivateTrainer(Trainer):
 
     def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None) -> None:
         report = self.privacy_report()
+        fmt = self.adapter_format
+        base = self.model.get_base_model() if _is_peft(self.model) else self.model
         base_model = finetuned_from or _base_model_name(self.model)
         repo = self.args.hub_model_id or model_name or os.path.basename(os.path.abspath(self.args.output_dir))
         training = {
@@ -361,10 +425,12 @@ class PrivateTrainer(Trainer):
             model_title=model_name or repo,
             training=training,
             eval_results=_held_out_metrics(self.state.log_history),
-            load_snippet=_load_snippet(self.model, repo),
-            library_name="peft" if _is_peft(self.model) else "transformers",
+            load_snippet=load_snippet(fmt, type(base).__name__, base_model, repo, _num_labels(base)),
+            library_name="peft" if fmt == "peft" else "transformers",
             tags=tags,
             citations=self.dp_config.citations(),
+            adapter_note=adapter_note(fmt, len(self.trained_parameter_names), self._trained_fraction()),
+            needs_hf_private=fmt == "private_adapter",
         )
         write_model_card(card, output_dir)
 
@@ -423,11 +489,8 @@ def _held_out_metrics(log_history: list[dict]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in last.items() if k.startswith("eval_") and k not in _NON_METRIC_EVAL_KEYS}
 
 
-def _load_snippet(model: nn.Module, repo: str) -> str:
-    base = model.get_base_model() if _is_peft(model) else model
-    cls = type(base).__name__
-    if _is_peft(model):
-        base_name = _base_model_name(model) or "<base model>"
-        return (f"from peft import PeftModel\nfrom transformers import {cls}\n\n"
-                f'base = {cls}.from_pretrained("{base_name}")\nmodel = PeftModel.from_pretrained(base, "{repo}")')
-    return f'from transformers import {cls}\n\nmodel = {cls}.from_pretrained("{repo}")'
+def _num_labels(model: nn.Module) -> int | None:
+    """Needed to rebuild a new classification head's shape on the base model; None for other heads."""
+    if type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        return getattr(getattr(model, "config", None), "num_labels", None)
+    return None
