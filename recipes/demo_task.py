@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import torch
 from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
@@ -54,6 +55,8 @@ def demo_dataset(train_size: int = 20000, validation_size: int = 1000, seed: int
 
 
 def demo_model(num_labels: int = 2) -> BertForSequenceClassification:
+    """Seeded, so the same "base model" can be rebuilt to load a saved adapter onto."""
+    torch.manual_seed(0)
     config = BertConfig(vocab_size=len(demo_tokenizer()), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=MAX_LENGTH + 2, num_labels=num_labels)
     return BertForSequenceClassification(config)
