@@ -1,0 +1,87 @@
+"""Client side of tests/test_hub.py, run in a subprocess because huggingface_hub reads HF_ENDPOINT at import.
+
+Pushes a DP-BiTFiT adapter (`PrivateTrainer.push_to_hub`) and a DP-LoRA adapter (the recipe's `--push_to_hub`),
+downloads each into a fresh directory, loads it onto a fresh base, compares logits with the trained model and
+re-reads the privacy block from the Hub card. Prints one JSON line of findings; asserts fail the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from huggingface_hub import ModelCard, snapshot_download
+from peft import PeftModel
+from transformers import DataCollatorWithPadding
+
+from hf_private import BitFitConfig, PrivateTrainer, load_private_adapter
+from tests import tiny
+from tests.helpers import training_args
+
+BITFIT_REPO, LORA_REPO = "me/tiny-bitfit-dp", "me/demo-lora-dp"
+
+
+def _logits(model, batch) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def _batch(tokenizer, texts) -> dict:
+    return dict(tokenizer(texts, padding=True, return_tensors="pt"))
+
+
+def bitfit_round_trip(workdir: str) -> dict:
+    tok = tiny.tokenizer()
+    trainer = PrivateTrainer(
+        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96), eval_dataset=tiny.sentiment_dataset(32, seed=4),
+        # save_steps=1: Trainer also pushes from each checkpoint (every_save) before the final push.
+        args=training_args(os.path.join(workdir, "bitfit"), max_steps=2, push_to_hub=True, hub_model_id=BITFIT_REPO,
+                           save_strategy="steps", save_steps=1),
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=BitFitConfig(target_epsilon=3.0),
+    )
+    trainer.train()
+    trainer.evaluate()
+    trainer.push_to_hub(dataset="tiny generated sentiment data (tests)")
+
+    fresh = snapshot_download(BITFIT_REPO, local_dir=os.path.join(workdir, "fresh-bitfit"))
+    batch = _batch(tok, ["good movie", "the plot was awful and dull", "a very nice film"])
+    expected = _logits(trainer.model, batch)
+    from_hub = load_private_adapter(tiny.roberta(), BITFIT_REPO)
+    from_fresh = load_private_adapter(tiny.roberta(), fresh)
+    assert torch.equal(_logits(from_hub, batch), expected), "Hub adapter gives different logits"
+    assert torch.equal(_logits(from_fresh, batch), expected), "downloaded directory gives different logits"
+
+    privacy = ModelCard.load(BITFIT_REPO).data.to_dict()["privacy"]
+    report = trainer.privacy_report()
+    assert privacy["epsilon"] == report["epsilon"] and privacy["delta"] == report["delta"], (privacy, report)
+    assert privacy["guarantee"] == "formal" and privacy["unit"] == "example" and privacy["method"] == "dp-bitfit"
+    card_text = ModelCard.load(BITFIT_REPO).text
+    assert "| eval_loss |" in card_text and f'load_private_adapter(base, "{BITFIT_REPO}")' in card_text
+    return {"bitfit_files": sorted(os.listdir(fresh)), "bitfit_epsilon": privacy["epsilon"]}
+
+
+def lora_recipe_round_trip(workdir: str) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import glue
+    from demo_task import demo_model, demo_tokenizer
+
+    output_dir = os.path.join(workdir, "recipe")
+    result = glue.main(["--method", "lora", "--max_steps", "2", "--output_dir", output_dir, "--push_to_hub", "true",
+                        "--hub_model_id", LORA_REPO, "--disable_tqdm", "true"])
+    batch = _batch(demo_tokenizer(), ["a great and moving film", "not good , quite dull"])
+    local = load_private_adapter(demo_model(), output_dir)
+    from_hub = load_private_adapter(demo_model(), LORA_REPO)
+    assert isinstance(from_hub, PeftModel)
+    assert torch.equal(_logits(from_hub, batch), _logits(local, batch)), "Hub LoRA adapter differs from the local one"
+    assert not torch.equal(_logits(demo_model(), batch), _logits(local, batch)), "the adapter changed nothing"
+    privacy = ModelCard.load(LORA_REPO).data.to_dict()["privacy"]
+    assert privacy["epsilon"] == result["epsilon"] and privacy["method"] == "dp-sgd", privacy
+    return {"lora_epsilon": privacy["epsilon"]}
+
+
+if __name__ == "__main__":
+    findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1])}
+    print(json.dumps(findings))
