@@ -84,7 +84,8 @@ def _zero_loss(model, outputs, labels) -> torch.Tensor:
 
 
 def _count_calls(calls: dict[str, int], model) -> None:
-    """Count real writes of the card, the ledger and the weights (save_pretrained as the main process)."""
+    """Count real writes of the card, the ledger and the weights (save_pretrained as the main process, or the
+    private adapter of a method that trains only some tensors)."""
     write_card, save_ledger, save_pretrained = (
         trainer_module.write_model_card, PrivacyLedger.save, model.save_pretrained
     )
@@ -101,9 +102,16 @@ def _count_calls(calls: dict[str, int], model) -> None:
         calls["model"] += kw.get("is_main_process", True) is not False
         return save_pretrained(*a, **kw)
 
+    save_adapter = trainer_module.save_private_adapter
+
+    def counted_save_adapter(*a, **kw):
+        calls["model"] += 1
+        return save_adapter(*a, **kw)
+
     trainer_module.write_model_card = counted_write_card
     PrivacyLedger.save = counted_save_ledger
     model.save_pretrained = counted_save_pretrained
+    trainer_module.save_private_adapter = counted_save_adapter
 
 
 if __name__ == "__main__":
