@@ -11,6 +11,7 @@ import hf_private.privacy.calibration as calibration
 from hf_private.privacy import (
     BudgetError,
     MechanismGroup,
+    PrivacyLedger,
     calibrate_noise_multiplier,
     compute_epsilon,
     max_steps_within,
@@ -117,6 +118,19 @@ def test_prv_falls_back_to_rdp_when_its_grid_explodes(caplog):
         eps = _eps(0.1, 0.01, 1000, 1e-5, "prv")
     assert eps == _eps(0.1, 0.01, 1000, 1e-5, "rdp")
     assert "RDP bound" in caplog.text
+
+
+def test_report_names_the_accountant_that_produced_epsilon():
+    """A card must not say PRV when RDP stood in: ε is recomputed from the card with the named accountant."""
+    ledger = PrivacyLedger(dataset_size=10_000, delta=1e-5, accountant="prv")
+    ledger.record("dp-sgd", noise_multiplier=1.0, sample_rate=0.01, steps=100)
+    assert ledger.report()["accountant"] == "prv"
+    ledger.record("dp-sgd", noise_multiplier=0.1, sample_rate=0.01, steps=1000)  # PRV's grid explodes
+    report = ledger.report()
+    assert report["accountant"] == "rdp"
+    mechanisms = [MechanismGroup.from_dict(group) for group in report["mechanisms"]]
+    assert report["epsilon"] == compute_epsilon(mechanisms, report["delta"], "rdp")
+    assert ledger.state_dict()["accountant"] == "prv"  # the configured accountant still governs resume checks
 
 
 def test_max_steps_within_brackets_the_budget():

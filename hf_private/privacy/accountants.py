@@ -93,26 +93,26 @@ def _prv_grid_size(history: list[tuple[float, float, int]], delta: float) -> flo
     return 2 * half_width / mesh
 
 
-def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> tuple[float, str]:
+    """PRV's ε, or RDP's where PRV cannot run; the second item names the accountant that gave it."""
     grid = _prv_grid_size(history, delta)
     if grid > _PRV_MAX_GRID:
         logger.info(
             "PRV would need a %.3g-point grid for this history (ε is very large); using the RDP bound, "
             "which is also a rigorous upper bound.", grid,
         )
-        return _rdp_epsilon(history, delta)
+        return _rdp_epsilon(history, delta), "rdp"
     accountant = PRVAccountant()
     accountant.history = history
     try:
         with _quiet():
-            return float(
-                accountant.get_epsilon(
-                    delta, eps_error=_PRV_EPS_ERROR, delta_error=delta * _PRV_DELTA_ERROR_FRACTION
-                )
+            epsilon = accountant.get_epsilon(
+                delta, eps_error=_PRV_EPS_ERROR, delta_error=delta * _PRV_DELTA_ERROR_FRACTION
             )
+        return float(epsilon), "prv"
     except (RuntimeError, ValueError) as err:  # opacus' numerical guards: "Cannot compute epsilon", ...
         logger.warning("PRV accounting failed (%s); using the RDP bound, also a rigorous upper bound.", err)
-        return _rdp_epsilon(history, delta)
+        return _rdp_epsilon(history, delta), "rdp"
 
 
 def compute_epsilon(mechanisms: Sequence[MechanismGroup], delta: float, accountant: str) -> float:
@@ -120,14 +120,23 @@ def compute_epsilon(mechanisms: Sequence[MechanismGroup], delta: float, accounta
 
     Empty history → 0.0; any group with σ = 0 and steps > 0 releases a clipped sum unnoised → inf.
     """
+    return epsilon_bound(mechanisms, delta, accountant)[0]
+
+
+def epsilon_bound(mechanisms: Sequence[MechanismGroup], delta: float, accountant: str) -> tuple[float, str]:
+    """`compute_epsilon`, plus the accountant that produced the bound.
+
+    Reports name the latter: where PRV cannot run and RDP stands in, the card must say so, so that
+    whoever recomputes ε from the card's mechanisms uses the accountant that gave the number.
+    """
     check_accountant(accountant)
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}.")
     history = _history(mechanisms)
     if not history:
-        return 0.0
+        return 0.0, accountant
     if any(sigma == 0 for sigma, _, _ in history):
-        return math.inf
+        return math.inf, accountant
     if accountant == "rdp":
-        return _rdp_epsilon(history, delta)
+        return _rdp_epsilon(history, delta), "rdp"
     return _prv_epsilon(history, delta)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .accountants import check_accountant, compute_epsilon
+from .accountants import check_accountant, compute_epsilon, epsilon_bound
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class PrivacyLedger:
     def __init__(self, dataset_size: int, delta: float, accountant: str = "prv") -> None:
         self._configure(dataset_size, delta, accountant)
         self.mechanisms: list[MechanismGroup] = []
-        self._epsilon: float | None = None
+        self._bound: tuple[float, str] | None = None
 
     def _configure(self, dataset_size: int, delta: float, accountant: str) -> None:
         if int(dataset_size) != dataset_size or dataset_size < 1:
@@ -129,7 +129,7 @@ class PrivacyLedger:
         """Record `steps` releases of mechanism `name` with noise σ and Poisson rate q."""
         event = self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps)
         self.mechanisms = _appended(self.mechanisms, event)
-        self._epsilon = None
+        self._bound = None
 
     @property
     def total_steps(self) -> int:
@@ -137,9 +137,12 @@ class PrivacyLedger:
 
     def epsilon(self) -> float:
         """ε of everything recorded, cached until the history changes (PRV takes ~0.1-0.3 s)."""
-        if self._epsilon is None:
-            self._epsilon = compute_epsilon(self.mechanisms, self.delta, self.accountant)
-        return self._epsilon
+        return self._epsilon_bound()[0]
+
+    def _epsilon_bound(self) -> tuple[float, str]:
+        if self._bound is None:
+            self._bound = epsilon_bound(self.mechanisms, self.delta, self.accountant)
+        return self._bound
 
     def epsilon_if(
         self,
@@ -170,7 +173,7 @@ class PrivacyLedger:
         mechanisms = [MechanismGroup.from_dict(group) for group in d["mechanisms"]]
         self._configure(d["dataset_size"], d["delta"], d["accountant"])
         self.mechanisms = mechanisms
-        self._epsilon = None
+        self._bound = None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the ledger as JSON, atomically (a crash mid-write must not lose the spent budget)."""
@@ -188,10 +191,12 @@ class PrivacyLedger:
         return ledger
 
     def report(self) -> dict[str, Any]:
+        """ε and what it rests on; `accountant` is the one that produced ε (RDP where PRV could not run)."""
+        epsilon, accountant = self._epsilon_bound()
         return {
-            "epsilon": self.epsilon(),
+            "epsilon": epsilon,
             "delta": self.delta,
-            "accountant": self.accountant,
+            "accountant": accountant,
             "dataset_size": self.dataset_size,
             "steps": self.total_steps,
             "mechanisms": [group.to_dict() for group in self.mechanisms],
