@@ -7,12 +7,22 @@ without noise, so they never appear here.
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
 TEMPLATE = "private_model.md"
+
+# A Hub model id: "name" or "owner/name" (letters, digits, '-', '_', '.'). The card's base_model metadata is
+# meant to hold a Hub id, and a local path must not be rendered as a huggingface.co link.
+_HUB_MODEL_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def is_hub_model_id(name: str) -> bool:
+    """True for what names a Hub model, False for a local directory (even one shaped like an id)."""
+    return bool(_HUB_MODEL_ID.match(name)) and not os.path.exists(name) and ".." not in name
 
 NOT_COVERED = (
     "Training-loss values in logs and `trainer_state.json`: they are computed on private data without noise. "
@@ -59,8 +69,9 @@ def build_model_card(
     adapter_note: str | None = None,
     needs_hf_private: bool = False,
 ) -> ModelCard:
+    base_on_hub = bool(base_model) and is_hub_model_id(base_model)
     card_data = ModelCardData(
-        base_model=base_model or None,
+        base_model=base_model if base_on_hub else None,
         library_name=library_name,
         tags=sorted({"differential-privacy", "hf_private", privacy["method"], *(tags or [])}),
         privacy=privacy,
@@ -72,6 +83,7 @@ def build_model_card(
         model_title=model_title,
         method_name=privacy["method"],
         base_model=base_model,
+        base_on_hub=base_on_hub,
         adapter_note=adapter_note,
         not_covered=NOT_COVERED,
         training=training,
