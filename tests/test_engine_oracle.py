@@ -219,3 +219,33 @@ def test_conv_biases_match_the_per_example_loop():
 def test_trainable_conv_weight_is_refused():
     with pytest.raises(UnsupportedLayerError, match=r"\['weight'\].*Conv2d"):
         PerExampleGradientEngine(torch.nn.Conv2d(1, 1, 3), 1.0)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2-tied", "bert-lora", "roberta-bitfit"])
+def test_bf16_autocast_keeps_the_clip_and_tracks_the_fp64_loop(name):
+    """Under bf16 autocast the terms are bf16; the norms must still track the exact ones and, above all,
+    each example's clipped contribution must stay within C (the sensitivity the noise is calibrated to)."""
+    factory, causal, prepare = MODELS[name]
+    model = factory()
+    if prepare:
+        model = prepare(model)
+    model.train()
+    batch = _batch(causal)
+    ref_norms, _, params, clip = _oracle(model.double(), batch)
+    model.float()
+
+    engine = PerExampleGradientEngine(model, clip)
+    engine.attach()
+    sums_by_batch = []
+    for kept in (range(BATCH), range(1, BATCH)):  # neighbouring batches: with and without example 0
+        sub = {k: v[list(kept)] for k, v in batch.items()}
+        for _ in range(2):  # the verifying chunk, then the ghost-differentiated one
+            with torch.autocast("cpu", dtype=torch.bfloat16), engine.recording(len(kept)):
+                _loss(model, sub).backward()
+            norms = engine.finish_backward()
+            sums = engine.pop_clipped_sums()
+        if len(kept) == BATCH:
+            assert ((norms.double() - ref_norms).abs() / ref_norms).max().item() <= 0.02  # measured ≤ 0.0044
+        sums_by_batch.append(torch.cat([sums[p].double().flatten() for p in params]))
+    engine.detach()
+    assert (sums_by_batch[0] - sums_by_batch[1]).norm().item() <= clip * 1.001

@@ -19,7 +19,7 @@ from hf_private import BudgetError, DPConfig, PrivateTrainer, UnsupportedLayerEr
 from hf_private.privacy import MechanismGroup, compute_epsilon
 from hf_private.trainer import LEDGER_NAME
 from tests import tiny
-from tests.helpers import make_trainer, training_args
+from tests.helpers import make_trainer, snapshot, training_args
 
 
 def _logged(trainer, key):
@@ -242,3 +242,19 @@ def test_model_stays_the_users_model(tmp_path):
     trainer.save_model()
     reloaded = type(model).from_pretrained(tmp_path)
     assert torch.equal(reloaded.classifier.weight, model.classifier.weight)
+
+
+def test_bf16_trains_under_autocast_and_fp16_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, bf16=True, max_steps=2)
+    model = trainer.model
+    dtypes = set()
+    layer = model.bert.encoder.layer[0].attention.self.query
+    handle = layer.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype) if module.training else None)
+    before = snapshot(model)
+    trainer.train()
+    handle.remove()
+    assert dtypes == {torch.bfloat16}, "training forward did not run under bf16 autocast"
+    assert trainer.ledger.total_steps == 2
+    assert all(not torch.equal(before[f"param:{n}"], p) for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="fp16 with a GradScaler.*bf16=True"):
+        make_trainer(tmp_path, fp16=True)
