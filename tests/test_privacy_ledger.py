@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import hf_private.privacy.ledger as ledger_module
-from hf_private.privacy import MechanismGroup, PrivacyLedger, compute_epsilon, make_secret_generator
+from hf_private.privacy import MechanismGroup, PrivacyLedger, make_secret_generator
+from hf_private.privacy.accountants import epsilon_bound
 
 N = 10_000
 DELTA = 1 / (2 * N)
@@ -31,9 +32,9 @@ def test_epsilon_is_cached_until_the_history_changes(monkeypatch):
 
     def counting(mechanisms, delta, accountant):
         calls.append(len(mechanisms))
-        return compute_epsilon(mechanisms, delta, accountant)
+        return epsilon_bound(mechanisms, delta, accountant)
 
-    monkeypatch.setattr(ledger_module, "compute_epsilon", counting)
+    monkeypatch.setattr(ledger_module, "epsilon_bound", counting)
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     assert ledger.epsilon() == 0.0
     ledger.record("dp-sgd", 1.0, 0.01, steps=100)
