@@ -24,6 +24,7 @@ def is_hub_model_id(name: str) -> bool:
     """True for what names a Hub model, False for a local directory (even one shaped like an id)."""
     return bool(_HUB_MODEL_ID.match(name)) and not os.path.exists(name) and ".." not in name
 
+
 NOT_COVERED = (
     "Training-loss values in logs and `trainer_state.json`: they are computed on private data without noise. "
     "Do not publish them.",
