@@ -40,6 +40,11 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The plain transformers model: a PeftModel's base model, or the model itself."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def adapter_format(model: nn.Module, trained_names: Iterable[str]) -> str:
     """'peft', 'private_adapter' (a strict subset of a plain model's tensors trained) or 'full'."""
     if is_peft_model(model):

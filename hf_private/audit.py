@@ -32,6 +32,8 @@ import torch
 from scipy import stats
 from torch import nn
 
+from .adapters import unwrap_peft
+
 logger = logging.getLogger(__name__)
 
 WHITE_BOX = "white-box"
@@ -179,13 +181,9 @@ class AuditResult:
 
 
 # ---------------------------------------------------------------------- canaries
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) -> list[int]:
     """Append `count` fresh vocabulary rows (ids nothing in the data uses) and return their ids."""
-    base = _base(model)
+    base = unwrap_peft(model)
     embeddings = base.get_input_embeddings()
     if not isinstance(embeddings, nn.Embedding):
         raise ValueError(f"The audit needs an nn.Embedding input layer, got {type(embeddings).__name__}.")
@@ -266,7 +264,7 @@ def canary_descent_directions(trainer, rows: list[dict[str, Any]], token_ids: Se
     a projection keeps the signal and 1/d of the noise variance.
     """
     model = trainer.model
-    weight = _base(model).get_input_embeddings().weight
+    weight = unwrap_peft(model).get_input_embeddings().weight
     total = torch.zeros_like(weight, dtype=torch.float32)
     for batch, labels in _batches(trainer, rows):
         loss = trainer.per_example_loss(model, model(**batch), labels).sum()
@@ -276,7 +274,7 @@ def canary_descent_directions(trainer, rows: list[dict[str, Any]], token_ids: Se
 
 
 def _canary_rows(model: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    return _base(model).get_input_embeddings().weight.detach()[list(token_ids)].float().cpu().clone()
+    return unwrap_peft(model).get_input_embeddings().weight.detach()[list(token_ids)].float().cpu().clone()
 
 
 # ---------------------------------------------------------------------- the audit
@@ -323,7 +321,7 @@ def run_audit(
     model = model_factory()
     # The canaries themselves (rows, labels) come from a fixed public seed, so nothing about them depends on S.
     token_ids = add_canary_tokens(model, canaries, torch.Generator().manual_seed(_DESIGN_SEED))
-    config = getattr(_base(model), "config", None)
+    config = getattr(unwrap_peft(model), "config", None)
     canary_set = _canary_dataset(train_dataset, token_ids, canary_length, int(getattr(config, "num_labels", 2) or 2),
                                  random.Random(_DESIGN_SEED))
     data = _with_canaries(train_dataset, canary_set, included)
@@ -332,7 +330,7 @@ def run_audit(
 
     trainer = PrivateTrainer(model=model, args=args, train_dataset=data, dp_config=dp_config, **trainer_kwargs)
     rows = [canary_set[i] for i in range(canaries)]
-    embedding = _base(trainer.model).get_input_embeddings().weight
+    embedding = unwrap_peft(trainer.model).get_input_embeddings().weight
     active = [s for s in dict.fromkeys(scores) if s != WHITE_BOX or embedding.requires_grad]
     if WHITE_BOX in scores and WHITE_BOX not in active:
         logger.info("White-box score skipped: %s does not train the input embedding.", dp_config.method)

@@ -26,6 +26,7 @@ from .adapters import (
     has_private_adapter,
     load_adapter_weights,
     save_private_adapter,
+    unwrap_peft,
 )
 from .engine import PerExampleGradientEngine
 from .losses import PerExampleLoss, default_per_example_loss
@@ -406,8 +407,8 @@ class PrivateTrainer(Trainer):
     def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None) -> None:
         report = self.privacy_report()
         fmt = self.adapter_format
-        base = self.model.get_base_model() if _is_peft(self.model) else self.model
-        base_model = finetuned_from or _base_model_name(self.model)
+        base = unwrap_peft(self.model)
+        base_model = finetuned_from or _base_model_name(base)
         repo = self.args.hub_model_id or model_name or os.path.basename(os.path.abspath(self.args.output_dir))
         training = {
             "method": report["method"],
@@ -470,13 +471,8 @@ def _slice(value, size: int, start: int, stop: int):
     return value
 
 
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def _base_model_name(model: nn.Module) -> str | None:
+def _base_model_name(base: nn.Module) -> str | None:
     """The pre-trained model's Hub id or path; None for a model built from config."""
-    base = model.get_base_model() if _is_peft(model) else model
     name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
     return name if name and " " not in name else None
 
