@@ -442,17 +442,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _task_from_files(options):
-    from datasets import load_dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    from .data_files import DataFileError, read_data_file
 
     if not (options.model_name_or_path and options.train_file):
         raise SystemExit("Give both --model_name_or_path and --train_file, or neither (the offline demo).")
-    extension = options.train_file.rsplit(".", 1)[-1]
-    kind = {"tsv": "csv", "csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(extension)
-    if kind is None:
-        raise SystemExit(f"--train_file must be csv, tsv, json(l) or parquet, got {options.train_file}.")
-    extra = {"delimiter": "\t"} if extension == "tsv" else {}
-    raw = load_dataset(kind, data_files=options.train_file, split="train", **extra)
+    try:
+        raw = read_data_file(options.train_file)
+    except DataFileError as error:
+        raise SystemExit(f"--train_file: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(options.model_name_or_path)
     data = raw.map(lambda b: tokenizer(b[options.text_column], truncation=True, max_length=options.max_seq_length),
                    batched=True, remove_columns=[c for c in raw.column_names if c != options.label_column])

@@ -6,7 +6,6 @@ splits), because a DP run spends privacy budget: failing after it started wastes
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 from dataclasses import dataclass
@@ -14,10 +13,9 @@ from dataclasses import dataclass
 from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
 from pyarrow.lib import ArrowInvalid
 
+from hf_private.data_files import FORMATS, DataFileError, read_data_file
+
 logger = logging.getLogger("recipes.glue")
-
-FORMATS = {".tsv": "csv", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
 
 class DataError(ValueError):
     """Bad recipe input; the message says what to change."""
@@ -75,13 +73,10 @@ def load_local(train_file: str, validation_file: str | None) -> DatasetDict:
 
 
 def _load_file(path: str) -> Dataset:
-    if not os.path.isfile(path):
-        raise DataError(f"Data file {path} does not exist.")
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in FORMATS:
-        raise DataError(f"Cannot read {path}: supported formats are {', '.join(FORMATS)}.")
-    options = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if ext == ".tsv" else {}  # GLUE tsv has bare quotes
-    return load_dataset(FORMATS[ext], data_files={"train": path}, split="train", **options)
+    try:
+        return read_data_file(path)
+    except DataFileError as error:
+        raise DataError(str(error)) from error
 
 
 def load_hub(dataset_name: str, task: str) -> DatasetDict:
