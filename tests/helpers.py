@@ -32,3 +32,10 @@ def snapshot(model) -> dict[str, torch.Tensor]:
     state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
     state.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
     return state
+
+
+def eval_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits in eval mode (no dropout), for comparing a trained model with what was saved and reloaded."""
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits

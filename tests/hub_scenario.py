@@ -18,15 +18,9 @@ from transformers import DataCollatorWithPadding
 
 from hf_private import BitFitConfig, PrivateTrainer, load_private_adapter
 from tests import tiny
-from tests.helpers import training_args
+from tests.helpers import eval_logits, training_args
 
 BITFIT_REPO, LORA_REPO = "me/tiny-bitfit-dp", "me/demo-lora-dp"
-
-
-def _logits(model, batch) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(**batch).logits
 
 
 def _batch(tokenizer, texts) -> dict:
@@ -48,11 +42,11 @@ def bitfit_round_trip(workdir: str) -> dict:
 
     fresh = snapshot_download(BITFIT_REPO, local_dir=os.path.join(workdir, "fresh-bitfit"))
     batch = _batch(tok, ["good movie", "the plot was awful and dull", "a very nice film"])
-    expected = _logits(trainer.model, batch)
+    expected = eval_logits(trainer.model, batch)
     from_hub = load_private_adapter(tiny.roberta(), BITFIT_REPO)
     from_fresh = load_private_adapter(tiny.roberta(), fresh)
-    assert torch.equal(_logits(from_hub, batch), expected), "Hub adapter gives different logits"
-    assert torch.equal(_logits(from_fresh, batch), expected), "downloaded directory gives different logits"
+    assert torch.equal(eval_logits(from_hub, batch), expected), "Hub adapter gives different logits"
+    assert torch.equal(eval_logits(from_fresh, batch), expected), "downloaded directory gives different logits"
 
     privacy = ModelCard.load(BITFIT_REPO).data.to_dict()["privacy"]
     report = trainer.privacy_report()
@@ -75,8 +69,9 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     local = load_private_adapter(demo_model(), output_dir)
     from_hub = load_private_adapter(demo_model(), LORA_REPO)
     assert isinstance(from_hub, PeftModel)
-    assert torch.equal(_logits(from_hub, batch), _logits(local, batch)), "Hub LoRA adapter differs from the local one"
-    assert not torch.equal(_logits(demo_model(), batch), _logits(local, batch)), "the adapter changed nothing"
+    expected = eval_logits(local, batch)
+    assert torch.equal(eval_logits(from_hub, batch), expected), "Hub LoRA adapter differs from the local one"
+    assert not torch.equal(eval_logits(demo_model(), batch), expected), "the adapter changed nothing"
     privacy = ModelCard.load(LORA_REPO).data.to_dict()["privacy"]
     assert privacy["epsilon"] == result["epsilon"] and privacy["method"] == "dp-sgd", privacy
     return {"lora_epsilon": privacy["epsilon"]}

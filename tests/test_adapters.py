@@ -14,7 +14,7 @@ from transformers import DataCollatorWithPadding, TrainerCallback
 from hf_private import BitFitConfig, DPConfig, PrivateTrainer, load_private_adapter
 from hf_private.adapters import ADAPTER_WEIGHTS_NAME
 from tests import tiny
-from tests.helpers import make_trainer, training_args
+from tests.helpers import eval_logits, make_trainer, training_args
 
 
 def _frozen_embeddings_bert():
@@ -49,9 +49,7 @@ def _batch():
 
 
 def _logits(model) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(**_batch()).logits
+    return eval_logits(model, _batch())
 
 
 @pytest.mark.parametrize("case", list(CASES))
