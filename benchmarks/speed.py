@@ -172,10 +172,28 @@ class OpacusGhost:
 ARM_CLASSES = {cls.__name__: cls for cls in (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost)}
 
 
-def arms_for(mode: str) -> list[tuple[str, type, str]]:
-    """(label, arm class, what trains) for the speed table; the first is the reference."""
-    return [("non-private", NonPrivate, mode), ("hf_private", HfPrivate, mode),
-            ("opacus-hooks", OpacusHooks, mode), ("opacus-ghost", OpacusGhost, mode)]
+COMPARED_ARMS = {"hf_private": HfPrivate, "opacus-hooks": OpacusHooks, "opacus-ghost": OpacusGhost}
+
+
+def arms_for(mode: str, compared: list[str] | None = None) -> list[tuple[str, type, str]]:
+    """(label, arm class, what trains) for the speed table; the first, non-private, is the reference."""
+    compared = list(COMPARED_ARMS) if compared is None else compared
+    return [("non-private", NonPrivate, mode), *[(label, COMPARED_ARMS[label], mode) for label in compared]]
+
+
+def noise_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 5) -> float:
+    """Median time to draw and add the noise of one step: one N(0, σ²C²) value per trainable coordinate."""
+    noise = GaussianNoise(device)
+    buffers = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in model.parameters() if p.requires_grad]
+    noise.add_(buffers, SIGMA * CLIP)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        noise.add_(buffers, SIGMA * CLIP)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
@@ -263,7 +281,8 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
              for spec in specs if (label := spec[0]) in times}
     reference = specs[0][0]
     result = {"model": model_name, "mode": specs[1][2], "seq_len": seq_len, "batch_size": batch_size,
-              "grad_accum": grad_accum, "reference": reference, "arms": {}, "errors": errors}
+              "grad_accum": grad_accum, "reference": reference, "arms": {}, "errors": errors,
+              "noise_s_per_step": noise_seconds(build(model_name, specs[1][2], device), device)}
     for label in times:
         median = statistics.median(times[label])
         result["arms"][label] = {
@@ -285,7 +304,8 @@ def print_table(results: list[dict], labels: list[str]) -> None:
         ref = r["arms"][r["reference"]]
         row = f"{r['model']:<13}{r['mode']:<7}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
         print(row + "".join(cells)
-              + f"   ({r['reference']} {ref['median_step_s'] * 1e3:.0f} ms, {ref['peak_bytes'] / 2**20:.0f} MiB)")
+              + f"   ({r['reference']} {ref['median_step_s'] * 1e3:.0f} ms, {ref['peak_bytes'] / 2**20:.0f} MiB;"
+              + f" noise {r['noise_s_per_step'] * 1e3:.0f} ms/step)")
 
 
 def write_results(path: str, device: torch.device, results: list[dict]) -> None:
@@ -304,6 +324,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--grad-accum", type=int, default=4, help="physical chunks per logical batch (one step)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per arm per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the arms")
+    parser.add_argument("--arms", nargs="+", default=list(COMPARED_ARMS), choices=list(COMPARED_ARMS),
+                        help="arms compared with the non-private reference")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results/speed.json")
     args = parser.parse_args(argv)
@@ -314,10 +336,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seq_len in args.seq_lens:
             for mode in args.modes:
                 logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
-                results.append(bench_config(model_name, arms_for(mode), seq_len, args.batch_size, args.grad_accum,
-                                            args.steps, args.rounds, device))
+                results.append(bench_config(model_name, arms_for(mode, args.arms), seq_len, args.batch_size,
+                                            args.grad_accum, args.steps, args.rounds, device))
                 write_results(args.out, device, results)  # after every configuration: a crash loses one
-    print_table(results, [label for label, _, _ in arms_for("full")])
+    print_table(results, [label for label, _, _ in arms_for("full", args.arms)])
     return results
 
 

@@ -8,12 +8,13 @@ probability ``q``.  Shuffled fixed-size batches do not satisfy that, so the trai
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+from .privacy.rng import SecretRandom
 
 __all__ = ["EmptySafeCollator", "PoissonBatchSampler", "batch_size_of", "expected_steps_per_epoch"]
 
@@ -35,13 +36,6 @@ def expected_steps_per_epoch(sample_rate: float) -> int:
     return max(1, round(1.0 / _check_sample_rate(sample_rate)))
 
 
-def _secret_generator() -> torch.Generator:
-    """A generator seeded from the OS, so neither ``args.seed`` nor the global RNG predicts it."""
-    generator = torch.Generator()
-    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
-    return generator
-
-
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields Poisson(q) logical batches, each split into ``num_chunks`` micro-batches.
 
@@ -52,7 +46,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
     optimizer step.  Empty batches are yielded, never skipped: the step still adds noise.
 
     The mask is drawn over all ``num_samples`` indices and then restricted to the shard, so the union
-    stays Poisson whether the ranks use independent generators or one generator seeded alike.
+    stays Poisson whether the ranks use independent secret streams or one stream keyed alike (test mode).
+    Inclusion compares float64 uniforms from the secret ChaCha20 stream with q (`SecretRandom.uniform`).
     """
 
     steps_per_epoch_for = staticmethod(expected_steps_per_epoch)
@@ -65,7 +60,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         num_chunks: int = 1,
         rank: int = 0,
         world_size: int = 1,
-        generator: torch.Generator | None = None,
+        random: SecretRandom | None = None,
     ) -> None:
         self.num_samples = _check_int("num_samples", num_samples, 1)
         self.sample_rate = _check_sample_rate(sample_rate)
@@ -75,13 +70,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.rank = _check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.generator = generator if generator is not None else _secret_generator()
+        self.random = random if random is not None else SecretRandom()
         self._shard_indices = torch.arange(rank, num_samples, world_size)
 
     def _draw(self) -> torch.Tensor:
         """One logical batch of this rank: its shard's indices whose uniform draw falls below q."""
-        uniforms = torch.rand(self.num_samples, generator=self.generator, device=self.generator.device)
-        keep = (uniforms[self.rank :: self.world_size] < self.sample_rate).cpu()
+        uniforms = self.random.uniform(self.num_samples)
+        keep = uniforms[self.rank :: self.world_size] < self.sample_rate
         return self._shard_indices[keep]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -38,7 +38,7 @@ from .privacy import (
     GaussianNoise,
     PrivacyLedger,
     calibrate_noise_multiplier,
-    make_secret_generator,
+    SecretRandom,
     max_steps_within,
 )
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
@@ -178,10 +178,10 @@ class PrivateTrainer(Trainer):
         # Secret mode: an independent OS-seeded generator per rank. Test mode: one seed on every rank, so a
         # multi-process run draws the very logical batch a single process would (each rank keeps its shard).
         seed = self.dp_config.noise_seed
-        generator = make_secret_generator("cpu", test_seed=None if seed is None else seed + 7919)
+        random = SecretRandom(test_seed=None if seed is None else seed + 7919)
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
-            rank=self.args.process_index, world_size=self.args.world_size, generator=generator,
+            rank=self.args.process_index, world_size=self.args.world_size, random=random,
         )
         return DataLoader(
             dataset,

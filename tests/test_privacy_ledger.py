@@ -1,13 +1,11 @@
 """The privacy ledger (recording, caching, persistence) and the secret generator."""
 
 import json
-import logging
 
 import pytest
-import torch
 
 import hf_private.privacy.ledger as ledger_module
-from hf_private.privacy import MechanismGroup, PrivacyLedger, make_secret_generator
+from hf_private.privacy import MechanismGroup, PrivacyLedger
 from hf_private.privacy.accountants import epsilon_bound
 
 N = 10_000
@@ -115,23 +113,3 @@ def test_validation():
     with pytest.raises(ValueError, match="steps"):
         ledger.record("dp-sgd", 1.0, 0.01, steps=0)
     assert ledger.mechanisms == []
-
-
-def _draws(generator):
-    return torch.randn(8, generator=generator)
-
-
-def test_secret_generator_ignores_the_global_seed():
-    torch.manual_seed(0)
-    first = _draws(make_secret_generator())
-    torch.manual_seed(0)
-    second = _draws(make_secret_generator())
-    assert not torch.equal(first, second)
-
-
-def test_test_seed_is_reproducible_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_private.privacy.rng"):
-        first = _draws(make_secret_generator("cpu", test_seed=1234))
-        second = _draws(make_secret_generator(torch.device("cpu"), test_seed=1234))
-    assert torch.equal(first, second)
-    assert "reproducible" in caplog.text and "void" in caplog.text

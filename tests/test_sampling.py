@@ -16,6 +16,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast, default_data_collator
 
+from hf_private.privacy import SecretRandom
 from hf_private.sampling import (
     EmptySafeCollator,
     PoissonBatchSampler,
@@ -27,8 +28,9 @@ from hf_private.sampling import (
 ALPHA = 1e-5
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _gen(seed: int) -> SecretRandom:
+    """A reproducible secret stream (an explicit key: the tests need the same draws on every run)."""
+    return SecretRandom(key=seed.to_bytes(32, "little"))
 
 
 def _logical_batches(sampler: PoissonBatchSampler) -> list[list[int]]:
@@ -50,7 +52,7 @@ def _looks_binomial(sizes: list[int], n: int, q: float) -> bool:
 
 def test_batch_sizes_follow_binomial():
     n, q, steps = 2000, 0.05, 400
-    sampler = PoissonBatchSampler(n, q, steps, generator=_gen(1))
+    sampler = PoissonBatchSampler(n, q, steps, random=_gen(1))
     sizes = [len(b) for b in _logical_batches(sampler)]
     assert len(sizes) == steps
     assert _looks_binomial(sizes, n, q)
@@ -65,7 +67,7 @@ def test_binomial_check_rejects_fixed_size_batches():
 def test_every_example_included_at_rate_q():
     n, q, steps = 200, 0.1, 400
     counts = torch.zeros(n, dtype=torch.float64)
-    for batch in PoissonBatchSampler(n, q, steps, generator=_gen(2)):
+    for batch in PoissonBatchSampler(n, q, steps, random=_gen(2)):
         counts[batch] += 1
     assert counts.min() >= 1, "some example was never sampled"
     total, expected = counts.sum().item(), n * steps * q
@@ -76,7 +78,7 @@ def test_every_example_included_at_rate_q():
 
 
 def test_no_duplicates_within_a_batch_and_indices_in_range():
-    for batch in PoissonBatchSampler(50, 0.5, 100, generator=_gen(3)):
+    for batch in PoissonBatchSampler(50, 0.5, 100, random=_gen(3)):
         assert len(set(batch)) == len(batch)
         assert all(0 <= i < 50 for i in batch)
         assert batch == sorted(batch)
@@ -87,7 +89,7 @@ def test_ranks_are_disjoint_shards_with_poisson_union(shared_seed: bool):
     n, q, steps, world = 2001, 0.05, 400, 2
     seeds = [4] * world if shared_seed else [4 + r for r in range(world)]
     samplers = [
-        PoissonBatchSampler(n, q, steps, rank=r, world_size=world, generator=_gen(seeds[r])) for r in range(world)
+        PoissonBatchSampler(n, q, steps, rank=r, world_size=world, random=_gen(seeds[r])) for r in range(world)
     ]
     per_rank = [_logical_batches(s) for s in samplers]
     union_sizes = []
@@ -102,8 +104,8 @@ def test_ranks_are_disjoint_shards_with_poisson_union(shared_seed: bool):
 
 def test_chunks_split_the_logical_batch():
     n, q, steps, k = 30, 0.2, 200, 3
-    chunked = PoissonBatchSampler(n, q, steps, num_chunks=k, generator=_gen(5))
-    whole = PoissonBatchSampler(n, q, steps, generator=_gen(5))
+    chunked = PoissonBatchSampler(n, q, steps, num_chunks=k, random=_gen(5))
+    whole = PoissonBatchSampler(n, q, steps, random=_gen(5))
     assert len(chunked) == steps * k
     batches = list(chunked)
     assert len(batches) == steps * k
@@ -115,7 +117,7 @@ def test_chunks_split_the_logical_batch():
 
 
 def test_empty_logical_batch_gives_empty_chunks():
-    sampler = PoissonBatchSampler(10, 0.01, 50, num_chunks=3, generator=_gen(6))
+    sampler = PoissonBatchSampler(10, 0.01, 50, num_chunks=3, random=_gen(6))
     batches = list(sampler)
     assert len(batches) == len(sampler) == 150
     empty_steps = [i for i in range(0, 150, 3) if batches[i : i + 3] == [[], [], []]]
@@ -123,7 +125,7 @@ def test_empty_logical_batch_gives_empty_chunks():
 
 
 def test_empty_batches_are_yielded_not_skipped():
-    sampler = PoissonBatchSampler(50, 0.002, 200, generator=_gen(7))
+    sampler = PoissonBatchSampler(50, 0.002, 200, random=_gen(7))
     sizes = [len(b) for b in sampler]
     assert len(sizes) == 200
     assert sizes.count(0) > 100  # P(empty) = 0.998**50 ~ 0.90
@@ -258,7 +260,7 @@ def test_dataloader_iterates_every_batch_including_empty(tokenizer):
     texts = ["good movie", "bad movie", "very good", "very very bad movie", "movie"] * 4
     ds = datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(len(texts))]})
     ds = ds.map(lambda row: tokenizer(row["text"]), remove_columns=["text"])
-    sampler = PoissonBatchSampler(len(ds), 0.05, 60, num_chunks=2, generator=_gen(8))
+    sampler = PoissonBatchSampler(len(ds), 0.05, 60, num_chunks=2, random=_gen(8))
     loader = DataLoader(
         ds, batch_sampler=sampler, collate_fn=EmptySafeCollator(DataCollatorWithPadding(tokenizer), ds[0])
     )

@@ -30,8 +30,9 @@ def test_trains_logs_epsilon_every_step_and_writes_card(tmp_path):
     dev = tiny.sentiment_dataset(64, seed=9)
     # A deterministic test seed: the utility check must not depend on a secret draw (privacy is tested elsewhere).
     dp = DPConfig(target_epsilon=30.0, noise_seed=0)
+    # lr 2e-2: at 5e-3 the held-out loss fell for only 2 of 4 noise seeds (40 steps at ε = 30).
     trainer = make_trainer(tmp_path, dataset=tiny.sentiment_dataset(800), dp=dp, num_train_epochs=5,
-                           learning_rate=5e-3, per_device_train_batch_size=100)
+                           learning_rate=2e-2, per_device_train_batch_size=100)
     trainer.eval_dataset = dev
     start = trainer.evaluate()["eval_loss"]
     trainer.train()

@@ -5,16 +5,17 @@ from .accountants import SUPPORTED_ACCOUNTANTS, compute_epsilon
 from .calibration import BudgetError, calibrate_noise_multiplier, max_steps_within
 from .ledger import MechanismGroup, PrivacyLedger
 from .noise import GaussianNoise
-from .rng import make_secret_generator
+from .rng import GaussianSampler, SecretRandom
 
 __all__ = [
     "SUPPORTED_ACCOUNTANTS",
     "BudgetError",
     "GaussianNoise",
+    "GaussianSampler",
     "MechanismGroup",
+    "SecretRandom",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
     "compute_epsilon",
-    "make_secret_generator",
     "max_steps_within",
 ]
