@@ -128,7 +128,7 @@ class GaussianSampler:
     """Box-Muller on keystream bytes into reused buffers: adds N(0, std²) to float32 tensors in chunks.
 
     Each pair of draws takes 53 bits for the radius and 24 for the angle: r = std·√(−2 ln u₁) computed in float64
-    (the tail is cut only beyond 8.6 std, a mass of 2⁻⁵³ per pair), r·cos θ and r·sin θ in float32.
+    (the tail is cut only beyond 8.6 std, a mass of 2⁻⁵⁴ per pair), r·cos θ and r·sin θ in float32.
     The work per value is fixed — no rejection loop — so its time does not depend on anything private.
     """
 
@@ -137,9 +137,7 @@ class GaussianSampler:
         self.pairs = pairs_per_chunk
         self.device = torch.device(device)
         self._bytes = bytearray(PAIR_BYTES * self.pairs)
-        raw = torch.frombuffer(self._bytes, dtype=torch.uint8)
-        self._radius_bits = raw[: 8 * self.pairs].view(torch.int64)
-        self._angle_bits = raw[8 * self.pairs :].view(torch.int32)
+        self._raw = torch.frombuffer(self._bytes, dtype=torch.uint8)
         on = dict(device=self.device)
         self._bits53 = torch.empty(self.pairs, dtype=torch.int64, **on)
         self._bits24 = torch.empty(self.pairs, dtype=torch.int32, **on)
@@ -148,19 +146,25 @@ class GaussianSampler:
         self._angle = torch.empty(self.pairs, dtype=torch.float32, **on)
         self._values = torch.empty(2 * self.pairs, dtype=torch.float32, **on)
 
-    def _chunk(self, std: float) -> torch.Tensor:
-        """2·pairs fresh N(0, std²) values (a view of a reused buffer)."""
-        self.random.fill_(self._bytes)
-        torch.bitwise_and(self._radius_bits.to(self.device, non_blocking=True), _MASK_53, out=self._bits53)
-        radius = self._radius64.copy_(self._bits53).add_(0.5).mul_(2.0**-53)
-        radius.log_().mul_(-2.0 * std * std).sqrt_()
-        self._radius.copy_(radius)
-        torch.bitwise_and(self._angle_bits.to(self.device, non_blocking=True), _MASK_24, out=self._bits24)
-        torch.mul(self._bits24, 2 * math.pi / (1 << 24), out=self._angle)  # uniform on a 2^24-point grid
-        cosines, sines = self._values[: self.pairs], self._values[self.pairs :]
-        torch.cos(self._angle, out=cosines).mul_(self._radius)
-        torch.sin(self._angle, out=sines).mul_(self._radius)
-        return self._values
+    def _chunk(self, std: float, pairs: int) -> torch.Tensor:
+        """2·pairs fresh N(0, std²) values, pairs ≤ self.pairs (a view of a reused buffer).
+
+        Only the keystream for `pairs` is drawn: a small tensor must not pay for a whole chunk.
+        """
+        self.random.fill_(memoryview(self._bytes)[: PAIR_BYTES * pairs])  # one request: radius bits, angle bits
+        radius_bits = self._raw[: 8 * pairs].view(torch.int64)
+        angle_bits = self._raw[8 * pairs : PAIR_BYTES * pairs].view(torch.int32)
+        bits53, bits24 = self._bits53[:pairs], self._bits24[:pairs]
+        radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
+        torch.bitwise_and(radius_bits.to(self.device, non_blocking=True), _MASK_53, out=bits53)
+        radius64.copy_(bits53).add_(0.5).mul_(2.0**-53).log_().mul_(-2.0 * std * std).sqrt_()
+        radius.copy_(radius64)
+        torch.bitwise_and(angle_bits.to(self.device, non_blocking=True), _MASK_24, out=bits24)
+        torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
+        values = self._values[: 2 * pairs]
+        torch.cos(angle, out=values[:pairs]).mul_(radius)
+        torch.sin(angle, out=values[pairs:]).mul_(radius)
+        return values
 
     def add_(self, tensor: torch.Tensor, std: float) -> None:
         """tensor += N(0, std²) elementwise, in place; `tensor` must be contiguous."""
@@ -168,4 +172,4 @@ class GaussianSampler:
         step = 2 * self.pairs
         for start in range(0, flat.numel(), step):
             part = flat[start : start + step]
-            part.add_(self._chunk(std)[: part.numel()])
+            part.add_(self._chunk(std, (part.numel() + 1) // 2)[: part.numel()])
