@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .example_rows import PER_EXAMPLE_KEYS, check_one_row_per_example
 from .privacy.rng import SecretRandom
 
 __all__ = ["EmptySafeCollator", "PoissonBatchSampler", "batch_size_of", "expected_steps_per_epoch"]
@@ -96,7 +97,8 @@ class EmptySafeCollator:
 
     Stock collators fail on ``[]`` (``DataCollatorWithPadding`` raises AttributeError,
     ``default_data_collator`` IndexError).  The empty batch mirrors the collated template example:
-    same keys, same dtypes and trailing shapes, batch dimension 0.
+    same keys, same dtypes and trailing shapes, batch dimension 0.  Every batch is checked to keep each
+    example in rows of its own (`check_one_row_per_example`): packed rows would be clipped as one example.
     """
 
     def __init__(self, collate_fn: Callable[[list], Mapping[str, Any]], template_example: dict) -> None:
@@ -106,20 +108,26 @@ class EmptySafeCollator:
 
     def __call__(self, features: list) -> Mapping[str, Any]:
         if len(features) > 0:
-            return self.collate_fn(features)
+            batch = self.collate_fn(features)
+            check_one_row_per_example(batch, len(features))
+            return batch
         if self._empty is None:
+            template = self.collate_fn([self.template_example])
+            check_one_row_per_example(template, 1)
             self._empty = {
                 key: value.new_empty((0, *value.shape[1:]))
                 if isinstance(value, torch.Tensor) and value.dim() > 0
                 else value
-                for key, value in self.collate_fn([self.template_example]).items()
+                for key, value in template.items()
             }
         return dict(self._empty)
 
 
 def batch_size_of(inputs: Mapping[str, Any]) -> int:
-    """Batch dimension of the first batched tensor; Poisson batches make this vary, 0 included."""
-    for value in inputs.values():
+    """Number of examples (Poisson batches make it vary, 0 included): the leading dimension of `labels`, else
+    of `input_ids`/`inputs_embeds`, else of the first batched tensor (others may broadcast a leading 1)."""
+    keys = [k for k in PER_EXAMPLE_KEYS if k in inputs] + [k for k in inputs if k not in PER_EXAMPLE_KEYS]
+    for value in (inputs[k] for k in keys):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
     raise ValueError(f"no batched tensor in inputs (keys: {list(inputs)})")

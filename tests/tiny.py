@@ -16,6 +16,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
     RobertaConfig,
+    RobertaForMultipleChoice,
     RobertaForSequenceClassification,
 )
 
@@ -52,6 +53,21 @@ def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
 
 
+def multiple_choice_dataset(n: int, choices: int = 3, seed: int = 0) -> Dataset:
+    """Pick the positive ending: each example holds `choices` token rows (context + ending), label = its index."""
+    rng = random.Random(seed)
+    tok = tokenizer()
+    rows, labels = [], []
+    for _ in range(n):
+        context = " ".join(rng.choices(NEUTRAL, k=rng.randint(2, 6)))
+        label = rng.randrange(choices)
+        endings = [rng.choice(POSITIVE if c == label else NEGATIVE) for c in range(choices)]
+        rows.append(tok([f"{context} {ending}" for ending in endings], truncation=True, max_length=SEQ_LEN))
+        labels.append(label)
+    return Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
+                              "attention_mask": [r["attention_mask"] for r in rows], "label": labels})
+
+
 def lm_dataset(n: int, seed: int = 0) -> Dataset:
     """Token sequences only: DataCollatorForLanguageModeling makes the labels."""
     return sentiment_dataset(n, seed).remove_columns(["label"])
@@ -70,6 +86,11 @@ def bert(**kw) -> BertForSequenceClassification:
 def roberta(**kw) -> RobertaForSequenceClassification:
     torch.manual_seed(0)
     return RobertaForSequenceClassification(RobertaConfig(**{**_ENCODER, "pad_token_id": 0, **kw}))
+
+
+def roberta_multiple_choice(**kw) -> RobertaForMultipleChoice:
+    torch.manual_seed(0)
+    return RobertaForMultipleChoice(RobertaConfig(**{**_ENCODER, "pad_token_id": 0, **kw}))
 
 
 def gpt2(**kw) -> GPT2LMHeadModel:

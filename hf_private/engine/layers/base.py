@@ -23,9 +23,12 @@ class LayerHandler:
         return any(name in trainable for name in self.input_params)
 
     def on_forward(
-        self, module: nn.Module, args: tuple, output: torch.Tensor, batch_size: int, save_input: bool
+        self, module: nn.Module, args: tuple, output: torch.Tensor, rows: int, save_input: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Return (what to keep for backward, the output tensor to watch). May replace the output."""
+        """Return (what to keep for backward, the output tensor to watch). May replace the output.
+
+        `rows`: the chunk's row count (examples × rows per example), to which a broadcast input is expanded.
+        """
         return (args[0] if save_input else None), output
 
     def terms(

@@ -30,11 +30,11 @@ class EmbeddingHandler(LayerHandler):
                 "couples examples; set scale_grad_by_freq=False."
             )
 
-    def on_forward(self, module, args, output, batch_size, save_input):
+    def on_forward(self, module, args, output, rows, save_input):
         ids = args[0]
-        if ids.dim() >= 1 and ids.shape[0] == 1 and batch_size > 1:
-            ids = ids.expand(batch_size, *ids.shape[1:])
-            output = output.expand(batch_size, *output.shape[1:])
+        if ids.dim() >= 1 and ids.shape[0] == 1 and rows > 1:
+            ids = ids.expand(rows, *ids.shape[1:])
+            output = output.expand(rows, *output.shape[1:])
         return ids, output
 
     def terms(self, module, saved, grad_output, trainable):

@@ -1,0 +1,113 @@
+"""Example-independence probe (design invariant 8): no example's gradient may depend on its chunk-mates.
+
+Hooks see which rows a gradient lands in, not what those rows were computed from. With left padding and
+absolute position embeddings an example's positions depend on the longest example in its chunk; a layer with
+batch statistics mixes every example. Clipping then bounds each term but not one example's influence on the
+sum. So, once per training, a few examples of a real chunk are recomputed alone (a batch of one, padding
+columns removed) and their gradient norms compared with the ones they had inside the chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .core import PerExampleGradientEngine
+
+#: Σ_b ℓ_b for the batch given, computed however the model is set (the probe runs it in eval mode)
+SummedLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+
+RTOL = 1e-3  # fp32: recomputing alone changes only summation order
+RTOL_LOW_PRECISION = 5e-2  # bf16 autocast rounds the two computations differently
+MAX_PROBES = 3
+
+_CAUSES = (
+    "Likely causes: (1) left padding with absolute position embeddings (GPT-2 style), where positions count "
+    "from the chunk's longest example: pad on the right, or pass position_ids derived from the attention mask "
+    "(attention_mask.cumsum(-1) - 1, clamped at 0); with left padding a causal-LM label on an example's first "
+    "token is also predicted from a padding position, so set it to -100; (2) several examples packed into "
+    "shared rows: use DataCollatorWithPadding instead; (3) a layer that mixes examples, such as batch "
+    "statistics (BatchNorm-like) or a batch-wide mean: replace it with a per-example layer (LayerNorm/GroupNorm)."
+)
+
+
+def check_example_independence(
+    engine: PerExampleGradientEngine,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    summed_loss: SummedLoss,
+    num_examples: int,
+    rows_per_example: int = 1,
+    rtol: float = RTOL,
+) -> None:
+    """Raise if an example's per-example gradient norm inside `inputs` differs from its norm alone.
+
+    Runs in eval mode (dropout would make the two computations differ) and in the engine's probe mode: the
+    clipped sums, autograd's `.grad` and the model's train/eval mode are left as they were.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        in_batch = _norms(engine, model, dict(inputs), summed_loss, num_examples, rows_per_example)
+        finite = in_batch[torch.isfinite(in_batch)]  # a non-finite example is dropped by the clip anyway
+        floor = 1e-3 * rtol * float(finite.max()) if finite.numel() else 0.0
+        for b in _probe_examples(inputs, num_examples, rows_per_example):
+            if not torch.isfinite(in_batch[b]):
+                continue
+            single = example_alone(inputs, b, num_examples, rows_per_example)
+            alone = float(_norms(engine, model, single, summed_loss, 1, rows_per_example)[0])
+            inside = float(in_batch[b])
+            if abs(alone - inside) > rtol * max(alone, inside) + floor:
+                raise ValueError(
+                    f"Example {b} of the first chunk has gradient norm {inside:.6g} among its {num_examples - 1} "
+                    f"chunk-mates but {alone:.6g} alone: its gradient depends on the other examples, so clipping "
+                    "does not bound one example's influence and the privacy guarantee would not hold. " + _CAUSES
+                )
+    finally:
+        model.train(was_training)
+
+
+def _norms(engine, model, inputs, summed_loss, examples: int, rows_per_example: int) -> torch.Tensor:
+    with engine.recording(examples, rows_per_example, probe=True):
+        summed_loss(model, inputs).backward()
+    return engine.finish_backward()
+
+
+def _mask(inputs: Mapping[str, Any], rows_per_example: int) -> torch.Tensor | None:
+    """The [B, T] (multiple choice: [B, C, T]) padding mask, if the batch has one of that shape."""
+    mask = inputs.get("attention_mask")
+    dims = 2 if rows_per_example == 1 else 3
+    return mask if torch.is_tensor(mask) and mask.dim() == dims else None
+
+
+def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_example: int) -> list[int]:
+    """The first, shortest and longest examples: the shortest has the most padding, the longest none."""
+    mask = _mask(inputs, rows_per_example)
+    if mask is None:
+        return list(dict.fromkeys([0, num_examples - 1]))[:MAX_PROBES]
+    lengths = mask.reshape(num_examples, -1).ne(0).sum(1)
+    return list(dict.fromkeys([0, int(lengths.argmin()), int(lengths.argmax())]))[:MAX_PROBES]
+
+
+def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per_example: int = 1) -> dict[str, Any]:
+    """Example `b` as a batch of one, without the columns that are padding in all of its rows.
+
+    Every tensor shaped like the padding mask (input_ids, position_ids, token_type_ids, token labels, ...) loses
+    the same columns; tensors broadcast over the batch (leading dimension 1) are kept whole.
+    """
+    single = {
+        k: v[b : b + 1] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == num_examples else v
+        for k, v in inputs.items()
+    }
+    mask = _mask(single, rows_per_example)
+    if mask is None:
+        return single
+    columns = mask.reshape(-1, mask.shape[-1]).ne(0).any(0).nonzero().squeeze(1)
+    axis = mask.dim() - 1
+    return {
+        k: v.index_select(axis, columns) if torch.is_tensor(v) and v.shape[: mask.dim()] == mask.shape else v
+        for k, v in single.items()
+    }
