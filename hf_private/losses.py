@@ -26,6 +26,18 @@ def is_causal_lm(model: nn.Module) -> bool:
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
+def check_per_example_losses(losses: object, examples: int) -> torch.Tensor:
+    """A user's loss must be one value per example: a mean or a [B, 1] result would not be Σ_b ℓ_b once summed."""
+    if torch.is_tensor(losses) and tuple(losses.shape) == (examples,):
+        return losses
+    got = f"shape {list(losses.shape)}" if torch.is_tensor(losses) else f"a {type(losses).__name__}"
+    raise ValueError(
+        f"per_example_loss must return a tensor of shape [B] = [{examples}], one loss per example of the chunk; got "
+        f"{got}. A batch-mean or scalar loss is not allowed: per-example clipping needs each example's own loss "
+        "(reduction='none', then reduce each example's tokens/choices to one value)."
+    )
+
+
 def default_per_example_loss(model: nn.Module, outputs, labels: torch.Tensor) -> torch.Tensor:
     """ℓ_b for sequence classification/regression, token classification and causal LM (token mean per example)."""
     logits = outputs.logits
