@@ -3,6 +3,8 @@
 Pushes a DP-BiTFiT adapter (`PrivateTrainer.push_to_hub`) and a DP-LoRA adapter (the recipe's `--push_to_hub`),
 downloads each into a fresh directory, loads it onto a fresh base, compares logits with the trained model and
 re-reads the privacy block from the Hub card. Prints one JSON line of findings; asserts fail the process.
+With strategy names after the work directory, pushes with each `hub_strategy` from an output directory littered with
+what `save_state()`, `save_metrics()`, a logging integration and the user leave there (`push_with_strategy`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,38 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     return {"lora_epsilon": privacy["epsilon"]}
 
 
+def _leave_junk(trainer: PrivateTrainer) -> None:
+    """Files that must never reach the Hub: trainer state (losses), metrics, an event file, the user's notes."""
+    output_dir = trainer.args.output_dir
+    os.makedirs(os.path.join(output_dir, "runs"), exist_ok=True)
+    trainer.save_state()
+    trainer.save_metrics("train", {"train_loss": 0.6931})
+    with open(os.path.join(output_dir, "runs", "events.out.tfevents.1.host"), "wb") as f:
+        f.write(b"loss=0.6931")
+    with open(os.path.join(output_dir, "notes.txt"), "w") as f:
+        f.write("private notes")
+
+
+def push_with_strategy(workdir: str, strategy: str) -> list[str]:
+    """Train with checkpoints every step, junk in the output directory before and after, push; list the directory."""
+    tok = tiny.tokenizer()
+    output_dir = os.path.join(workdir, strategy)
+    trainer = PrivateTrainer(
+        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96),
+        args=training_args(output_dir, max_steps=2, push_to_hub=True, hub_model_id=f"me/tiny-{strategy}",
+                           hub_strategy=strategy, save_strategy="steps", save_steps=1),
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=BitFitConfig(noise_multiplier=1.0),
+    )
+    _leave_junk(trainer)  # present at every checkpoint push
+    trainer.train()
+    _leave_junk(trainer)  # trainer_state.json now holds the un-noised losses
+    trainer.push_to_hub()
+    return sorted(os.listdir(output_dir))
+
+
 if __name__ == "__main__":
-    findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1])}
+    if len(sys.argv) > 2:
+        findings = {strategy: push_with_strategy(sys.argv[1], strategy) for strategy in sys.argv[2:]}
+    else:
+        findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1])}
     print(json.dumps(findings))
