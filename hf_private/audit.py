@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import os
 import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ from scipy import stats
 from torch import nn
 
 from .adapters import unwrap_peft
+from .privacy import MechanismGroup, PrivacyLedger
+from .privacy.accountants import epsilon_bound
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,14 @@ _SCORE_HELP = {
     WHITE_BOX: "movement of the canary's own embedding row along its initial descent direction",
     BLACK_BOX: "decrease of the canary's loss from the initial to the trained model",
 }
+# Which data the audit trained on. Only the caller knows; "private" (the default) composes the audit run into the
+# released model's guarantee, the other two are the caller's declaration that no training example was used.
+AUDIT_DATA = {
+    "private": "audit run on the training data, composed into the guarantee's ε",
+    "public": "audit run on data declared public by the caller, not composed into ε",
+    "disjoint": "audit run on data declared disjoint from the training data by the caller, not composed into ε",
+}
+AUDIT_MECHANISM_PREFIX = "audit:"
 _EPSILON_CEILING = 1e3  # bisection stops here; no finite number of guesses supports more
 _DESIGN_SEED = 2023  # public: the canaries' embedding rows and labels; only their inclusion is secret
 
@@ -140,7 +151,12 @@ class ScoreBound:
 
 @dataclass(frozen=True)
 class AuditResult:
-    """ε_lb is the largest of the per-score bounds; each was computed at a confidence that makes the max valid."""
+    """ε_lb is the largest of the per-score bounds; each was computed at a confidence that makes the max valid.
+
+    The audit run is itself a DP release of the data it trained on: `mechanisms` (its ledger, at its `delta` and
+    `accountant`) are what `PrivateTrainer.attach_audit` composes into the released model's ε when `audit_data`
+    is "private". `guarantee` is the audit run's own ("none" in insecure test mode).
+    """
 
     epsilon_lower_bound: float
     confidence: float
@@ -153,19 +169,37 @@ class AuditResult:
     k_minus: int
     bounds: tuple[ScoreBound, ...]
     date: str
+    audit_data: str
+    mechanisms: tuple[MechanismGroup, ...]
+    accountant: str
+    guarantee: str
+    dataset_fingerprint: str | None
 
     @property
     def refutes_claim(self) -> bool:
         """True when the audit proves the claimed ε wrong (at the stated confidence)."""
         return self.epsilon_lower_bound > self.claimed_epsilon
 
+    @property
+    def declaration(self) -> str:
+        return AUDIT_DATA[self.audit_data]
+
+    def composed_mechanisms(self) -> list[MechanismGroup]:
+        """What the audit adds to the training data's ledger: its run, renamed "audit:…"; nothing for declared data."""
+        if self.audit_data != "private":
+            return []
+        return [replace(g, name=AUDIT_MECHANISM_PREFIX + g.name) for g in self.mechanisms]
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim}
+        return {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
+                "declaration": self.declaration}
 
     def card_entry(self) -> dict[str, Any]:
-        """The `privacy.audit` block of a model card (`privacy_metadata(..., audit=...)` / `PrivateTrainer.audit`)."""
+        """The `privacy.audit` block of a model card; `PrivateTrainer.attach_audit` puts it there."""
         return {
             "kind": "empirical lower bound (not the guarantee)",
+            "audit_data": self.audit_data,
+            "declaration": self.declaration,
             "epsilon_lower_bound": round(self.epsilon_lower_bound, 4),
             "confidence": self.confidence,
             "canaries": self.canaries,
@@ -178,6 +212,33 @@ class AuditResult:
                                  "epsilon_lower_bound": round(b.epsilon_lower_bound, 4)} for b in self.bounds},
             "procedure": "one training run, Steinke, Nasr, Jagielski (NeurIPS 2023)",
         }
+
+
+@functools.lru_cache(maxsize=16)
+def _composed_bound(groups: tuple[tuple, ...], delta: float, accountant: str) -> tuple[float, str]:
+    """Cached like the ledger's own ε: every card and report would otherwise recompute PRV (seconds each)."""
+    return epsilon_bound([MechanismGroup(*group) for group in groups], delta, accountant)
+
+
+def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accountant: str) -> dict[str, Any]:
+    """A privacy report whose ε also counts every audit run on the training data, at the report's one δ.
+
+    Composed each time a report is made, never written into the training ledger: checkpoints must not record the
+    audit as training spent, and repeated saves or a resume must not count it twice.
+    """
+    added = [group for audit in audits for group in audit.composed_mechanisms()]
+    if not added:
+        return report
+    groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + added
+    epsilon, used = _composed_bound(tuple(tuple(g.to_dict().values()) for g in groups), report["delta"], accountant)
+    composed = {**report, "epsilon": epsilon, "accountant": used, "training_epsilon": report["epsilon"],
+                "mechanisms": [g.to_dict() for g in groups]}
+    if report.get("guarantee") == "formal" and any(a.guarantee != "formal" for a in audits if a.composed_mechanisms()):
+        composed.update(guarantee="none", guarantee_note=(
+            "An audit run on the training data, composed into this ε, trained in insecure test mode (its "
+            "DPConfig.noise_seed was set): its noise can be replayed by anyone who knows the seed."
+        ))
+    return composed
 
 
 # ---------------------------------------------------------------------- canaries
@@ -291,6 +352,7 @@ def run_audit(
     canary_length: int = 8,
     seed: int | None = None,
     scores: Sequence[str] = (WHITE_BOX, BLACK_BOX),
+    audit_data: str = "private",
     **trainer_kwargs: Any,
 ) -> AuditResult:
     """Insert canaries, train once with `PrivateTrainer`, and bound ε from below.
@@ -302,9 +364,16 @@ def run_audit(
     training noise and of the canaries' design); None draws it from the OS. The white-box score needs a trainable
     input embedding and is skipped otherwise (DP-BiTFiT, LoRA); with two scores each is held at half the miss
     probability, so the larger bound keeps the stated confidence.
+
+    `audit_data` says whose data `train_dataset` is. "private" (the default): the released model's training data,
+    so the audit run is a second release of it and `PrivateTrainer.attach_audit` composes it into that model's ε.
+    "public" or "disjoint": the caller declares that no example of the released model's training data is in
+    `train_dataset`; ε is left unchanged and the card carries the declaration.
     """
     from .trainer import PrivateTrainer
 
+    if audit_data not in AUDIT_DATA:
+        raise ValueError(f"audit_data must be one of {', '.join(map(repr, AUDIT_DATA))}, got {audit_data!r}.")
     _check_confidence(confidence)
     if not scores or set(scores) - {WHITE_BOX, BLACK_BOX}:
         raise ValueError(f"scores must be a non-empty subset of {(WHITE_BOX, BLACK_BOX)}, got {tuple(scores)}.")
@@ -352,10 +421,11 @@ def run_audit(
         bound = one_run_epsilon_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
         bounds.append(ScoreBound(score, _SCORE_HELP[score], guesses, correct, per_score_confidence, bound))
         logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f.", score, correct, guesses, bound)
+    report = trainer.privacy_report()
     return AuditResult(
         epsilon_lower_bound=max(b.epsilon_lower_bound for b in bounds),
         confidence=confidence,
-        claimed_epsilon=float(trainer.privacy_report()["epsilon"]),
+        claimed_epsilon=float(report["epsilon"]),
         delta=float(trainer.delta),
         method=dp_config.method,
         canaries=canaries,
@@ -364,6 +434,11 @@ def run_audit(
         k_minus=k_minus,
         bounds=tuple(bounds),
         date=datetime.date.today().isoformat(),
+        audit_data=audit_data,
+        mechanisms=tuple(trainer.ledger.mechanisms),
+        accountant=trainer.ledger.accountant,
+        guarantee=report["guarantee"],
+        dataset_fingerprint=getattr(train_dataset, "_fingerprint", None),
     )
 
 
@@ -436,6 +511,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--confidence", type=float, default=0.95)
     add("--canary_length", type=int, default=_DEMO_LENGTH)
     add("--seed", type=int, default=None, help="Seed of the canary inclusion draw (default: from the OS).")
+    add("--audit_data", choices=tuple(AUDIT_DATA), default="private",
+        help="Whose data --train_file is. 'private' (default): a released model's training data, so this run is "
+        "composed into that model's ε. 'public'/'disjoint': you declare it shares no example with that data.")
+    add("--ledger", default=None, help="privacy_ledger.json of the model released from the same data: prints its ε "
+        "composed with this audit run.")
     add("--output_dir", default=None, help="Trainer output directory (default: a temporary one).")
     add("--output", default=None, help="Write the result as JSON here (it is always printed).")
     return parser
@@ -494,8 +574,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         result = run_audit(factory, data, dp_config, args, canaries=options.canaries, k_plus=options.k_plus,
                            k_minus=options.k_minus, confidence=options.confidence,
-                           canary_length=options.canary_length, seed=options.seed, **trainer_kwargs)
-    text = json.dumps(result.to_dict(), indent=2)
+                           canary_length=options.canary_length, seed=options.seed, audit_data=options.audit_data,
+                           **trainer_kwargs)
+    payload = result.to_dict()
+    sys.stdout.write(f"This is an {result.declaration}.\n")
+    if options.ledger:
+        ledger = PrivacyLedger.load(options.ledger)
+        composed = compose_audits(ledger.report(), [result], ledger.accountant)
+        payload["composed"] = {key: composed.get(key) for key in ("epsilon", "delta", "accountant", "training_epsilon")}
+        sys.stdout.write(f"Composed guarantee of the released model: ε = {composed['epsilon']:.4g} at δ = "
+                         f"{composed['delta']:.3g} (its training ledger alone: ε = {ledger.epsilon():.4g}).\n")
+    elif result.audit_data == "private":
+        sys.stdout.write(f"This audit run spent ε = {result.claimed_epsilon:.4g} (δ = {result.delta:.3g}) on its data: "
+                         "a model released from the same data must count it. Pass --ledger with that model's "
+                         "privacy_ledger.json to print the composed ε, or PrivateTrainer.attach_audit(result).\n")
+    text = json.dumps(payload, indent=2)
     if options.output:
         with open(options.output, "w") as f:
             f.write(text + "\n")

@@ -1,17 +1,20 @@
 """The model card of a privately trained model: a `privacy:` metadata block plus a readable Privacy section.
 
-The card carries held-out evaluation only: training loss and gradient norms are computed on private data
-without noise, so they never appear here.
+The card carries held-out evaluation only: training loss, gradient norms and metrics of an evaluation set that
+overlaps the training data are computed on private data without noise, so they never appear here.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
+
+from .audit import AUDIT_MECHANISM_PREFIX
 
 TEMPLATE = "private_model.md"
 
@@ -48,10 +51,17 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "dataset_size": int(report["dataset_size"]),
         "mechanisms": [dict(m) for m in report["mechanisms"]],
     }
-    for optional in ("guarantee_note", "trainable_fraction", "phases"):
+    for optional in ("guarantee_note", "training_epsilon", "trainable_fraction", "phases"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:
+        composed = any(m["name"].startswith(AUDIT_MECHANISM_PREFIX) for m in block["mechanisms"])
+        if audit.get("audit_data", "private") == "private" and not composed:
+            raise ValueError(
+                "This audit ran on the training data, but its run is not among the report's mechanisms: attach it "
+                "with PrivateTrainer.attach_audit(result), which composes it into ε, or run it on data declared "
+                "'public' or 'disjoint'."
+            )
         block["audit"] = {**audit, "kind": "empirical lower bound (not the guarantee)"}  # the label always wins
     return block
 
@@ -64,6 +74,7 @@ def build_model_card(
     training: dict[str, Any],
     eval_results: dict[str, float],
     load_snippet: str,
+    eval_notes: Sequence[str] = (),
     library_name: str | None = None,
     tags: list[str] | None = None,
     citations: tuple[str, ...] = (),
@@ -89,6 +100,7 @@ def build_model_card(
         not_covered=NOT_COVERED,
         training=training,
         eval_results=eval_results,
+        eval_notes=eval_notes,
         load_snippet=load_snippet,
         citations=citations,
         needs_hf_private=needs_hf_private,

@@ -7,7 +7,9 @@ injected by monkeypatching, never by switches in the library) that the same audi
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -34,7 +36,7 @@ from hf_private.audit import (
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.losses import default_per_example_loss
 from hf_private.model_card import privacy_metadata
-from hf_private.privacy import GaussianNoise
+from hf_private.privacy import GaussianNoise, MechanismGroup, PrivacyLedger, compute_epsilon
 from tests import tiny
 from tests.helpers import make_trainer, training_args
 
@@ -241,7 +243,7 @@ def test_mutation_one_step_distinguisher_catches_a_broken_mechanism(tmp_path, mo
 def test_audit_reaches_the_card_as_a_lower_bound_not_the_guarantee(tmp_path, dpsgd_audit):
     trainer = make_trainer(tmp_path, max_steps=1)
     trainer.train()
-    trainer.audit = dpsgd_audit.card_entry()
+    trainer.attach_audit(dpsgd_audit)
     trainer.save_model()
     card = ModelCard.load(os.path.join(tmp_path, "README.md"))
     privacy = card.data.to_dict()["privacy"]
@@ -249,15 +251,107 @@ def test_audit_reaches_the_card_as_a_lower_bound_not_the_guarantee(tmp_path, dps
     assert audit["kind"] == "empirical lower bound (not the guarantee)"
     assert audit["epsilon_lower_bound"] == pytest.approx(dpsgd_audit.epsilon_lower_bound, abs=1e-4)
     assert audit["confidence"] == 0.95 and audit["canaries"] == CANARIES and audit["date"] == dpsgd_audit.date
-    assert privacy["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])  # the guarantee is untouched
+    assert privacy["epsilon"] == pytest.approx(trainer.privacy_report()["epsilon"])  # the accountant's, not ε_lb
     assert "lower bound, not the guarantee" in card.text and "never proves one" in card.text
+    # The fixture's audit ran in insecure test mode on the training data: the composed guarantee cannot be formal.
+    assert privacy["guarantee"] == "none" and "audit run" in privacy["guarantee_note"]
 
 
 def test_audit_entry_keeps_its_lower_bound_label():
     report = {"guarantee": "formal", "epsilon": 2.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 10,
               "mechanisms": []}
-    block = privacy_metadata(report, "dp-sgd", audit={"kind": "guarantee", "epsilon_lower_bound": 0.1})
+    block = privacy_metadata(report, "dp-sgd", audit={"kind": "guarantee", "epsilon_lower_bound": 0.1,
+                                                      "audit_data": "public"})
     assert block["audit"]["kind"] == "empirical lower bound (not the guarantee)" and block["epsilon"] == 2.0
+
+
+def test_card_refuses_a_private_audit_missing_from_epsilon():
+    report = {"guarantee": "formal", "epsilon": 2.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 10,
+              "mechanisms": []}
+    for entry in ({"epsilon_lower_bound": 0.1}, {"epsilon_lower_bound": 0.1, "audit_data": "private"}):
+        with pytest.raises(ValueError, match="attach_audit"):
+            privacy_metadata(report, "dp-sgd", audit=entry)
+
+
+# ---------------------------------------------------------------- an audit is not a free second look at the data
+TRAIN_EPSILON = 3.0
+
+
+def _tiny_audit(output_dir, audit_data: str, dataset=None) -> AuditResult:
+    """A formal (secret-noise) audit, small and fast: 10 canaries, 3 steps."""
+    tok = tiny.tokenizer()
+    return run_audit(
+        tiny.bert, dataset if dataset is not None else tiny.sentiment_dataset(64, seed=1),
+        DPConfig(noise_multiplier=1.0, max_grad_norm=1.0), training_args(output_dir, max_steps=3,
+                                                                        per_device_train_batch_size=16),
+        canaries=10, k_plus=2, seed=0, audit_data=audit_data, data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+    )
+
+
+def _trained(output_dir):
+    trainer = make_trainer(output_dir, dp=DPConfig(target_epsilon=TRAIN_EPSILON), max_steps=3)
+    trainer.train()
+    return trainer
+
+
+def _card_privacy(trainer) -> tuple[dict, str]:
+    trainer.save_model()
+    card = ModelCard.load(os.path.join(trainer.args.output_dir, "README.md"))
+    return card.data.to_dict()["privacy"], card.text
+
+
+def test_audit_on_the_training_data_is_composed_into_epsilon(tmp_path, caplog):
+    trainer = _trained(tmp_path / "run")
+    training_epsilon = trainer.privacy_report()["epsilon"]
+    result = _tiny_audit(tmp_path / "audit", "private", dataset=trainer.train_dataset)
+    assert result.audit_data == "private" and result.guarantee == "formal"
+    assert [g.name for g in result.mechanisms] == ["dp-sgd"] and result.mechanisms[0].steps == 3
+    with caplog.at_level(logging.WARNING, logger="hf_private"):
+        trainer.attach_audit(result)
+        trainer.attach_audit(result)  # idempotent: the same run is counted once
+    audit_groups = [dataclasses.replace(g, name=f"audit:{g.name}") for g in result.mechanisms]
+    expected = compute_epsilon([*trainer.ledger.mechanisms, *audit_groups], trainer.delta, "prv")
+    report = trainer.privacy_report()
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert report["epsilon"] > training_epsilon and report["training_epsilon"] == training_epsilon
+    assert [m["name"] for m in report["mechanisms"]] == ["dp-sgd", "audit:dp-sgd"]
+    assert "exceeds the target" in caplog.text and caplog.text.count("exceeds the target") == 1
+    assert trainer.ledger.epsilon() == training_epsilon, "the training ledger (saved in checkpoints) is untouched"
+
+    privacy, text = _card_privacy(trainer)
+    _card_privacy(trainer)  # saving again changes nothing
+    assert privacy["epsilon"] == pytest.approx(report["epsilon"]) and privacy["guarantee"] == "formal"
+    recomputed = compute_epsilon([MechanismGroup.from_dict(m) for m in privacy["mechanisms"]], privacy["delta"], "prv")
+    assert recomputed == pytest.approx(privacy["epsilon"], rel=1e-9)
+    assert privacy["audit"]["audit_data"] == "private" and "includes the empirical audit" in text
+    assert "composed into the ε above" in text
+    assert PrivacyLedger.load(tmp_path / "run" / "privacy_ledger.json").epsilon() == training_epsilon
+
+
+def test_declared_disjoint_audit_leaves_epsilon_unchanged_and_the_card_says_so(tmp_path):
+    trainer = _trained(tmp_path / "run")
+    training_epsilon = trainer.privacy_report()["epsilon"]
+    trainer.attach_audit(_tiny_audit(tmp_path / "audit", "disjoint"))
+    report = trainer.privacy_report()
+    assert report["epsilon"] == training_epsilon and "training_epsilon" not in report
+    assert [m["name"] for m in report["mechanisms"]] == ["dp-sgd"]
+    privacy, text = _card_privacy(trainer)
+    assert privacy["epsilon"] == training_epsilon and privacy["audit"]["audit_data"] == "disjoint"
+    assert "audit run on data declared disjoint from the training data by the caller" in text
+    assert "includes the empirical audit" not in text
+
+
+def test_audit_cannot_reach_the_card_without_its_composition(tmp_path, dpsgd_audit):
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with pytest.raises(TypeError, match="AuditResult"):
+        trainer.audit = dpsgd_audit.card_entry()  # the old way: a card entry alone, ε untouched
+    declared = dataclasses.replace(dpsgd_audit, audit_data="disjoint",
+                                   dataset_fingerprint=trainer.train_dataset._fingerprint)
+    with pytest.raises(ValueError, match="same fingerprint"):
+        trainer.attach_audit(declared)
+    with pytest.raises(ValueError, match="audit_data"):
+        run_audit(tiny.bert, tiny.sentiment_dataset(8), DPConfig(noise_multiplier=1.0), None, audit_data="held-out")
 
 
 def test_canaries_refuse_columns_they_cannot_fill():
@@ -266,13 +360,21 @@ def test_canaries_refuse_columns_they_cannot_fill():
 
 
 def test_command_line_demo_writes_the_result(tmp_path, capsys):
-    output = tmp_path / "audit.json"
+    output, ledger = tmp_path / "audit.json", PrivacyLedger(1000, 1e-5)
+    ledger.record("dp-sgd", 1.0, 0.05, 1.0, steps=50)
+    ledger.save(tmp_path / "ledger.json")
     status = main(["--demo_size", "200", "--canaries", "40", "--epochs", "1", "--batch_size", "20", "--seed", "0",
-                   "--output_dir", str(tmp_path / "run"), "--output", str(output)])
+                   "--output_dir", str(tmp_path / "run"), "--output", str(output), "--ledger",
+                   str(tmp_path / "ledger.json")])
     result = json.loads(output.read_text())
     assert status == 0 and result["refutes_claim"] is False
     assert result["canaries"] == 40 and result["k_plus"] == 8 and result["claimed_epsilon"] <= 2.0
-    assert capsys.readouterr().out.rstrip().endswith(json.dumps(result, indent=2))
+    assert result["audit_data"] == "private" and "composed" in result["declaration"]
+    assert result["composed"]["training_epsilon"] == ledger.epsilon() < result["composed"]["epsilon"]
+    out = capsys.readouterr().out
+    assert "This is an audit run on the training data" in out
+    assert f"Composed guarantee of the released model: ε = {result['composed']['epsilon']:.4g}" in out
+    assert out.rstrip().endswith(json.dumps(result, indent=2))
 
 
 def test_command_line_entry_point_is_declared():

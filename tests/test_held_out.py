@@ -1,0 +1,119 @@
+"""Evaluation on the training data is never published as held-out (DESIGN.md invariant 9).
+
+The card publishes an evaluation set's metrics as held-out only when the set shares no row with the training data:
+the training set itself, a copy under another fingerprint and a set with a few training rows are all refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from datasets import concatenate_datasets
+from huggingface_hub import ModelCard
+from transformers import DataCollatorWithPadding
+
+from hf_private import DPConfig, PrivateTrainer
+from hf_private.held_out import TrainingRows
+from tests import tiny
+from tests.helpers import training_args
+
+OVERLAP_WARNING = "shares"
+HELD_OUT_HEADING = "On held-out data"
+NOT_HELD_OUT = "overlapping the training data"
+
+
+def _trainer(output_dir, train, eval_dataset=None) -> PrivateTrainer:
+    tok = tiny.tokenizer()
+    return PrivateTrainer(
+        model=tiny.bert(), args=training_args(output_dir, max_steps=1), train_dataset=train,
+        eval_dataset=eval_dataset, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
+
+
+def _card(trainer) -> ModelCard:
+    trainer.save_model()
+    return ModelCard.load(os.path.join(trainer.args.output_dir, "README.md"))
+
+
+def _with_training_rows(train, rows: int):
+    """Ten training rows among fresh ones: another fingerprint, shared rows."""
+    return concatenate_datasets([train.select(range(rows)), tiny.sentiment_dataset(22, seed=9)])
+
+
+def _assert_withheld(card: ModelCard, prefix: str, metrics: dict[str, float]) -> None:
+    assert HELD_OUT_HEADING not in card.text
+    assert f"`{prefix}` was evaluated on data {NOT_HELD_OUT}" in card.text and "un-noised" in card.text
+    assert not any(key in card.text for key in metrics if key.startswith(prefix)), "the values must not be published"
+
+
+@pytest.mark.parametrize("evaluated", ["training set", "training rows under another fingerprint"])
+def test_evaluation_on_training_data_is_not_published_as_held_out(tmp_path, caplog, evaluated):
+    train = tiny.sentiment_dataset(96)
+    eval_dataset = train if evaluated == "training set" else _with_training_rows(train, 10)
+    assert evaluated == "training set" or eval_dataset._fingerprint != train._fingerprint
+    with caplog.at_level(logging.WARNING, logger="hf_private"):
+        trainer = _trainer(tmp_path, train, eval_dataset)
+    shared = len(train) if evaluated == "training set" else 10
+    assert f"{OVERLAP_WARNING} {shared} of its {len(eval_dataset)} rows" in caplog.text
+    assert "input_ids" not in caplog.text  # a count, never row contents
+    metrics = trainer.evaluate()
+    _assert_withheld(_card(trainer), "eval", metrics)
+
+
+def test_training_set_passed_to_evaluate_later_is_caught(tmp_path, caplog):
+    train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
+    trainer = _trainer(tmp_path, train, dev)
+    trainer.evaluate()
+    with caplog.at_level(logging.WARNING, logger="hf_private"):
+        metrics = trainer.evaluate(train)  # the last metrics under "eval" are now training-set metrics
+    assert OVERLAP_WARNING in caplog.text
+    _assert_withheld(_card(trainer), "eval", metrics)
+
+
+def test_disjoint_evaluation_is_published_as_held_out(tmp_path, caplog):
+    train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
+    with caplog.at_level(logging.WARNING, logger="hf_private"):
+        trainer = _trainer(tmp_path, train, dev)
+        loss = trainer.evaluate()["eval_loss"]
+    assert OVERLAP_WARNING not in caplog.text
+    card = _card(trainer)
+    assert HELD_OUT_HEADING in card.text and NOT_HELD_OUT not in card.text
+    assert f"| eval_loss | {round(loss, 4)} |" in card.text
+    assert "eval_runtime" not in card.text
+
+
+def test_dict_of_eval_sets_is_judged_set_by_set(tmp_path):
+    train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
+    trainer = _trainer(tmp_path, train, {"dev": dev, "seen": _with_training_rows(train, 3)})
+    metrics = trainer.evaluate()
+    card = _card(trainer)
+    assert f"| eval_dev_loss | {round(metrics['eval_dev_loss'], 4)} |" in card.text
+    assert "`eval_seen` was evaluated on data overlapping the training data" in card.text
+    assert "eval_seen_loss" not in card.text
+
+
+def test_row_hashes_ignore_labels_and_storage_format():
+    train = tiny.sentiment_dataset(40)
+    rows = TrainingRows(train, ["input_ids", "attention_mask", "label"])  # what the model accepts, as Trainer says
+    relabelled = train.select(range(5)).map(lambda row: {"label": 1 - row["label"]})
+    assert rows.overlap(relabelled, "relabelled") == 5, "the same input under another label is a training input"
+
+    class Tensors(torch.utils.data.Dataset):  # a plain torch dataset holding tensors, not a datasets.Dataset
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {key: torch.tensor(train[i + 10][key]) for key in ("input_ids", "attention_mask", "label")}
+
+    assert rows.overlap(Tensors(), "tensors") == 4
+
+    class Stream(torch.utils.data.IterableDataset):  # no length: read by iteration, as evaluation reads it
+        def __iter__(self):
+            return (train[i] for i in range(20, 23))
+
+    assert rows.overlap(Stream(), "stream") == 3
+    assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh") == 0
