@@ -10,47 +10,58 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import HubStrategy, SaveStrategy, get_last_checkpoint
+from transformers.utils import PushInProgress
 
 from .adapters import (
-    ADAPTER_WEIGHTS_NAME,
     adapter_format,
     has_private_adapter,
     load_adapter_weights,
     save_private_adapter,
     unwrap_peft,
 )
+from .artifacts import LEDGER_NAME, AllowListedUpload, check_release_settings, copy_pushable
+from .audit import AuditResult, compose_audits
 from .engine import PerExampleGradientEngine
-from .losses import PerExampleLoss, default_per_example_loss
+from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
+from .example_rows import rows_per_example
+from .held_out import (
+    HELD_OUT,
+    OVERLAPS,
+    TrainingRows,
+    card_evaluation,
+    eval_sets,
+    published_metrics,
+)
+from .label_checks import check_finite_labels
+from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
 from .methods import DPConfig
-from .methods.dpsgd.config import CONFIG_NAME as DP_CONFIG_NAME
 from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
 from .optimizer import NoisyOptimizer
 from .privacy import (
     GaussianNoise,
     PrivacyLedger,
-    calibrate_noise_multiplier,
     SecretRandom,
+    calibrate_noise_multiplier,
     max_steps_within,
 )
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
 
 logger = logging.getLogger(__name__)
 
-LEDGER_NAME = "privacy_ledger.json"
 _SUPPORTED_PARALLELISM = (
     "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "
     "or torchrun), each holding the whole model."
 )
-_NON_METRIC_EVAL_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 
 class PrivateTrainer(Trainer):
@@ -75,7 +86,11 @@ class PrivateTrainer(Trainer):
         dp_config.prepare_model(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
+        check_finite_labels(train_dataset)
+        if args is not None:
+            check_release_settings(args)  # before Trainer, which creates the Hub repo when push_to_hub is set
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         self.per_example_loss = per_example_loss or default_per_example_loss
         self._check_setup()
@@ -103,11 +118,19 @@ class PrivateTrainer(Trainer):
         self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
+        self.add_callback(_FreshLogicalBatch(lambda: self.engine.reset()))
         # Every tensor trainable in any phase: what a saved adapter must contain.
         self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self._step_limit: int | None = None
         self._budget_exhausted = False
-        self.audit: dict[str, Any] | None = None  # `AuditResult.card_entry()`: a lower bound, never the guarantee
+        self._independence_checked = False  # the probe of invariant 8 runs once, on the first chunk of ≥ 2
+        self._audits: list[AuditResult] = []  # see attach_audit
+        self._set_signature_columns_if_needed()
+        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names)
+        # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
+        self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
+        for prefix, dataset in eval_sets(self.eval_dataset):
+            self.training_rows.overlap(dataset, prefix)  # warns now, before any training
         logger.info(
             "DP-SGD plan: N=%d, q=%.5g, %d steps, σ=%.4g, C=%g, δ=%.3g, accountant=%s.",
             self.dataset_size, self.sample_rate, self.planned_steps, self.noise_multiplier,
@@ -220,11 +243,19 @@ class PrivateTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if "labels" not in inputs:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
+        loss, outputs = self._summed_loss(model, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _summed_loss(self, model: nn.Module, inputs: dict) -> tuple[torch.Tensor, Any]:
+        """Σ_b ℓ_b with the per-example loss, in whatever mode the model is (the independence probe runs eval)."""
         inputs = dict(inputs)
+        examples = batch_size_of(inputs)
         labels = inputs.pop("labels")
         outputs = model(**inputs)
-        loss = self.per_example_loss(model, outputs, labels).sum()
-        return (loss, outputs) if return_outputs else loss
+        losses = check_per_example_losses(self.per_example_loss(model, outputs, labels), examples)
+        # A non-finite ℓ_b gets zero gradient through where(), and the engine zeroes whatever NaN still reaches its
+        # terms; the logged loss must not become NaN exactly when that record is sampled either.
+        return torch.where(torch.isfinite(losses), losses, 0.0).sum(), outputs
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward/backward in physical chunks of at most per_device_train_batch_size, each clipped per example."""
@@ -236,14 +267,31 @@ class PrivateTrainer(Trainer):
         size = batch_size_of(inputs)
         # The unwrapped model: DDP must not all-reduce un-clipped gradients (the optimizer reduces clipped sums).
         model = self.accelerator.unwrap_model(model)
+        rows = rows_per_example(model, inputs)
         chunk = self.args.per_device_train_batch_size
         total = zero
         for start in range(0, size, chunk):
             part = {k: _slice(v, size, start, start + chunk) for k, v in inputs.items()}
-            with self.engine.recording(min(chunk, size - start)):
+            examples = min(chunk, size - start)
+            with self.engine.recording(examples, rows):
                 total = total + super().training_step(model, part, None)
             self.engine.finish_backward()
+            if examples >= 2 and not self._independence_checked:
+                self._check_example_independence(model, part, examples, rows)
         return total / (self.expected_batch_size / self.args.world_size)
+
+    def _check_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int) -> None:
+        """Once per training: examples recomputed alone must get the norms they had in the chunk (invariant 8)."""
+        low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16)
+                                              for _, p in self.engine.parameters)
+
+        def summed_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                return self._summed_loss(model, batch)[0]
+
+        check_example_independence(self.engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows,
+                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL)
+        self._independence_checked = True
 
     def _may_step(self) -> bool:
         return self._step_limit is None or self.ledger.total_steps < self._step_limit
@@ -276,6 +324,7 @@ class PrivateTrainer(Trainer):
                 accountant=self.dp_config.accountant, prior=self.ledger.mechanisms, name=self.mechanism_name,
             )
         self._budget_exhausted = not self._may_step()
+        self.engine.reset()  # an earlier train() interrupted mid-batch must not release its sums with this one's
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = self.privacy_report()
         output.metrics.update(epsilon=report["epsilon"], delta=report["delta"])
@@ -306,6 +355,11 @@ class PrivateTrainer(Trainer):
             logs["epsilon"] = self.ledger.epsilon()
         super().log(logs, start_time)
 
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0: Trainer's count (6 × tokens × parameters) is an exact function of each Poisson batch's private token
+        count, and it is saved in trainer_state.json and returned as `total_flos`."""
+        return 0
+
     def privacy_report(self) -> dict[str, Any]:
         report = self.ledger.report()
         if self.dp_config.noise_seed is None:
@@ -328,7 +382,62 @@ class PrivateTrainer(Trainer):
             phases=[{"mechanism": name, "from_step": start} for (name, _), start
                     in zip(self.phases, [0, *self.phase_switch_steps])],
         )
-        return report
+        return compose_audits(report, self._audits, self.ledger.accountant)
+
+    def attach_audit(self, result: AuditResult) -> None:
+        """Put an audit on the card; one run on the training data (the default) is composed into ε from now on.
+
+        Attaching the same result again changes nothing. An attached audit cannot be removed: its run is spent.
+        """
+        if not isinstance(result, AuditResult):
+            raise TypeError(
+                f"attach_audit takes the AuditResult run_audit returned, got {type(result).__name__}: a card entry "
+                "alone would leave the audit run's mechanisms out of ε."
+            )
+        fingerprint = getattr(self.train_dataset, "_fingerprint", None)
+        if result.audit_data != "private" and fingerprint is not None and result.dataset_fingerprint == fingerprint:
+            raise ValueError(
+                f"The audit was declared to run on {result.audit_data} data, but it trained on this trainer's "
+                "training set (same fingerprint). Run it with audit_data='private' so it is composed into ε."
+            )
+        if result in self._audits:
+            return
+        self._audits.append(result)
+        report = self.privacy_report()
+        target = self.dp_config.target_epsilon
+        if result.audit_data == "private" and target is not None and report["epsilon"] > target:
+            logger.warning(
+                "The audit ran on the training data, so its run is composed into the guarantee: ε=%.4g (training "
+                "alone %.4g) now exceeds the target ε=%.4g.", report["epsilon"], report["training_epsilon"], target,
+            )
+        logger.info("Audit attached (%s); the card reports ε=%.4g.", result.declaration, report["epsilon"])
+
+    @property
+    def audit(self) -> dict[str, Any] | None:
+        """The card's `privacy.audit` block: the last attached audit's entry (a lower bound, never the guarantee)."""
+        return self._audits[-1].card_entry() if self._audits else None
+
+    @audit.setter
+    def audit(self, result: AuditResult) -> None:
+        self.attach_audit(result)
+
+    # ------------------------------------------------------------------ evaluation: held out or not
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Trainer's evaluate, recording its metrics and whether the card may call them held-out.
+
+        Only metrics computed here reach the card, each with the verdict on the very set that produced it (a dict
+        of sets recurses here once per set, under the prefix eval_<name>).
+        """
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, str):  # Trainer's recursion over a dict names self.eval_dataset's entries
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, dict) or dataset is None:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        status = OVERLAPS if self.training_rows.overlap(dataset, metric_key_prefix) else HELD_OUT
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        self._eval_results[metric_key_prefix] = (status, published_metrics(metrics, metric_key_prefix))
+        return metrics
 
     def _trained_fraction(self) -> float:
         """Share of the model's values trained in any phase (what a saved adapter holds)."""
@@ -381,16 +490,52 @@ class PrivateTrainer(Trainer):
             return
         super()._load_best_model()
 
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
+        """Trainer's push (transformers 5.x), but only the allow-listed artefacts of `hf_private.artifacts` go up.
+
+        Trainer uploads the whole output directory: trainer_state.json, metrics and event files would go public.
+        """
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None and self.args.should_save:
+            hub_id = self.args.hub_model_id
+            model_name = Path(self.args.output_dir).name if hub_id is None else hub_id.split("/")[-1]
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_tags = getattr(self.model, "model_tags", None)
+        if model_tags is not None:
+            tags = kwargs.get("tags") or []
+            tags = [tags] if isinstance(tags, str) else list(tags)
+            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
+        self.create_model_card(model_name=model_name, **kwargs)
+        self._finish_current_push()
+        return self._upload_to_hub(
+            self.hub_model_id, self.args.output_dir, commit_message=commit_message, token=token,
+            revision=revision if revision is not None else self.args.hub_revision, run_as_future=not blocking,
+        )
+
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Trainer copies only transformers/PEFT weight files; the adapter, ledger and card must travel together."""
-        busy = (not self.args.hub_always_push and self.push_in_progress is not None
-                and not self.push_in_progress.is_done())
-        if self.is_world_process_zero() and self.args.hub_strategy != "end" and not busy:
-            for name in (ADAPTER_WEIGHTS_NAME, DP_CONFIG_NAME, LEDGER_NAME, "README.md"):
-                source = os.path.join(checkpoint_folder, name)
-                if os.path.isfile(source):
-                    shutil.copy(source, os.path.join(self.args.output_dir, name))
-        super()._push_from_checkpoint(checkpoint_folder)
+        """Trainer's checkpoint push, but never a checkpoint folder, and only allow-listed files, copied together."""
+        busy = self.push_in_progress is not None and not self.push_in_progress.is_done()
+        if (not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END
+                or (busy and not self.args.hub_always_push)):
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        copy_pushable(checkpoint_folder, self.args.output_dir)  # weights, ledger and card of the same step
+        progress = (f"step {self.state.global_step}" if self.args.save_strategy == SaveStrategy.STEPS
+                    else f"epoch {int(self.state.epoch)}")
+        job = self._upload_to_hub(self.hub_model_id, self.args.output_dir,
+                                  commit_message=f"Training in progress, {progress}", token=self.args.hub_token,
+                                  revision=self.args.hub_revision, run_as_future=True)
+        if busy:
+            self.push_in_progress.jobs.append(job)
+        else:
+            self.push_in_progress = PushInProgress([job])
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
@@ -420,12 +565,14 @@ class PrivateTrainer(Trainer):
             "optimizer": self._inner_optimizer_name(),
             "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
         }
+        held_out, eval_notes = card_evaluation(self._eval_results)
         card = build_model_card(
             privacy=privacy_metadata(report, report["method"], audit=self.audit),
             base_model=base_model,
             model_title=model_name or repo,
             training=training,
-            eval_results=_held_out_metrics(self.state.log_history),
+            eval_results=held_out,
+            eval_notes=eval_notes,
             load_snippet=load_snippet(fmt, type(base).__name__, base_model, repo, _num_labels(base)),
             library_name="peft" if fmt == "peft" else "transformers",
             tags=tags,
@@ -437,6 +584,16 @@ class PrivateTrainer(Trainer):
 
 
 # ---------------------------------------------------------------------- helpers
+class _FreshLogicalBatch(TrainerCallback):
+    """Trainer's hook at the first micro-batch of every optimizer step: an interrupted batch never joins the next."""
+
+    def __init__(self, reset: Callable[[], None]) -> None:
+        self.reset = reset
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.reset()
+
+
 def _check_model(model: nn.Module) -> None:
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise ValueError(
@@ -475,14 +632,6 @@ def _base_model_name(base: nn.Module) -> str | None:
     """The pre-trained model's Hub id or path; None for a model built from config."""
     name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
     return name if name and " " not in name else None
-
-
-def _held_out_metrics(log_history: list[dict]) -> dict[str, float]:
-    evals = [e for e in log_history if any(k.startswith("eval_") for k in e)]
-    if not evals:
-        return {}
-    last = evals[-1]
-    return {k: round(v, 4) for k, v in last.items() if k.startswith("eval_") and k not in _NON_METRIC_EVAL_KEYS}
 
 
 def _num_labels(model: nn.Module) -> int | None:

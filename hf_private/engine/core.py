@@ -11,6 +11,10 @@ Autograd's own parameter gradients would be computed and thrown away, so while a
 trainable parameters are flagged `requires_grad=False` ("ghost differentiation"): backward then only
 propagates activation gradients. The first chunk runs with autograd's gradients on and checks that the
 engine's unclipped sums reproduce them, which catches a parameter used outside its module's forward.
+
+Every term must cover exactly the examples `recording` was told about: one row per example, or (multiple
+choice) a fixed number of consecutive rows per example, summed into one term. Anything else is refused, since
+per-example clipping would silently become per-row clipping.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import nn
 
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
-from .terms import clipped_sum, inner, squared_norm
+from .terms import clipped_sum, group_rows, inner, squared_norm, zero_examples
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,27 @@ class _HookedLayer:
     handler: LayerHandler
     trainable: dict[str, nn.Parameter]  # parameter name in the module → parameter
     save_input: bool
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What `recording` was told about the chunk: the terms must cover exactly these examples."""
+
+    examples: int
+    rows_per_example: int
+    probe: bool
+
+    def check_rows(self, layer: str, rows: int) -> None:
+        """A layer whose rows are not the chunk's examples would turn per-example clipping into per-row clipping."""
+        if rows in (self.examples, self.examples * self.rows_per_example):
+            return
+        each = f" of {self.rows_per_example} rows each" if self.rows_per_example > 1 else ""
+        raise ValueError(
+            f"{layer} computed gradients for {rows} rows, but the chunk holds {self.examples} examples{each}: its rows "
+            "are not the chunk's examples, so per-example clipping would become per-row clipping and the privacy "
+            "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding; never "
+            "pack several examples into one row) and pass the chunk's number of examples to engine.recording()."
+        )
 
 
 @dataclass
@@ -78,7 +103,8 @@ class PerExampleGradientEngine:
         self.clipped_sums: dict[nn.Parameter, torch.Tensor] = {}
         self.last_norms: torch.Tensor | None = None
         self._calls: list[_Call] = []
-        self._batch_size: int | None = None
+        self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
+        self._chunk: _Chunk | None = None  # the chunk that `finish_backward` will reduce
         self._handles: list = []
         self.verified = False  # set after the first chunk's per-example sums matched autograd
 
@@ -126,9 +152,9 @@ class PerExampleGradientEngine:
     # ------------------------------------------------------------------ hooks
     def _forward_hook(self, layer: _HookedLayer):
         def hook(module, args, output):
-            if self._batch_size is None or not torch.is_grad_enabled():
+            if self._rows is None or not torch.is_grad_enabled():
                 return None
-            saved, watched = layer.handler.on_forward(module, args, output, self._batch_size, layer.save_input)
+            saved, watched = layer.handler.on_forward(module, args, output, self._rows, layer.save_input)
             saved = saved.detach() if saved is not None else None  # the values only, never the forward graph
             call = _Call(layer, saved, saved._version if saved is not None else None)
             self._calls.append(call)
@@ -154,8 +180,17 @@ class PerExampleGradientEngine:
         return hook
 
     @contextmanager
-    def recording(self, batch_size: int) -> Iterator[None]:
-        """Record per-example terms for the forward/backward of one physical chunk of `batch_size` examples."""
+    def recording(self, batch_size: int, rows_per_example: int = 1, probe: bool = False) -> Iterator[None]:
+        """Record per-example terms for the forward/backward of one physical chunk of `batch_size` examples.
+
+        `batch_size` must come from the data (the sampler/collator), not from a tensor the model builds: every
+        term is checked against it. `rows_per_example` > 1 when the model spreads an example over several rows
+        (a multiple-choice head: one row per choice); each example's term then sums its rows. `probe=True`
+        computes norms only (see `finish_backward`), with autograd's own gradients off.
+        """
+        if batch_size < 0 or rows_per_example < 1:
+            raise ValueError(f"recording() needs batch_size >= 0 and rows_per_example >= 1, got {batch_size}, "
+                             f"{rows_per_example}.")
         training_bn = [n for n in self.batch_norms if self.model.get_submodule(n).training]
         if training_bn:
             raise ValueError(
@@ -163,41 +198,68 @@ class PerExampleGradientEngine:
                 "and the privacy guarantee break. Replace it with GroupNorm/LayerNorm (opacus "
                 "ModuleValidator.fix) or keep it in eval mode."
             )
-        frozen_for_chunk = [p for _, p in self.parameters] if self.verified else []
+        frozen_for_chunk = [p for _, p in self.parameters] if self.verified or probe else []
         for p in frozen_for_chunk:
             p.requires_grad_(False)
-        self._batch_size = batch_size
+        self._chunk = _Chunk(batch_size, rows_per_example, probe)
+        self._rows = batch_size * rows_per_example
         try:
             yield
+        except BaseException:  # Ctrl-C, an out-of-memory error: nothing of the broken chunk may reach a release
+            self.discard_chunk()
+            raise
         finally:
-            self._batch_size = None
+            self._rows = None
             for p in frozen_for_chunk:
                 p.requires_grad_(True)
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
     def finish_backward(self) -> torch.Tensor:
-        """Clip every example to max_grad_norm over all trainable tensors and add to the running sums."""
+        """Clip every example to max_grad_norm over all trainable tensors and add to the running sums.
+
+        An example whose norm is not finite (a NaN label, an overflow) contributes exactly zero. A probe chunk
+        (`recording(probe=True)`) returns the per-example norms and leaves the sums untouched.
+        """
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            raise RuntimeError("finish_backward() must follow a backward pass run inside engine.recording().")
         by_param: dict[nn.Parameter, list] = defaultdict(list)
+        rows = []
         for call in self._calls:
             for name, term in call.terms.items():
                 by_param[call.layer.trainable[name]].append(term)
+                rows.append((call.layer.name, term.batch_size))
             # The output's autograd node keeps the hook closure (and so this call) alive after backward:
             # drop the call's references now, or every chunk's activations and gradients would linger.
             call.terms, call.saved = {}, None
         self._calls.clear()
-        self._check_coverage(by_param)
-        if not self.verified:
-            self._check_against_autograd(by_param)
-        for _, p in self.parameters:
-            p.grad = None  # autograd's un-clipped gradient must never reach the optimizer; free it before the sums
-        batch = self._batch_of(by_param)
+        try:
+            for layer, count in rows:
+                chunk.check_rows(layer, count)
+            self._check_coverage(by_param)
+            if not self.verified and not chunk.probe:
+                self._check_against_autograd(by_param)
+        finally:
+            for _, p in self.parameters:
+                p.grad = None  # autograd's un-clipped gradient must never reach the optimizer, refused chunk or not
+        if chunk.rows_per_example > 1:
+            by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
+                            for t in terms] for p, terms in by_param.items()}
+        batch = chunk.examples
         norms_sq = None
         for param, terms in by_param.items():
             contribution = self._squared_norm(terms, self._accumulation_dtype(param))
             norms_sq = contribution if norms_sq is None else norms_sq + contribution.to(norms_sq.dtype)
         norms = norms_sq.sqrt() if norms_sq is not None else torch.zeros(batch)
+        if chunk.probe:
+            return norms.detach()
         factors = (self.max_grad_norm / (norms + _CLIP_STABILITY)).clamp(max=1.0)
+        finite = torch.isfinite(norms)
+        if not bool(finite.all()):  # one check per chunk keeps the common path cheap
+            # A NaN label or an overflow must not turn the release into NaN exactly when that record is sampled.
+            factors = torch.where(finite, factors, 0.0)
+            by_param = {p: [zero_examples(t, finite) for t in terms] for p, terms in by_param.items()}
         for param, terms in by_param.items():
             dtype = self._accumulation_dtype(param)
             for term in terms:
@@ -224,37 +286,38 @@ class PerExampleGradientEngine:
                 )
 
     def _check_against_autograd(self, by_param: dict) -> None:
-        """Σ_b g_b from the engine must equal autograd's gradient, or some use of a parameter is invisible."""
+        """Σ_b g_b from the engine must equal autograd's gradient, or some use of a parameter is invisible.
+
+        The rounding of a sum scales with its summands, not with the result: a gradient that cancels to zero
+        (a multiple-choice head's bias: Σ_c ∂ℓ/∂logit_c = 0) is compared on the scale Σ_rows ‖g_row‖.
+        A chunk holding a non-finite example (or gradient) defers the check to the next chunk: the clip drops that
+        example, and whether training fails must not depend on one record.
+        """
+        grads = [p.grad for _, p in self.parameters if p.grad is not None]
+        terms_seen = [t for terms in by_param.values() for t in terms]
+        if not all(bool(torch.isfinite(x).all()) for x in [*vars_tensors(terms_seen), *grads]):
+            return
         pairs = []
         for name, p in self.parameters:
-            terms = by_param.get(p, [])
-            dtype = self._accumulation_dtype(p)
-            ones = None
-            ours = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            terms = [self._cast(t, self._accumulation_dtype(p)) for t in by_param.get(p, [])]
+            ours = torch.zeros(p.shape, dtype=self._accumulation_dtype(p), device=p.device)
             for term in terms:
-                ones = torch.ones(term.batch_size, dtype=dtype, device=p.device) if ones is None else ones
-                ours = clipped_sum(self._cast(term, dtype), ones, p.shape, out=ours)
-            reference = p.grad.to(dtype) if p.grad is not None else torch.zeros_like(ours)
-            low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(terms))
-            pairs.append((name, ours, reference, low_precision))
-        total = torch.sqrt(sum(ref.double().pow(2).sum() for _, _, ref, _ in pairs))
-        for name, ours, reference, low_precision in pairs:
+                ours = clipped_sum(term, ours.new_ones(term.batch_size), p.shape, out=ours)
+            reference = p.grad.to(ours.dtype) if p.grad is not None else torch.zeros_like(ours)
+            low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(by_param.get(p, [])))
+            summands = sum(squared_norm(t).double().clamp(min=0).sqrt().sum() for t in terms)
+            pairs.append((name, ours, reference, low_precision, reference.double().norm() + summands))
+        total = torch.sqrt(sum(ref.double().pow(2).sum() for _, _, ref, _, _ in pairs))
+        for name, ours, reference, low_precision, scale in pairs:
             tol = _CHECK_TOLERANCE_LOW_PRECISION if low_precision else _CHECK_TOLERANCE.get(reference.dtype, 1e-3)
             error = (ours - reference).double().norm()
-            if error > tol * (reference.double().norm() + 1e-4 * total):
+            if error > tol * (scale + 1e-4 * total):
                 raise UnsupportedLayerError(
                     f"Parameter {name}: the per-example gradients seen by hooks do not add up to its gradient "
-                    f"(relative error {error / reference.double().norm().clamp(min=1e-30):.2e}). It is used outside "
+                    f"(relative error {error / scale.clamp(min=1e-30):.2e}). It is used outside "
                     "its module's forward (or by an unsupported operation); freeze it or use it through its module."
                 )
         self.verified = True
-
-    @staticmethod
-    def _batch_of(by_param: dict) -> int:
-        sizes = {t.batch_size for terms in by_param.values() for t in terms}
-        if len(sizes) > 1:
-            raise RuntimeError(f"Per-example terms disagree on the batch size: {sorted(sizes)}.")
-        return sizes.pop() if sizes else 0
 
     @staticmethod
     def _accumulation_dtype(param: nn.Parameter) -> torch.dtype:
@@ -271,8 +334,16 @@ class PerExampleGradientEngine:
         sums, self.clipped_sums = self.clipped_sums, {}
         return sums
 
-    def reset(self) -> None:
+    def discard_chunk(self) -> None:
+        """Forget the chunk being recorded: its terms and autograd's un-clipped gradients."""
         for call in self._calls:
             call.terms, call.saved = {}, None
         self._calls.clear()
+        self._chunk = None
+        for _, p in self.parameters:
+            p.grad = None
+
+    def reset(self) -> None:
+        """Forget everything not yet released, so an interrupted logical batch never joins the next one."""
+        self.discard_chunk()
         self.clipped_sums = {}

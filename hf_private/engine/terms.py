@@ -68,6 +68,41 @@ def outer_product_term(left: torch.Tensor, right: torch.Tensor) -> OuterTerm | S
     return SampleTerm(torch.einsum("btp,btd->bpd", left, right))
 
 
+def group_rows(term, rows_per_example: int):
+    """One term per example from `rows_per_example` consecutive rows each (multiple choice: B·C rows → B).
+
+    An example's gradient is the sum over its rows, so its norm must cover all of them. A sum of row gradients
+    is a sum over the rows' positions: factored terms simply concatenate the rows along the token axis (exact).
+    """
+    if isinstance(term, SampleTerm):
+        grad = term.grad
+        return SampleTerm(grad.reshape(-1, rows_per_example, *grad.shape[1:]).sum(1))
+    if isinstance(term, IndexTerm):
+        examples = term.index.shape[0] // rows_per_example
+        return IndexTerm(index=term.index.reshape(examples, -1),
+                         right=term.right.reshape(examples, -1, term.right.shape[2]), num_rows=term.num_rows)
+    examples = term.left.shape[0] // rows_per_example
+    # Re-decide ghost vs instantiated: the grouped sequence is rows_per_example times longer.
+    return outer_product_term(term.left.reshape(examples, -1, term.left.shape[2]),
+                              term.right.reshape(examples, -1, term.right.shape[2]))
+
+
+def zero_examples(term, keep: torch.Tensor):
+    """The term with every example outside `keep` (a [B] bool mask) set to exactly zero.
+
+    A zero clip factor is not enough to drop a non-finite example: 0·NaN and 0·inf are NaN, and would reach the sum.
+    """
+
+    def masked(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep.view(-1, *[1] * (values.dim() - 1)), values, 0.0)
+
+    if isinstance(term, SampleTerm):
+        return SampleTerm(masked(term.grad))
+    if isinstance(term, IndexTerm):
+        return IndexTerm(index=term.index, right=masked(term.right), num_rows=term.num_rows)
+    return OuterTerm(left=masked(term.left), right=masked(term.right))
+
+
 def squared_norm(term) -> torch.Tensor:
     """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable."""
     if isinstance(term, SampleTerm):
