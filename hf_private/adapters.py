@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterable
 
@@ -24,7 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from .logs import get_logger
+
+logger = get_logger(__name__)
 
 ADAPTER_WEIGHTS_NAME = "private_adapter.safetensors"
 ADAPTER_FORMAT = "hf_private.adapter.v1"

@@ -9,7 +9,6 @@ therefore uploads only the released artefacts, named below; anything else stays 
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import re
 import shutil
@@ -21,9 +20,10 @@ from transformers.trainer_utils import HubStrategy
 from transformers.utils import hf_api
 
 from .adapters import ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME
+from .logs import get_logger
 from .methods.dpsgd.config import CONFIG_NAME as DP_CONFIG_NAME
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LEDGER_NAME = "privacy_ledger.json"
 CARD_NAME = "README.md"

@@ -34,10 +34,11 @@ from scipy import stats
 from torch import nn
 
 from .adapters import unwrap_peft
+from .logs import get_logger
 from .privacy import MechanismGroup, PrivacyLedger
 from .privacy.accountants import epsilon_bound
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 WHITE_BOX = "white-box"
 BLACK_BOX = "black-box"

@@ -10,14 +10,15 @@ learnt from that training example.
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from .logs import get_logger
+
+logger = get_logger(__name__)
 
 HELD_OUT = "held-out"
 OVERLAPS = "overlaps the training data"

@@ -7,7 +7,6 @@ stays the user's own `PreTrainedModel`/`PeftModel`, so saving, evaluation and `p
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from .held_out import (
     published_metrics,
 )
 from .label_checks import check_finite_labels
+from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
 from .methods import DPConfig
 from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
@@ -56,7 +56,7 @@ from .privacy import (
 )
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SUPPORTED_PARALLELISM = (
     "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "

@@ -159,7 +159,7 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     parser = HfArgumentParser((RecipeArguments, TrainingArguments))
     fixed = DEMO_ARGS if demo else ["--output_dir", f"outputs/{first.task}-{first.method}", *GLUE_ARGS]
     recipe, training_args = parser.parse_args_into_dataclasses(args=[*fixed, *_default_args(defaults), *argv])
-    for name in ("recipes", "hf_private"):  # the main process tells the story; the others only warn
+    for name in ("recipes", "transformers.hf_private"):  # the main process tells the story; the others only warn
         logging.getLogger(name).setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     accumulation_given = any(a.split("=")[0] == "--gradient_accumulation_steps" for a in argv)
     _set_batch(training_args, recipe.expected_batch_size, accumulation_given)

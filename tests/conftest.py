@@ -5,3 +5,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _hf_private_logs_reach_caplog():
+    """hf_private logs under transformers' library logger, which does not propagate; caplog listens at the root."""
+    transformers_logging.enable_propagation()
+    yield

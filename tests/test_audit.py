@@ -307,7 +307,7 @@ def test_audit_on_the_training_data_is_composed_into_epsilon(tmp_path, caplog):
     result = _tiny_audit(tmp_path / "audit", "private", dataset=trainer.train_dataset)
     assert result.audit_data == "private" and result.guarantee == "formal"
     assert [g.name for g in result.mechanisms] == ["dp-sgd"] and result.mechanisms[0].steps == 3
-    with caplog.at_level(logging.WARNING, logger="hf_private"):
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer.attach_audit(result)
         trainer.attach_audit(result)  # idempotent: the same run is counted once
     audit_groups = [dataclasses.replace(g, name=f"audit:{g.name}") for g in result.mechanisms]

@@ -55,7 +55,7 @@ def test_evaluation_on_training_data_is_not_published_as_held_out(tmp_path, capl
     train = tiny.sentiment_dataset(96)
     eval_dataset = train if evaluated == "training set" else _with_training_rows(train, 10)
     assert evaluated == "training set" or eval_dataset._fingerprint != train._fingerprint
-    with caplog.at_level(logging.WARNING, logger="hf_private"):
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, eval_dataset)
     shared = len(train) if evaluated == "training set" else 10
     assert f"{OVERLAP_WARNING} {shared} of its {len(eval_dataset)} rows" in caplog.text
@@ -68,7 +68,7 @@ def test_training_set_passed_to_evaluate_later_is_caught(tmp_path, caplog):
     train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
     trainer = _trainer(tmp_path, train, dev)
     trainer.evaluate()
-    with caplog.at_level(logging.WARNING, logger="hf_private"):
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         metrics = trainer.evaluate(train)  # the last metrics under "eval" are now training-set metrics
     assert OVERLAP_WARNING in caplog.text
     _assert_withheld(_card(trainer), "eval", metrics)
@@ -76,7 +76,7 @@ def test_training_set_passed_to_evaluate_later_is_caught(tmp_path, caplog):
 
 def test_disjoint_evaluation_is_published_as_held_out(tmp_path, caplog):
     train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
-    with caplog.at_level(logging.WARNING, logger="hf_private"):
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, dev)
         loss = trainer.evaluate()["eval_loss"]
     assert OVERLAP_WARNING not in caplog.text

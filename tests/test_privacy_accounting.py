@@ -114,7 +114,7 @@ def test_prv_reports_the_upper_bound_not_the_estimate():
 
 def test_prv_falls_back_to_rdp_when_its_grid_explodes(caplog):
     # σ=0.1, q=0.01, 1000 steps: opacus' PRV would discretise on ~2e8 points (minutes, gigabytes).
-    with caplog.at_level(logging.INFO, logger="hf_private.privacy.accountants"):
+    with caplog.at_level(logging.INFO, logger="transformers.hf_private.privacy.accountants"):
         eps = _eps(0.1, 0.01, 1000, 1e-5, "prv")
     assert eps == _eps(0.1, 0.01, 1000, 1e-5, "rdp")
     assert "RDP bound" in caplog.text

@@ -116,7 +116,7 @@ def test_requests_and_streams_never_repeat():
 
 
 def test_test_seed_is_reproducible_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_private.privacy.rng"):
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private.privacy.rng"):
         first = SecretRandom(test_seed=1234).normal(16)
         second = SecretRandom(test_seed=1234).normal(16)
     assert torch.equal(first, second)

@@ -19,7 +19,6 @@ per-example clipping would silently become per-row clipping.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,11 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..logs import get_logger
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
 from .terms import clipped_sum, group_rows, inner, squared_norm, zero_examples
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CLIP_STABILITY = 1e-6
 # Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total.

@@ -11,7 +11,6 @@ for the guarantee.
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -22,10 +21,12 @@ import numpy as np
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
 
+from ..logs import get_logger
+
 if TYPE_CHECKING:
     from .ledger import MechanismGroup
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SUPPORTED_ACCOUNTANTS = ("prv", "rdp")
 

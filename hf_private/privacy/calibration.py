@@ -8,14 +8,14 @@ evaluations instead of fifteen to twenty. Every answer is checked by the request
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 
+from ..logs import get_logger
 from .accountants import check_accountant, compute_epsilon
 from .ledger import MechanismGroup
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # A search that has not converged by then returns its best *feasible* point, which is still safe.
 _MAX_EVALUATIONS = 60

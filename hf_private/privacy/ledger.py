@@ -8,16 +8,16 @@ one group, survives checkpoints as JSON, and answers "what is ε now" and "what 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..logs import get_logger
 from .accountants import check_accountant, compute_epsilon, epsilon_bound
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FORMAT_VERSION = 1
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import math
 import os
 import threading
@@ -29,7 +28,9 @@ import threading
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-logger = logging.getLogger(__name__)
+from ..logs import get_logger
+
+logger = get_logger(__name__)
 
 KEY_BYTES = 32  # 256-bit key
 _MAX_REQUEST_BYTES = (1 << 32) * 64  # the 32-bit block counter of one nonce

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from torch import nn
 
+from ...logs import get_logger
 from ...losses import is_causal_lm
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
