@@ -8,6 +8,14 @@ A layer call contributes to a parameter's per-example gradient in one of three s
 
 A parameter can receive several terms (tied embeddings, a module called twice); its per-example norm then
 needs the cross terms, which `inner` provides, because ‖Σ_i g_i‖² ≠ Σ_i ‖g_i‖².
+
+Dtypes (bf16 autocast): a term is formed in the dtype its layer computed in, which is the dtype of the layer's
+output and so of its output gradient. Autocast casts an op's inputs to that compute dtype (bf16 for a matmul fed
+by an fp32 norm layer, fp32 for an op it keeps in fp32), so a saved input is brought to it first
+(`in_compute_dtype`), just as the forward and autograd's own weight gradient saw it; on the fp32/fp64 path the
+two dtypes agree and nothing is cast. Layers that compute statistics in a wider type (RMSNorm) do so in their
+handler, as their forward does. The engine then accumulates norms, cross terms and clipped sums in the parameter's
+dtype promoted to at least float32, never in bf16.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ class SampleTerm:
     @property
     def batch_size(self) -> int:
         return self.grad.shape[0]
+
+
+def in_compute_dtype(saved: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """A layer's saved input as its op used it: in the dtype of the output gradient (see the module notes)."""
+    return saved if saved.dtype == grad_output.dtype else saved.to(grad_output.dtype)
 
 
 def ghost_norm_is_cheaper(seq_len: int, left_width: int, right_width: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from ..terms import SampleTerm
+from ..terms import SampleTerm, in_compute_dtype
 from .base import LayerHandler
 from .registry import register_layer
 
@@ -20,7 +20,8 @@ class LayerNormHandler(LayerHandler):
         grads = grad_output.reshape(batch, -1, *dims)
         out = {}
         if "weight" in trainable:
-            normalized = F.layer_norm(saved, dims, None, None, module.eps).reshape(batch, -1, *dims)
+            normalized = F.layer_norm(in_compute_dtype(saved, grad_output), dims, None, None, module.eps)
+            normalized = normalized.reshape(batch, -1, *dims)
             out["weight"] = SampleTerm((grads * normalized).sum(1))
         if "bias" in trainable:
             out["bias"] = SampleTerm(grads.sum(1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..terms import OuterTerm, SampleTerm, outer_product_term
+from ..terms import OuterTerm, SampleTerm, in_compute_dtype, outer_product_term
 from .base import LayerHandler, as_sequence
 from .registry import register_layer
 
@@ -23,7 +23,7 @@ class LinearHandler(LayerHandler):
         grads = as_sequence(grad_output, batch)
         out = {}
         if "weight" in trainable:
-            out["weight"] = self.weight_term(grads, as_sequence(saved, batch))
+            out["weight"] = self.weight_term(grads, as_sequence(in_compute_dtype(saved, grad_output), batch))
         if "bias" in trainable:
             out["bias"] = SampleTerm(grads.sum(1))
         return out

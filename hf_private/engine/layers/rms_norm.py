@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..terms import SampleTerm
+from ..terms import SampleTerm, in_compute_dtype
 from .base import LayerHandler
 from .registry import register_layer
 
@@ -24,7 +24,11 @@ class TorchRMSNormHandler(LayerHandler):
     params = ("weight",)
     input_params = ("weight",)
 
-    def normalize(self, module, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, module, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """x̂ as F.rms_norm computes it: from the input in the op's dtype, statistics in at least float32 (a bf16
+        input's default eps is float32's, not bf16's)."""
+        x = in_compute_dtype(x, grad_output)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         dims = tuple(range(-len(module.normalized_shape), 0))
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
         return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
@@ -32,13 +36,14 @@ class TorchRMSNormHandler(LayerHandler):
     def terms(self, module, saved, grad_output, trainable):
         batch = grad_output.shape[0]
         shape = tuple(module.weight.shape)
-        normalized = self.normalize(module, saved).reshape(batch, -1, *shape)
+        normalized = self.normalize(module, saved, grad_output).reshape(batch, -1, *shape)
         return {"weight": SampleTerm((grad_output.reshape(batch, -1, *shape) * normalized).sum(1))}
 
 
 @register_layer(*_llama_family_rms_norms())
 class LlamaRMSNormHandler(TorchRMSNormHandler):
-    def normalize(self, module, x):
+    def normalize(self, module, x, grad_output):
+        """The module's own forward, on the input as saved: it chooses its dtypes itself (x̂ back in x's dtype)."""
         hidden = x.to(torch.float32)
         hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
         return hidden.to(x.dtype)
