@@ -14,7 +14,9 @@ engine's unclipped sums reproduce them, which catches a parameter used outside i
 
 Every term must cover exactly the examples `recording` was told about: one row per example, or (multiple
 choice) a fixed number of consecutive rows per example, summed into one term. Anything else is refused, since
-per-example clipping would silently become per-row clipping.
+per-example clipping would silently become per-row clipping. A layer once seen without a per-example batch dimension
+(T5's relative_attention_bias, looked up with [query, key] positions) stays refused, as its shape can coincide
+with the chunk's; the trainer's independence probe (examples alone) exposes it on the first chunk.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class _HookedLayer:
     handler: LayerHandler
     trainable: dict[str, nn.Parameter]  # parameter name in the module → parameter
     save_input: bool
+    unbatched: str | None = None  # the rows it once had without a per-example batch dimension: refused from then on
 
 
 @dataclass(frozen=True)
@@ -57,17 +60,47 @@ class _Chunk:
     rows_per_example: int
     probe: bool
 
-    def check_rows(self, layer: str, rows: int) -> None:
-        """A layer whose rows are not the chunk's examples would turn per-example clipping into per-row clipping."""
-        if rows in (self.examples, self.examples * self.rows_per_example):
-            return
+    def matches(self, rows: int) -> bool:
+        return rows in (self.examples, self.examples * self.rows_per_example)
+
+    def describe(self) -> str:
         each = f" of {self.rows_per_example} rows each" if self.rows_per_example > 1 else ""
-        raise ValueError(
-            f"{layer} computed gradients for {rows} rows, but the chunk holds {self.examples} examples{each}: its rows "
-            "are not the chunk's examples, so per-example clipping would become per-row clipping and the privacy "
-            "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding; never "
-            "pack several examples into one row) and pass the chunk's number of examples to engine.recording()."
-        )
+        return f"{self.examples} example{'' if self.examples == 1 else 's'}{each}"
+
+    def check_rows(self, rows: list[tuple[_HookedLayer, int]]) -> None:
+        """Every term must have the chunk's rows; a layer once seen without a per-example batch dimension never again.
+
+        A mismatch has two causes. Several examples packed into one row: every layer then has fewer rows than the
+        chunk's. A parameter used for the whole batch at once (T5's `relative_attention_bias`: an nn.Embedding
+        looked up with [query, key] position buckets that every example shares): that layer alone has other rows
+        (q) than the layers fed with the examples. Its gradient is a sum over the batch and it has no per-example
+        term; when q happens to equal the chunk's size the shapes cannot show it, so such a layer is remembered and
+        refused from then on, and the independence probe (one example alone, unpadded: q ≠ 1 rows) reveals it.
+        """
+        batched = any(self.matches(count) for layer, count in rows if layer.unbatched is None)
+        for layer, count in rows:
+            if layer.unbatched is None and self.matches(count):
+                continue
+            if layer.unbatched is None and (batched or count > self.examples * self.rows_per_example):
+                layer.unbatched = f"{count} rows where its chunk held {self.describe()}"
+            if layer.unbatched is not None:
+                raise UnsupportedLayerError(
+                    f"{layer.name} is used without a per-example batch dimension (it computed gradients for "
+                    f"{layer.unbatched}): its trainable parameter(s) {sorted(layer.trainable)} serve the whole "
+                    "batch at once, e.g. T5's relative_attention_bias, looked up with [query, key] positions that "
+                    "every example shares. Their gradient is a sum over the batch, so no per-example gradient exists, "
+                    "per-example clipping cannot bound them and the privacy guarantee would not hold; the layer stays "
+                    "refused even when a chunk's size happens to equal that dimension. Freeze these parameters "
+                    "(requires_grad=False) before creating the trainer."
+                )
+            raise ValueError(
+                f"{layer.name} computed gradients for {count} rows, but the chunk holds {self.describe()}: its rows "
+                "are not the chunk's examples, so per-example clipping would become per-row clipping and the privacy "
+                "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding; "
+                "never pack several examples into one row) and pass the chunk's number of examples to "
+                "engine.recording(). If the layer's parameters are used without a per-example batch dimension (e.g. "
+                "T5's relative_attention_bias), freeze them (requires_grad=False)."
+            )
 
 
 @dataclass
@@ -229,14 +262,13 @@ class PerExampleGradientEngine:
         for call in self._calls:
             for name, term in call.terms.items():
                 by_param[call.layer.trainable[name]].append(term)
-                rows.append((call.layer.name, term.batch_size))
+                rows.append((call.layer, term.batch_size))
             # The output's autograd node keeps the hook closure (and so this call) alive after backward:
             # drop the call's references now, or every chunk's activations and gradients would linger.
             call.terms, call.saved = {}, None
         self._calls.clear()
         try:
-            for layer, count in rows:
-                chunk.check_rows(layer, count)
+            chunk.check_rows(rows)
             self._check_coverage(by_param)
             if not self.verified and not chunk.probe:
                 self._check_against_autograd(by_param)
