@@ -2,11 +2,15 @@
 
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
+from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
 from opacus.accountants.utils import get_noise_multiplier
 
+import hf_private.privacy.accountants as accountants
 import hf_private.privacy.calibration as calibration
 from hf_private.privacy import (
     BudgetError,
@@ -85,6 +89,55 @@ def test_compute_epsilon_equals_opacus_stepped_by_hand():
             for _ in range(group.steps):
                 reference.step(noise_multiplier=group.noise_multiplier, sample_rate=group.sample_rate)
         assert compute_epsilon(groups, 1e-5, accountant) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+
+
+# (σ, q, steps) histories: one mechanism, small σ, one step, and heterogeneous ones (two (σ, q) groups).
+HISTORIES = [
+    [(1.0, 0.01, 1000)],
+    [(0.515, 0.0128, 234)],
+    [(2.0, 0.1, 1)],
+    [(1.1, 0.01, 120), (2.5, 0.05, 7)],
+    [(0.8, 0.02, 300), (3.0, 0.001, 5)],
+]
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order")
+@pytest.mark.parametrize("history", HISTORIES)
+def test_cached_accounting_equals_opacus(history):
+    """The cached RDP curves and our PRV domain rule give opacus' own numbers (same grid, same ε)."""
+    delta = 1e-5
+    groups = [MechanismGroup("dp-sgd", sigma, q, steps) for sigma, q, steps in history]
+    rdp, prv = RDPAccountant(), PRVAccountant()
+    rdp.history, prv.history = list(history), list(history)
+    assert compute_epsilon(groups, delta, "rdp") == pytest.approx(rdp.get_epsilon(delta), rel=1e-12, abs=0)
+    reference = prv.get_epsilon(delta, eps_error=0.01, delta_error=delta / 1000)
+    assert compute_epsilon(groups, delta, "prv") == pytest.approx(reference, rel=1e-12, abs=0)
+    prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
+    steps = [k for _, _, k in history]
+    assert accountants._safe_domain_half_width(history, 0.01, delta / 1000) == pytest.approx(
+        compute_safe_domain_size(prvs, steps, 0.01, delta / 1000), rel=1e-12, abs=0)
+
+
+def test_rdp_curves_are_computed_once_per_mechanism(monkeypatch):
+    """RDP over ~150 orders was ~80% of a PRV evaluation (opacus' domain rule runs it twice): now once per (σ, q)."""
+    computed = []
+    compute_rdp = rdp_analysis._compute_rdp
+
+    def counting(q, sigma, order):
+        computed.append((sigma, q))
+        return compute_rdp(q, sigma, order)
+
+    monkeypatch.setattr(rdp_analysis, "_compute_rdp", counting)
+    accountants._rdp_per_step.cache_clear()
+    groups = [MechanismGroup("dp-sgd", 0.9, 0.013, 50), MechanismGroup("psel", 2.7, 0.03, 3)]
+    first = compute_epsilon(groups, 1e-5, "prv")
+    assert set(computed) == {(0.9, 0.013), (2.7, 0.03)}
+    assert len(computed) == 2 * len(RDPAccountant.DEFAULT_ALPHAS)
+    computed.clear()
+    for steps in (50, 51, 80):  # more steps of the same mechanisms, as training proceeds: no RDP recomputed
+        assert compute_epsilon([replace(groups[0], steps=steps), groups[1]], 1e-5, "prv") >= first
+        compute_epsilon([replace(groups[0], steps=steps), groups[1]], 1e-5, "rdp")
+    assert computed == []
 
 
 def test_compute_epsilon_edge_cases():

@@ -1,6 +1,7 @@
 """The privacy ledger (recording, caching, persistence) and the secret generator."""
 
 import json
+import math
 
 import pytest
 
@@ -113,3 +114,49 @@ def test_validation():
     with pytest.raises(ValueError, match="steps"):
         ledger.record("dp-sgd", 1.0, 0.01, steps=0)
     assert ledger.mechanisms == []
+
+
+def _simulate(monkeypatch, accountant, phases, max_steps=None):
+    """Record one step at a time as training does; (bounds logged, exact ε, accountant evaluations for the logs)."""
+    calls = []
+
+    def counting(mechanisms, delta, accountant):
+        calls.append(sum(group.steps for group in mechanisms))
+        return epsilon_bound(mechanisms, delta, accountant)
+
+    monkeypatch.setattr(ledger_module, "epsilon_bound", counting)
+    ledger = PrivacyLedger(N, DELTA, accountant=accountant)
+    bounds, exact, evaluations = [], [], 0
+    for name, sigma, q, steps in phases:
+        for _ in range(steps):
+            ledger.record(name, sigma, q, max_grad_norm=1.0)
+            before = len(calls)
+            bounds.append(ledger.epsilon_upper_bound(max_steps=max_steps))
+            evaluations += len(calls) - before
+            exact.append(ledger.epsilon())
+    return bounds, exact, evaluations
+
+
+SINGLE = [("dp-sgd", 1.0, 0.01, 300)]
+# Then a costlier mechanism (twice the rate): a look-ahead that still assumed the first would fall below ε.
+SWITCH = [("dp-sgd", 1.0, 0.01, 200), ("bitfit", 1.0, 0.02, 100)]
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+@pytest.mark.parametrize("phases", [SINGLE, SWITCH], ids=["single", "phase-switch"])
+def test_epsilon_upper_bound_is_an_upper_bound_that_tracks_progress(monkeypatch, accountant, phases):
+    bounds, exact, evaluations = _simulate(monkeypatch, accountant, phases)
+    assert all(bound >= eps for bound, eps in zip(bounds, exact))  # at every step
+    assert evaluations <= 20  # not one accountant call per logged step
+    # It follows the steps taken (never above the exact ε of 1.5x as many steps), not the planned total.
+    for t in range(1, len(exact) * 2 // 3 + 1):
+        assert bounds[t - 1] <= exact[math.ceil(1.5 * t) - 1]
+    assert bounds[0] < bounds[-1]
+
+
+def test_epsilon_upper_bound_stays_within_max_steps_and_keeps_the_exact_epsilon_exact(monkeypatch):
+    bounds, exact, _ = _simulate(monkeypatch, "rdp", [("dp-sgd", 1.0, 0.01, 100)], max_steps=100)
+    assert all(eps <= bound <= exact[-1] for bound, eps in zip(bounds, exact))
+    ledger = PrivacyLedger(N, DELTA, accountant="rdp")
+    ledger.record("dp-sgd", 1.0, 0.01, steps=100)
+    assert exact[-1] == ledger.epsilon() == ledger.report()["epsilon"]
