@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -39,6 +41,26 @@ _FINGERPRINT_SAMPLES = 16  # values per frozen tensor: enough to tell two checkp
 
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def is_hub_model_id(name: str) -> bool:
+    """True for what names a Hub model ("name" or "owner/name"), False for anything shaped like a local path.
+
+    A local base model's path (a cache directory of the training machine, ./my-model, ~/models/x, /abs/path, or an
+    existing directory even when shaped like an id) must not reach the card, nor be rendered as a huggingface.co link.
+    """
+    if not name or name.startswith(("~", ".", "/")) or os.path.isabs(name) or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def public_base_name(name: str | None) -> str:
+    """The base model's name as released artefacts may carry it: a Hub id, or "" for a local path or none."""
+    return name if name and is_hub_model_id(name) else ""
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -73,6 +95,22 @@ def base_fingerprint(model: nn.Module, exclude: Iterable[str] = ()) -> str:
     return digest.hexdigest()[:24]
 
 
+def withhold_local_base_path(save_directory: str | os.PathLike) -> None:
+    """PEFT writes the base's `_name_or_path` into adapter_config.json; a local path (the training machine's cache
+    or home directory) must not travel with the adapter, so it is blanked (PeftModel.from_pretrained(base, dir)
+    does not need it)."""
+    path = os.path.join(save_directory, PEFT_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    name = config.get("base_model_name_or_path")
+    if name and not is_hub_model_id(name):
+        config["base_model_name_or_path"] = None
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+
 def save_private_adapter(model: nn.Module, save_directory: str | os.PathLike, trained_names: Iterable[str]) -> str:
     """Write the trained tensors of a plain (non-PEFT) model; the header records which base they belong on."""
     if is_peft_model(model):
@@ -89,7 +127,7 @@ def save_private_adapter(model: nn.Module, save_directory: str | os.PathLike, tr
         "format": "pt",
         "hf_private_format": ADAPTER_FORMAT,
         "model_class": type(model).__name__,
-        "base_model": getattr(config, "_name_or_path", "") or "",
+        "base_model": public_base_name(getattr(config, "_name_or_path", None)),
         "base_fingerprint": base_fingerprint(model, exclude=names),
         "base_dtype": str(frozen[0].dtype) if frozen else "",
     }
@@ -162,7 +200,7 @@ def _check_base(model: nn.Module, trained_names: Iterable[str], metadata: dict[s
     if not expected or base_fingerprint(model, exclude=trained) == expected:
         return
     frozen_dtype = next((str(p.dtype) for n, p in model.named_parameters() if n not in trained), "")
-    base = metadata.get("base_model") or "a model built from its configuration"
+    base = metadata.get("base_model") or "a local base model or one built from its configuration"
     if metadata.get("base_dtype") and frozen_dtype != metadata["base_dtype"]:
         logger.warning("The base model is %s but the adapter was trained on %s weights, so the base cannot be "
                        "verified exactly; make sure it is %s.", frozen_dtype, metadata["base_dtype"], base)

@@ -38,22 +38,33 @@ def check_per_example_losses(losses: object, examples: int) -> torch.Tensor:
     )
 
 
-def default_per_example_loss(model: nn.Module, outputs, labels: torch.Tensor) -> torch.Tensor:
-    """ℓ_b for sequence classification/regression, token classification and causal LM (token mean per example)."""
+def default_per_example_loss(
+    model: nn.Module, outputs, labels: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """ℓ_b as the model's own loss would compute it for example b alone: sequence classification/regression,
+    multi-label (mean over labels), token classification and causal LM (mean over the example's tokens).
+
+    `label_smoothing` is TrainingArguments.label_smoothing_factor, applied per example as Trainer's LabelSmoother
+    applies it to the batch (for the cross-entropy heads; it has no meaning for regression or multi-label).
+    """
     logits = outputs.logits
     config = getattr(_base_model(model), "config", None)
     if logits.dim() == 2:
         problem = getattr(config, "problem_type", None)
         if logits.shape[-1] == 1 or problem == "regression":
-            return (logits.squeeze(-1).float() - labels.float()).pow(2).reshape(logits.shape[0], -1).sum(1)
+            _no_smoothing(label_smoothing, "regression")
+            return (logits.squeeze(-1).float() - labels.float()).pow(2).reshape(logits.shape[0], -1).mean(1)
         if problem == "multi_label_classification":
-            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").sum(1)
-        return F.cross_entropy(logits.float(), labels, reduction="none")
+            _no_smoothing(label_smoothing, "multi-label classification")
+            return F.binary_cross_entropy_with_logits(
+                logits.float(), labels.float(), reduction="none").mean(1)
+        return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
     if logits.dim() == 3 and labels.dim() == 2:
         if is_causal_lm(model):
             logits, labels = logits[:, :-1], labels[:, 1:]
         tokens = F.cross_entropy(
-            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none",
+            label_smoothing=label_smoothing,
         )
         counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
         return tokens.sum(1) / counts
@@ -61,3 +72,11 @@ def default_per_example_loss(model: nn.Module, outputs, labels: torch.Tensor) ->
         f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)} and labels of shape "
         f"{tuple(labels.shape)}. Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) -> [B]."
     )
+
+
+def _no_smoothing(label_smoothing: float, problem: str) -> None:
+    if label_smoothing:
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} has no meaning for {problem} (it smooths a softmax over "
+            "classes); set it to 0."
+        )

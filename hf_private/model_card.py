@@ -7,25 +7,70 @@ overlaps the training data are computed on private data without noise, so they n
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Sequence
-from importlib import resources
+from collections.abc import Mapping, Sequence
+from importlib import metadata, resources
 from typing import Any
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .adapters import is_hub_model_id
 from .audit import AUDIT_MECHANISM_PREFIX
 
 TEMPLATE = "private_model.md"
 
-# A Hub model id: "name" or "owner/name" (letters, digits, '-', '_', '.'). The card's base_model metadata is
-# meant to hold a Hub id, and a local path must not be rendered as a huggingface.co link.
-_HUB_MODEL_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# What the card says when the trainer passed no `license=`: a value the Hub accepts that claims nothing.
+UNKNOWN_LICENSE = "unknown"
+# The load snippet's stand-ins for what the card must not or cannot name; loading fails until they are replaced.
+BASE_PLACEHOLDER = "<REPLACE-WITH-THE-BASE-MODEL>"
+REPO_PLACEHOLDER = "<REPLACE-WITH-THIS-MODEL-REPO-OR-DIRECTORY>"
+FRAMEWORKS = ("hf_private", "transformers", "torch", "peft", "opacus")
+
+# How the card names where training started: a Hub id is published, a local path never is.
+HUB, LOCAL, CONFIG = "hub", "local", "config"
 
 
-def is_hub_model_id(name: str) -> bool:
-    """True for what names a Hub model, False for a local directory (even one shaped like an id)."""
-    return bool(_HUB_MODEL_ID.match(name)) and not os.path.exists(name) and ".." not in name
+def base_kind(base_model: str | None) -> str:
+    """HUB (a Hub id, published), LOCAL (a local path, withheld) or CONFIG (built from a configuration)."""
+    if not base_model:
+        return CONFIG
+    return HUB if is_hub_model_id(base_model) else LOCAL
+
+
+def default_title(base_model: str | None, method: str, model_class: str) -> str:
+    """A title when no model name or Hub id was given: the base model and the method, never a local folder."""
+    kind = base_kind(base_model)
+    if kind == HUB:
+        return f"{base_model} fine-tuned with {method} (differential privacy)"
+    if kind == LOCAL:
+        return f"{model_class} fine-tuned with {method} from a local base model (differential privacy)"
+    return f"{model_class} trained from random initialisation with {method} (differential privacy)"
+
+
+def framework_versions() -> dict[str, str]:
+    """Installed versions of hf_private and the libraries whose code produced the weights and the guarantee."""
+    versions = {}
+    for name in FRAMEWORKS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if name == "hf_private":
+                from . import __version__
+
+                versions[name] = __version__
+            else:
+                versions[name] = "not installed"
+    return versions
+
+
+def eval_results_metadata(eval_results: Mapping[str, float], *, task_type: str | None, dataset_name: str,
+                          dataset_type: str) -> list[EvalResult]:
+    """The held-out results as `model-index` entries (none without a task type the Hub knows)."""
+    if not task_type:
+        return []
+    return [EvalResult(task_type=task_type, dataset_type=dataset_type, dataset_name=dataset_name,
+                       dataset_split="held-out", metric_type=key.split("_", 1)[-1] if key.startswith("eval_") else key,
+                       metric_name=key, metric_value=float(value))
+            for key, value in eval_results.items()]
 
 
 NOT_COVERED = (
@@ -70,7 +115,7 @@ def build_model_card(
     *,
     privacy: dict[str, Any],
     base_model: str | None,
-    model_title: str,
+    model_title: str | None,
     training: dict[str, Any],
     eval_results: dict[str, float],
     load_snippet: str,
@@ -80,22 +125,40 @@ def build_model_card(
     citations: tuple[str, ...] = (),
     adapter_note: str | None = None,
     needs_hf_private: bool = False,
+    license: str | None = None,
+    model_class: str = "model",
+    task_type: str | None = None,
+    eval_dataset_name: str = "held-out evaluation data",
+    eval_dataset_type: str = "held-out",
+    best_checkpoint: dict[str, Any] | None = None,
+    adapter_format: str | None = None,
+    versions: dict[str, str] | None = None,
 ) -> ModelCard:
-    base_on_hub = bool(base_model) and is_hub_model_id(base_model)
+    """The card. A local `base_model` path is never written (see `is_hub_model_id`); `best_checkpoint` is
+    {"step", "metric", "value" (None when withheld), "steps_taken"} when training reloaded an earlier checkpoint."""
+    kind = base_kind(base_model)
+    title = model_title or default_title(base_model, privacy["method"], model_class)
+    results = eval_results_metadata(eval_results, task_type=task_type, dataset_name=eval_dataset_name,
+                                    dataset_type=eval_dataset_type)
+    relation = {"full": "finetune", "peft": "adapter", "private_adapter": "adapter"}.get(adapter_format or "")
+    extra = {"base_model_relation": relation} if kind == HUB and relation else {}
     card_data = ModelCardData(
-        base_model=base_model if base_on_hub else None,
+        base_model=base_model if kind == HUB else None,
+        license=license or UNKNOWN_LICENSE,
         library_name=library_name,
         tags=sorted({"differential-privacy", "hf_private", privacy["method"], *(tags or [])}),
+        model_name=title if results else None,
+        eval_results=results or None,
         privacy=privacy,
+        **extra,
     )
-    template = resources.files("hf_private.model_cards").joinpath(TEMPLATE).read_text(encoding="utf-8")
     return ModelCard.from_template(
         card_data,
-        template_str=template,
-        model_title=model_title,
+        template_str=resources.files("hf_private.model_cards").joinpath(TEMPLATE).read_text(encoding="utf-8"),
+        model_title=title,
         method_name=privacy["method"],
-        base_model=base_model,
-        base_on_hub=base_on_hub,
+        base_model=base_model if kind == HUB else None,
+        base_kind=kind,
         adapter_note=adapter_note,
         not_covered=NOT_COVERED,
         training=training,
@@ -104,37 +167,58 @@ def build_model_card(
         load_snippet=load_snippet,
         citations=citations,
         needs_hf_private=needs_hf_private,
+        license=license,
+        best_checkpoint=best_checkpoint,
+        versions=versions if versions is not None else framework_versions(),
     )
 
 
-def load_snippet(adapter_format: str, model_class: str, base_model: str | None, repo: str,
+def load_snippet(adapter_format: str, model_class: str, base_model: str | None, repo: str | None,
                  num_labels: int | None = None) -> str:
-    """The card's "How to load" code for each save format (see `hf_private.adapters`)."""
+    """The card's "How to load" code for each save format (see `hf_private.adapters`).
+
+    Only a Hub id is written as the base; a local path or a model built from a configuration becomes a marked
+    placeholder, as does the repository when no Hub id is known (the output folder's name is not one).
+    """
+    replace = []
+    if not repo:
+        repo = REPO_PLACEHOLDER
+        replace.append(f"# REPLACE {REPO_PLACEHOLDER}: this model's Hub id, or the directory holding these files.")
     if adapter_format == "full":
-        return f'from transformers import {model_class}\n\nmodel = {model_class}.from_pretrained("{repo}")'
-    base = base_model or "<the base model this was trained from>"
+        return "\n".join([f"from transformers import {model_class}", "", *replace,
+                          f'model = {model_class}.from_pretrained("{repo}")'])
+    kind = base_kind(base_model)
+    base = base_model if kind == HUB else BASE_PLACEHOLDER
+    if kind == LOCAL:
+        replace.insert(0, f"# REPLACE {BASE_PLACEHOLDER}: training started from a local model whose path is withheld "
+                          "from this card; load those same weights.")
+    elif kind == CONFIG:
+        replace.insert(0, f"# REPLACE {BASE_PLACEHOLDER}: training started from a configuration with random weights "
+                          "(not published); the adapter needs those same base weights.")
     base_line = f'base = {model_class}.from_pretrained("{base}"{f", num_labels={num_labels}" if num_labels else ""})'
     if adapter_format == "peft":
-        return (f"from peft import PeftModel\nfrom transformers import {model_class}\n\n{base_line}\n"
-                f'model = PeftModel.from_pretrained(base, "{repo}")')
-    return (f"from hf_private import load_private_adapter\nfrom transformers import {model_class}\n\n{base_line}\n"
-            f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory')
+        return "\n".join([f"from peft import PeftModel\nfrom transformers import {model_class}", "", *replace,
+                          base_line, f'model = PeftModel.from_pretrained(base, "{repo}")'])
+    return "\n".join([f"from hf_private import load_private_adapter\nfrom transformers import {model_class}", "",
+                      *replace, base_line,
+                      f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory'])
 
 
-def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float) -> str:
+def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float, from_config: bool = False) -> str:
     """One sentence on what the repository holds, so a reader knows what the base model must supply."""
     if adapter_format == "full":
         return ("Every weight was trained with differential privacy: the repository holds the full model, plus the "
                 "method config `dp_config.json`.")
+    base = ("The base model's weights (random, from its configuration, and not published) are unchanged" if from_config
+            else "The base model's weights are public and unchanged")
     if adapter_format == "peft":
         return ("The repository holds a PEFT adapter (`adapter_model.safetensors`, `adapter_config.json`): only the "
-                "tensors trained with differential privacy, plus the method config `dp_config.json`. The base "
-                "model's weights are public and unchanged.")
+                f"tensors trained with differential privacy, plus the method config `dp_config.json`. {base}.")
+    base = base.replace("weights", "other weights", 1)
     return (f"The repository holds only what differentially private training changed: {trained_tensors} tensors "
             f"({100 * trained_fraction:.3g}% of the model's parameters) in `private_adapter.safetensors`, plus the "
-            "method config `dp_config.json`. The base model's other weights are public and unchanged; "
-            "`hf_private.load_private_adapter` puts the trained tensors back onto it and checks that the base "
-            "matches.")
+            f"method config `dp_config.json`. {base}; `hf_private.load_private_adapter` puts the trained tensors back "
+            "onto it and checks that the base matches.")
 
 
 def write_model_card(card: ModelCard, output_dir: str | os.PathLike) -> str:

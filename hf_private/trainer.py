@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import HubStrategy, SaveStrategy, get_last_checkpoint
+from transformers.trainer_utils import HubStrategy, SaveStrategy, TrainOutput, get_last_checkpoint
 from transformers.utils import PushInProgress
 
 from .adapters import (
@@ -27,6 +27,7 @@ from .adapters import (
     load_adapter_weights,
     save_private_adapter,
     unwrap_peft,
+    withhold_local_base_path,
 )
 from .artifacts import LEDGER_NAME, AllowListedUpload, check_release_settings, copy_pushable
 from .audit import AuditResult, compose_audits
@@ -46,6 +47,7 @@ from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
 from .methods import DPConfig
 from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
+from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer
 from .privacy import (
     GaussianNoise,
@@ -55,8 +57,14 @@ from .privacy import (
     max_steps_within,
 )
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
+from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
 
 logger = get_logger(__name__)
+
+# Noise std per coordinate of the averaged update, in units of C (σ / expected batch), above which a run is warned
+# that it will learn little: a rule of thumb (usual DP fine-tuning runs sit near 1e-3; 0.05 means twenty perfectly
+# aligned clipped gradients per step to match one noise standard deviation).
+NOISY_UPDATE = 0.05
 
 _SUPPORTED_PARALLELISM = (
     "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "
@@ -80,6 +88,8 @@ class PrivateTrainer(Trainer):
     ) -> None:
         if not isinstance(dp_config, DPConfig):
             raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
+        check_subclass(type(self), PrivateTrainer)
+        check_trainer_kwargs(trainer_kwargs)
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
         _check_model(model)
@@ -87,12 +97,16 @@ class PrivateTrainer(Trainer):
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         check_finite_labels(train_dataset)
-        if args is not None:
-            check_release_settings(args)  # before Trainer, which creates the Hub repo when push_to_hub is set
+        if args is not None:  # before Trainer, which creates the Hub repo when push_to_hub is set
+            check_training_args(args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
+            check_release_settings(args)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
-        self.per_example_loss = per_example_loss or default_per_example_loss
+        if args is None:  # Trainer made default arguments
+            check_training_args(self.args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
+        self.per_example_loss = per_example_loss or partial(
+            default_per_example_loss, label_smoothing=self.args.label_smoothing_factor)
         self._check_setup()
         self.delta = dp_config.resolve_delta(self.dataset_size)
         world = self.args.world_size
@@ -118,7 +132,7 @@ class PrivateTrainer(Trainer):
         self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
-        self.add_callback(_FreshLogicalBatch(lambda: self.engine.reset()))
+        self.add_callback(_LogicalBatchBoundaries(self))
         # Every tensor trainable in any phase: what a saved adapter must contain.
         self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self._step_limit: int | None = None
@@ -131,25 +145,11 @@ class PrivateTrainer(Trainer):
         self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
         for prefix, dataset in eval_sets(self.eval_dataset):
             self.training_rows.overlap(dataset, prefix)  # warns now, before any training
-        logger.info(
-            "DP-SGD plan: N=%d, q=%.5g, %d steps, σ=%.4g, C=%g, δ=%.3g, accountant=%s.",
-            self.dataset_size, self.sample_rate, self.planned_steps, self.noise_multiplier,
-            dp_config.max_grad_norm, self.delta, dp_config.accountant,
-        )
+        self._log_plan()
 
     # ------------------------------------------------------------------ validation and plan
     def _check_setup(self) -> None:
         args = self.args
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            logger.info(
-                "Setting TrainingArguments.max_grad_norm=0 (was %s): clipping the summed gradient is not DP; "
-                "the per-example clip is dp_config.max_grad_norm.", args.max_grad_norm,
-            )
-            args.max_grad_norm = 0.0
-        if args.fp16:
-            raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
-        if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-            raise ValueError("Activation checkpointing re-runs forward hooks and is not supported yet; turn it off.")
         if args.n_gpu > 1:
             raise ValueError(
                 f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}"
@@ -162,6 +162,25 @@ class PrivateTrainer(Trainer):
         if self.is_model_parallel or self.is_distributed_loading_by_transformers:  # Trainer's own reading
             raise ValueError("Model or tensor parallelism (one model split over several devices) is not supported: "
                              + _SUPPORTED_PARALLELISM)
+
+    def _log_plan(self) -> None:
+        target = self.dp_config.target_epsilon
+        logger.info(
+            "Private training plan (%s): N=%d examples, sampling rate q=%.5g (expected logical batch %d), %d steps, "
+            "noise multiplier σ=%.4g, clip norm C=%g, δ=%.3g, %s accountant%s.",
+            self.mechanism_name, self.dataset_size, self.sample_rate, self.expected_batch_size, self.planned_steps,
+            self.noise_multiplier, self.dp_config.max_grad_norm, self.delta, self.dp_config.accountant,
+            "" if target is None else f", target ε={target:g}",
+        )
+        noise_per_batch = self.noise_multiplier / self.expected_batch_size
+        if noise_per_batch > NOISY_UPDATE:
+            logger.warning(
+                "The model will be mostly noise: σ=%.4g over an expected batch of %d examples puts noise of %.3g·C on "
+                "every coordinate of each averaged update (learning usually needs well under %g·C). Use a larger "
+                "logical batch (per_device_train_batch_size × gradient_accumulation_steps), fewer epochs, more "
+                "data, or a larger target ε.", self.noise_multiplier, self.expected_batch_size, noise_per_batch,
+                NOISY_UPDATE,
+            )
 
     def _noise_multiplier(self) -> float:
         if self.dp_config.noise_multiplier is not None:
@@ -220,11 +239,6 @@ class PrivateTrainer(Trainer):
             if isinstance(current, NoisyOptimizer):
                 self.optimizer = current
                 return current
-        if self.optimizer is not None:
-            raise ValueError(
-                "PrivateTrainer builds its own optimizer wrapper; pass the optimizer class through "
-                "optimizer_cls_and_kwargs instead of an instance in optimizers=(...)."
-            )
         inner = super().create_optimizer(model)
         self.optimizer = NoisyOptimizer(
             inner,
@@ -323,7 +337,9 @@ class PrivateTrainer(Trainer):
                 self.dp_config.target_epsilon, self.delta, self.noise_multiplier, self.sample_rate,
                 accountant=self.dp_config.accountant, prior=self.ledger.mechanisms, name=self.mechanism_name,
             )
-        self._budget_exhausted = not self._may_step()
+        if not self._may_step():
+            return self._budget_already_spent(resume_from_checkpoint)
+        self._budget_exhausted = False
         self.engine.reset()  # an earlier train() interrupted mid-batch must not release its sums with this one's
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = self.privacy_report()
@@ -331,6 +347,21 @@ class PrivateTrainer(Trainer):
         logger.info("Trained privately: ε=%.4g, δ=%.3g (%s) after %d steps.", report["epsilon"], report["delta"],
                     report["accountant"], report["steps"])
         return output
+
+    def _budget_already_spent(self, checkpoint: str | None) -> TrainOutput:
+        """No step is possible: say so, load the checkpoint's weights (what save/push will publish), train nothing."""
+        self._budget_exhausted = True
+        epsilon = self.ledger.epsilon()
+        logger.warning(
+            "The privacy budget is already spent: ε=%.4g of target ε=%.4g after the %d steps recorded in the ledger%s, "
+            "so train() takes no step. Raising target_epsilon would spend more privacy on the same data; otherwise "
+            "use the model as it is.", epsilon, self.dp_config.target_epsilon, self.ledger.total_steps,
+            f" of {checkpoint}" if checkpoint else "",
+        )
+        if checkpoint:
+            self._load_from_checkpoint(checkpoint)
+        return TrainOutput(self.ledger.total_steps, math.nan,
+                           {"epsilon": epsilon, "delta": self.delta, "steps_taken": 0})
 
     def _load_ledger(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, LEDGER_NAME)
@@ -351,8 +382,10 @@ class PrivateTrainer(Trainer):
     # ------------------------------------------------------------------ reporting
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.pop("grad_norm", None)  # a norm of un-clipped, un-noised gradients: not private
-        if "loss" in logs or "train_loss" in logs:
+        if "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
             logs["epsilon"] = self.ledger.epsilon()
+        elif "loss" in logs:  # every logging step: an upper bound a few steps ahead (exact ε costs ~0.1 s)
+            logs["epsilon"] = self.ledger.epsilon_upper_bound(max_steps=self._step_limit)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
@@ -465,9 +498,12 @@ class PrivateTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Checkpoints and final saves alike write only what was trained (see `hf_private.adapters`)."""
-        if self.adapter_format != "private_adapter":
-            return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.adapter_format != "private_adapter":
+            super()._save(output_dir, state_dict)
+            if self.args.should_save:
+                withhold_local_base_path(output_dir)
+            return
         if not self.args.should_save:
             return
         save_private_adapter(self.model, output_dir, self.trained_parameter_names)
@@ -487,8 +523,11 @@ class PrivateTrainer(Trainer):
         if best and has_private_adapter(best):
             logger.info("Loading the best private adapter from %s (score: %s).", best, self.state.best_metric)
             load_adapter_weights(self.model, best)
-            return
-        super()._load_best_model()
+        else:
+            super()._load_best_model()
+            if not best or not _has_trainer_weights(best):
+                return  # Trainer only warned that it could not find them: the weights are still the last step's
+        self._reloaded_best = _reloaded_checkpoint(self.state, self.args.metric_for_best_model, self._eval_results)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
@@ -541,7 +580,8 @@ class PrivateTrainer(Trainer):
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
         if self.is_world_process_zero():
             self._write_card(self.args.output_dir, model_name=model_name, finetuned_from=finetuned_from,
-                             tags=[tags] if isinstance(tags, str) else tags, dataset=dataset)
+                             tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
+                             dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
 
     def _inner_optimizer_name(self) -> str:
         optimizer = self.optimizer
@@ -549,16 +589,19 @@ class PrivateTrainer(Trainer):
             optimizer = optimizer.optimizer
         return type(optimizer).__name__
 
-    def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None) -> None:
+    def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None,
+                    license=None, dataset_tags=None) -> None:
+        """README.md: no local path (base model or output folder) and no evaluation of training data reach it."""
         report = self.privacy_report()
         fmt = self.adapter_format
         base = unwrap_peft(self.model)
         base_model = finetuned_from or _base_model_name(base)
-        repo = self.args.hub_model_id or model_name or os.path.basename(os.path.abspath(self.args.output_dir))
+        hub_id = self.args.hub_model_id or getattr(self, "hub_model_id", None)
+        title = model_name or (hub_id.split("/")[-1] if hub_id else None)  # None: the base model and the method
         training = {
             "method": report["method"],
             "dataset": dataset or "private training data (not published)",
-            "steps taken": report["steps"],
+            "steps taken": f"{report['steps']} (all counted in ε)",
             "planned steps": self.planned_steps,
             "expected logical batch size (q·N)": self.expected_batch_size,
             "learning rate": self.args.learning_rate,
@@ -566,32 +609,73 @@ class PrivateTrainer(Trainer):
             "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
         }
         held_out, eval_notes = card_evaluation(self._eval_results)
+        best = self._released_checkpoint(report["steps"], held_out)
+        if best is not None:
+            training["weights released"] = f"step {best['step']} (the best checkpoint by `{best['metric']}`)"
+            held_out, eval_notes = self._drop_stale_evaluations(best["step"], held_out, eval_notes)
         card = build_model_card(
             privacy=privacy_metadata(report, report["method"], audit=self.audit),
             base_model=base_model,
-            model_title=model_name or repo,
+            model_title=title,
             training=training,
             eval_results=held_out,
             eval_notes=eval_notes,
-            load_snippet=load_snippet(fmt, type(base).__name__, base_model, repo, _num_labels(base)),
+            load_snippet=load_snippet(fmt, type(base).__name__, base_model, hub_id, _num_labels(base)),
             library_name="peft" if fmt == "peft" else "transformers",
             tags=tags,
             citations=self.dp_config.citations(),
-            adapter_note=adapter_note(fmt, len(self.trained_parameter_names), self._trained_fraction()),
+            adapter_note=adapter_note(fmt, len(self.trained_parameter_names), self._trained_fraction(),
+                                      from_config=not base_model),
             needs_hf_private=fmt == "private_adapter",
+            license=license,
+            model_class=type(base).__name__,
+            task_type=_task_type(base),
+            eval_dataset_name=f"{dataset} (held-out evaluation data)" if dataset else "held-out evaluation data",
+            eval_dataset_type=dataset_tags[0] if dataset_tags else "held-out",
+            best_checkpoint=best,
+            adapter_format=fmt,
         )
         write_model_card(card, output_dir)
 
+    def _released_checkpoint(self, steps_taken: int, held_out: dict[str, float]) -> dict[str, Any] | None:
+        """The best checkpoint `_load_best_model` put back, if the weights are still its (and it is not the last)."""
+        best = getattr(self, "_reloaded_best", None)
+        if best is None or best["global_step"] != self.state.global_step or best["step"] >= best["global_step"]:
+            return None
+        metric = best["metric"]
+        value = f"{best['value']:.4g}" if metric in held_out and best["value"] is not None else None
+        return {"step": best["step"], "metric": metric, "value": value, "steps_taken": steps_taken}
+
+    def _drop_stale_evaluations(self, step: int, held_out: dict[str, float], notes: list[str]):
+        """Held-out results measured before the best checkpoint was reloaded describe other weights: not published."""
+        stale = self._reloaded_best["evaluations"]
+        kept = {prefix: entry for prefix, entry in self._eval_results.items()
+                if not any(entry is before for before in stale)}
+        if len(kept) == len(self._eval_results):
+            return held_out, notes
+        held_out, notes = card_evaluation(kept)
+        return held_out, [*notes, f"Evaluations run during training measured the weights of a later step, not the "
+                                  f"released weights of step {step}: they are not published here. Run "
+                                  "`trainer.evaluate()` after training to measure the released weights."]
+
 
 # ---------------------------------------------------------------------- helpers
-class _FreshLogicalBatch(TrainerCallback):
-    """Trainer's hook at the first micro-batch of every optimizer step: an interrupted batch never joins the next."""
+class _LogicalBatchBoundaries(TrainerCallback):
+    """Trainer's hooks around every optimizer step.
 
-    def __init__(self, reset: Callable[[], None]) -> None:
-        self.reset = reset
+    Begin: reset the engine, so an interrupted batch never joins the next. End: stop once the budget allows no
+    further step, so the loop ends with global_step equal to the ledger's steps (not one empty step later).
+    """
+
+    def __init__(self, trainer: PrivateTrainer) -> None:
+        self.trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.reset()
+        self.trainer.engine.reset()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.trainer._may_step():
+            self.trainer._stop_for_budget()
 
 
 def _check_model(model: nn.Module) -> None:
@@ -600,6 +684,7 @@ def _check_model(model: nn.Module) -> None:
             f"Pass the model itself, not a {type(model).__name__} wrapper: Trainer wraps it for DDP and "
             f"PrivateTrainer reduces the clipped gradients itself. {_SUPPORTED_PARALLELISM}"
         )
+    check_supported_model(model)  # model families (encoder-decoder refused), whatever is frozen
     batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batch_norms:
         raise ValueError(
@@ -629,9 +714,42 @@ def _slice(value, size: int, start: int, stop: int):
 
 
 def _base_model_name(base: nn.Module) -> str | None:
-    """The pre-trained model's Hub id or path; None for a model built from config."""
+    """The pre-trained model's Hub id or local path, as loaded; None for a model built from config.
+
+    A local path is returned too: `hf_private.model_card` decides what reaches the card (a Hub id only).
+    """
     name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
-    return name if name and " " not in name else None
+    return name.strip() or None
+
+
+def _task_type(model: nn.Module) -> str | None:
+    """The Hub task of the model's head (as transformers' own cards infer it), for the card's model-index."""
+    from transformers.modelcard import TASK_MAPPING, _get_mapping_values
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
+
+    name = type(model).__name__
+    tasks = {**TASK_MAPPING, "multiple-choice": MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES}
+    return next((task for task, mapping in tasks.items() if name in _get_mapping_values(mapping)), None)
+
+
+_TRAINER_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin",
+                    "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _has_trainer_weights(checkpoint: str) -> bool:
+    """Whether Trainer's `_load_best_model` finds weights to load in `checkpoint` (otherwise it only warns)."""
+    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in _TRAINER_WEIGHTS)
+
+
+def _reloaded_checkpoint(state, metric: str | None, evaluations: dict) -> dict[str, Any]:
+    """What the card needs of a best checkpoint just reloaded: its step, metric, and the evaluations made before."""
+    step = state.best_global_step
+    if step is None:
+        step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+    metric = metric or "loss"
+    metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+    return {"step": step, "global_step": state.global_step, "metric": metric, "value": state.best_metric,
+            "evaluations": list(evaluations.values())}  # the entries themselves: evaluate() replaces them
 
 
 def _num_labels(model: nn.Module) -> int | None:

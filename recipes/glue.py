@@ -145,7 +145,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
               "output_dir": os.path.abspath(training_args.output_dir), "seconds": time.time() - started}
     result["accuracy"] = result["metrics"].get("accuracy")
     if trainer.is_world_process_zero():
-        _log_result(result, report, recipe, demo)
+        _log_result(result, report, recipe, demo, trainer.adapter_format)
     return result
 
 
@@ -280,15 +280,20 @@ def _metrics(task: str):
     return compute
 
 
-def _log_result(result: dict[str, Any], report: dict[str, Any], recipe: RecipeArguments, demo: bool) -> None:
+SAVED_AS = {"peft": "PEFT adapter", "private_adapter": "Private adapter (only the trained tensors)",
+            "full": "Full model"}
+
+
+def _log_result(result: dict[str, Any], report: dict[str, Any], recipe: RecipeArguments, demo: bool,
+                adapter_format: str) -> None:
     held_out = ", ".join(f"{k} = {v:.4f}" for k, v in result["metrics"].items()
                          if k not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epsilon"))
     logger.info(
         "%s%s with %s: ε = %.3f, δ = %.2e (%s accountant, %d steps, σ = %.3f, guarantee: %s); held-out %s; "
-        "%.0f s. Adapter, privacy ledger and card in %s.",
+        "%.0f s. %s, privacy ledger and card in %s.",
         "DEMO (generated data, not GLUE) " if demo else "", recipe.task, recipe.method, report["epsilon"],
         report["delta"], report["accountant"], report["steps"], report["noise_multiplier"], report["guarantee"],
-        held_out or "evaluation not run", result["seconds"], result["output_dir"],
+        held_out or "evaluation not run", result["seconds"], SAVED_AS[adapter_format], result["output_dir"],
     )
 
 

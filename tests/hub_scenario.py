@@ -54,8 +54,13 @@ def bitfit_round_trip(workdir: str) -> dict:
     report = trainer.privacy_report()
     assert privacy["epsilon"] == report["epsilon"] and privacy["delta"] == report["delta"], (privacy, report)
     assert privacy["guarantee"] == "formal" and privacy["unit"] == "example" and privacy["method"] == "dp-bitfit"
-    card_text = ModelCard.load(BITFIT_REPO).text
+    card = ModelCard.load(BITFIT_REPO)
+    card_text = card.text
     assert "| eval_loss |" in card_text and f'load_private_adapter(base, "{BITFIT_REPO}")' in card_text
+    # The Hub's card is publishable as written: titled by its repo, licensed, indexed, versioned, no local path.
+    assert card.data.model_name == BITFIT_REPO.split("/")[-1] and card.data.license == "unknown"
+    assert "eval_loss" in {result.metric_name for result in card.data.eval_results}
+    assert "## Framework versions" in card_text and workdir not in str(card)
     return {"bitfit_files": sorted(os.listdir(fresh)), "bitfit_epsilon": privacy["epsilon"]}
 
 
@@ -74,8 +79,11 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     expected = eval_logits(local, batch)
     assert torch.equal(eval_logits(from_hub, batch), expected), "Hub LoRA adapter differs from the local one"
     assert not torch.equal(eval_logits(demo_model(), batch), expected), "the adapter changed nothing"
-    privacy = ModelCard.load(LORA_REPO).data.to_dict()["privacy"]
+    card = ModelCard.load(LORA_REPO)
+    privacy = card.data.to_dict()["privacy"]
     assert privacy["epsilon"] == result["epsilon"] and privacy["method"] == "dp-sgd", privacy
+    assert card.data.model_name == LORA_REPO.split("/")[-1] and card.data.library_name == "peft", card.data
+    assert card.text.startswith(f"\n# {LORA_REPO.split('/')[-1]}\n") and workdir not in str(card)
     return {"lora_epsilon": privacy["epsilon"]}
 
 

@@ -185,7 +185,8 @@ def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_pat
     assert metric in result["metrics"] and result["steps"] == 1
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert f"eval_{metric}" in card.text
-    assert card.data.base_model is None and f"local directory `{model_dir}`" in card.text  # a path, not a Hub id
+    assert card.data.base_model is None and "path is withheld" in card.text  # a local path, not a Hub id:
+    assert model_dir not in (tmp_path / "out" / "README.md").read_text()  # never written (issue 18)
 
 
 @pytest.mark.skipif(not SHARED_SST2.is_dir(), reason="shared/data/sst2 is not on this machine")

@@ -1,0 +1,99 @@
+"""Which of Trainer's settings PrivateTrainer honours, replaces or refuses — decided at construction.
+
+A Trainer user expects every setting to do what it says. Under DP-SGD some cannot: they would change what is
+clipped (a batch-mean loss, clipping the summed gradient), reach data the sampler does not account for, or be
+ignored without a word. Each is either supported through the per-example loss, or refused here, before the
+Hub repository is created and before any step, with the fix named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Trainer, TrainingArguments
+
+from .logs import get_logger
+
+logger = get_logger(__name__)
+
+PER_EXAMPLE_LOSS_HINT = (
+    "Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) returning one loss per example "
+    "(shape [B]); see 'Custom losses' in the README."
+)
+# Trainer methods whose override would change what is clipped; PrivateTrainer's own versions must run.
+_LOSS_PATH_METHODS = ("compute_loss", "training_step")
+
+
+def check_subclass(trainer_class: type[Trainer], private_trainer: type[Trainer]) -> None:
+    """A subclass that overrides the loss path would bypass per-example losses, so it is refused."""
+    for name in _LOSS_PATH_METHODS:
+        if getattr(trainer_class, name) is not getattr(private_trainer, name):
+            raise TypeError(
+                f"{trainer_class.__name__} overrides {name}(), which PrivateTrainer needs for per-example clipping: "
+                "a batch-mean loss shrinks every example's signal by the batch size against the noise and couples "
+                f"examples through its normaliser. {PER_EXAMPLE_LOSS_HINT} (Overriding prediction_step or "
+                "compute_metrics for evaluation is fine.)"
+            )
+
+
+def check_trainer_kwargs(kwargs: dict[str, Any]) -> None:
+    """Trainer keywords that cannot be honoured under DP-SGD."""
+    if kwargs.get("compute_loss_func") is not None:
+        raise ValueError(
+            "compute_loss_func is not supported: Trainer calls it with the whole batch and expects one reduced loss, "
+            f"so per-example clipping cannot see each example's loss. {PER_EXAMPLE_LOSS_HINT}"
+        )
+    optimizer, scheduler = kwargs.get("optimizers") or (None, None)
+    if optimizer is not None or scheduler is not None:
+        raise ValueError(
+            "optimizers=(optimizer, scheduler) is not supported: PrivateTrainer builds the optimizer itself, around "
+            "a wrapper that adds the noise. Pass optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) and choose the "
+            "schedule with TrainingArguments(lr_scheduler_type=..., warmup_steps=...)."
+        )
+    if kwargs.get("model_init") is not None:
+        raise ValueError("model_init (hyperparameter search) is not supported: pass the model itself.")
+
+
+def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_loss: bool) -> None:
+    """Refuse what cannot be honoured; replace Trainer's gradient clipping by the per-example clip, saying so."""
+    if args.fp16:
+        raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
+    if args.activation_checkpointing or args.gradient_checkpointing:
+        raise ValueError("Activation checkpointing re-runs forward hooks and is not supported yet; turn it off.")
+    if args.torch_compile:  # also set by torch_compile_backend or torch_compile_mode
+        raise ValueError(
+            "torch_compile=True is not supported: the hooks that compute and clip each example's gradient register "
+            "on the forward pass and flip requires_grad while a chunk is recorded, which a compiled graph does not "
+            "allow (it fails after compiling, with an unrelated 'modified in place' error). Set torch_compile=False."
+        )
+    if getattr(args, "predict_with_generate", False):
+        raise ValueError(
+            "predict_with_generate is a Seq2SeqTrainer setting that PrivateTrainer (a Trainer) would ignore: "
+            "evaluation would report teacher-forced logits, not generations. Set predict_with_generate=False and "
+            "call model.generate() on your evaluation data after training."
+        )
+    if args.label_smoothing_factor and custom_loss:
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is applied by the default per-example loss only; "
+            "with your own per_example_loss, smooth the labels inside it (e.g. F.cross_entropy(..., "
+            "label_smoothing=...)) and leave label_smoothing_factor at 0."
+        )
+    _replace_trainer_clipping(args, max_grad_norm)
+
+
+def _replace_trainer_clipping(args: TrainingArguments, max_grad_norm: float) -> None:
+    """Trainer clips the summed gradient (not DP); the per-example clip norm C of the DP config is used instead."""
+    value = args.max_grad_norm
+    if not value:
+        return
+    default = TrainingArguments.__dataclass_fields__["max_grad_norm"].default
+    if value not in (default, max_grad_norm):
+        logger.warning(
+            "TrainingArguments.max_grad_norm=%g is not used: PrivateTrainer clips each example's gradient to the DP "
+            "config's max_grad_norm C=%g instead (clipping the summed gradient is not private). To clip at %g, pass "
+            "it to the DP config (e.g. DPConfig(max_grad_norm=%g)).", value, max_grad_norm, value, value,
+        )
+    else:
+        logger.info("Trainer's clipping of the summed gradient is off; each example is clipped to C=%g.",
+                    max_grad_norm)
+    args.max_grad_norm = 0.0
