@@ -1,21 +1,35 @@
 """Optimizer proxy: the only path from private data to the weights.
 
-Trainer calls `step()` once per logical batch. The proxy takes the engine's clipped sums, all-reduces them
-across processes, adds N(0, σ²C²) exactly once (on rank 0, before the reduction), divides by the expected
-logical batch q·N, hands the result to the real optimizer as `.grad`, and tells the ledger a step happened.
+Trainer calls `step()` once per logical batch. The step is made of named parts, each a method a subclass may
+override (as Opacus' DPOptimizer.pre_step):
+
+1. `clipped_sums`: the engine's clipped sums, one fp32-or-wider tensor per trainable parameter (zeros where none);
+2. `add_noise`: N(0, σ²C²) on every coordinate, exactly once (on rank 0, before the reduction);
+3. `all_reduce`: the noisy sums summed over processes (so the result is Σ clipped + one noise draw);
+4. `to_gradients`: divided by the expected logical batch q·N and cast to the parameter's dtype, as `.grad`;
+5. `transform_gradients`: a method's per-parameter gradient transforms (e.g. zero masked coordinates of the noisy
+   gradient): post-processing of the released value, the same on every process;
+6. the inner optimizer's step, then `on_step` (the ledger records the step), then the step-end hooks (e.g.
+   RGP's re-decomposition), once per logical batch on every process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .engine import PerExampleGradientEngine
 from .privacy import GaussianNoise
 
 _BUCKET_BYTES = 64 << 20
+
+#: the noisy, scaled gradient of one parameter (its `.grad`) → its replacement, or None after changing it in place
+GradientTransform = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
@@ -52,6 +66,8 @@ class NoisyOptimizer(torch.optim.Optimizer):
         noise: GaussianNoise,
         may_step: Callable[[], bool],
         on_step: Callable[[], None],
+        gradient_transforms: Mapping[nn.Parameter, GradientTransform] | None = None,
+        step_end_hooks: Iterable[Callable[[], None]] = (),
     ) -> None:
         # No Optimizer.__init__: param_groups/state/defaults must stay the inner optimizer's own objects.
         self.optimizer = optimizer
@@ -62,6 +78,36 @@ class NoisyOptimizer(torch.optim.Optimizer):
         self.noise = noise
         self.may_step = may_step
         self.on_step = on_step
+        self._gradient_transforms: dict[nn.Parameter, OrderedDict[int, GradientTransform]] = {}
+        self._step_end_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        for param, transform in (gradient_transforms or {}).items():
+            self.add_gradient_transform(param, transform)
+        for hook in step_end_hooks:
+            self.add_step_end_hook(hook)
+
+    # ------------------------------------------------------------------ method hooks
+    def add_gradient_transform(self, parameter: nn.Parameter, transform: GradientTransform) -> RemovableHandle:
+        """Apply `transform` to `parameter`'s noisy gradient (its `.grad`, already divided by q·N) before the inner
+        step; e.g. `lambda g: g.masked_fill_(mask, 0)` keeps masked coordinates unchanged by a plain SGD/Adam step
+        (weight decay still moves them: decoupled decay acts on the weight, not the gradient).
+
+        It sees only released (noised) values, so it costs no privacy; it must be deterministic, since every process
+        applies it to the same all-reduced gradient. Several transforms apply in the order added.
+        """
+        if not any(parameter is p for _, p in self.engine.parameters):
+            raise ValueError(f"add_gradient_transform: a parameter of shape {tuple(parameter.shape)} is not one the "
+                             "engine trains.")
+        transforms = self._gradient_transforms.setdefault(parameter, OrderedDict())
+        handle = RemovableHandle(transforms)
+        transforms[handle.id] = transform
+        return handle
+
+    def add_step_end_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call `hook()` once per logical batch, after the inner step and the ledger's record (not when the budget
+        stops the step). It may change trainable tensors only through released values and public data."""
+        handle = RemovableHandle(self._step_end_hooks)
+        self._step_end_hooks[handle.id] = hook
+        return handle
 
     # ------------------------------------------------------------------ proxying
     @property
@@ -103,20 +149,59 @@ class NoisyOptimizer(torch.optim.Optimizer):
         if not self.may_step():
             self.engine.reset()  # budget exhausted: nothing computed from this batch is released
             return None
-        sums = self.engine.pop_clipped_sums()
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for _, p in self.engine.parameters]
-        totals = [
+        totals = self.clipped_sums(params)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not distributed or dist.get_rank() == 0:  # exactly once, before the reduction
+            self.add_noise(totals)
+        if distributed:
+            self.all_reduce(totals)
+        self.to_gradients(params, totals)
+        self.transform_gradients(params)
+        self.optimizer.step()
+        self.on_step()
+        self.step_end()
+        return None
+
+    def clipped_sums(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """This process's clipped sums, popped from the engine; zeros (fp32 or wider) for a parameter with none."""
+        sums = self.engine.pop_clipped_sums()
+        return [
             sums[p] if p in sums else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
                                                   device=p.device)
             for p in params
         ]
-        if not distributed or dist.get_rank() == 0:  # exactly once, before the reduction
-            self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
-        if distributed:
-            all_reduce_sum(totals)
+
+    def add_noise(self, totals: list[torch.Tensor]) -> None:
+        """totals += N(0, (σC)²) per coordinate, from the secret noise source, in place."""
+        self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+
+    def all_reduce(self, totals: list[torch.Tensor]) -> None:
+        all_reduce_sum(totals)
+
+    def to_gradients(self, params: list[nn.Parameter], totals: list[torch.Tensor]) -> None:
+        """param.grad = total / (q·N), in the parameter's dtype."""
         for param, total in zip(params, totals):
             param.grad = total.div_(self.expected_batch_size).to(param.dtype)
-        self.optimizer.step()
-        self.on_step()
-        return None
+
+    def transform_gradients(self, params: list[nn.Parameter]) -> None:
+        for param in params:
+            for transform in self._gradient_transforms.get(param, {}).values():
+                result = transform(param.grad)
+                if result is not None:
+                    if result.shape != param.shape:
+                        raise ValueError(f"A gradient transform returned shape {tuple(result.shape)} for a parameter "
+                                         f"of shape {tuple(param.shape)}.")
+                    param.grad = result.to(param.dtype)
+
+    def step_end(self) -> None:
+        for hook in list(self._step_end_hooks.values()):
+            hook()
+
+
+def noisy_optimizer(optimizer) -> NoisyOptimizer | None:
+    """The NoisyOptimizer `optimizer` is or wraps (Accelerate's AcceleratedOptimizer keeps it as `.optimizer`)."""
+    for current in (optimizer, getattr(optimizer, "optimizer", None)):
+        if isinstance(current, NoisyOptimizer):
+            return current
+    return None

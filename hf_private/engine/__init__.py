@@ -1,7 +1,9 @@
-"""Per-example gradient engine (hooks on the model's own modules, one backward pass)."""
+"""Per-example gradient engine (hooks on the model's own modules, one backward pass, a pluggable reducer)."""
 
 from .core import PerExampleGradientEngine, trainable_parameters
 from .layers import UnsupportedLayerError, register_layer, supported_layer_names
+from .reducers import ChunkTerms, FlatL2ClipReducer, PartitionMagnitudeReducer, Reducer, partitions_by_module
 
-__all__ = ["PerExampleGradientEngine", "UnsupportedLayerError", "register_layer", "supported_layer_names",
+__all__ = ["ChunkTerms", "FlatL2ClipReducer", "PartitionMagnitudeReducer", "PerExampleGradientEngine", "Reducer",
+           "UnsupportedLayerError", "partitions_by_module", "register_layer", "supported_layer_names",
            "trainable_parameters"]

@@ -1,11 +1,12 @@
-"""Per-example gradient engine: hooks on the model's own modules, one backward pass, one flat clip.
+"""Per-example gradient engine: hooks on the model's own modules, one backward pass, terms handed to a reducer.
 
 Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on
 the layer output receives the output gradient and turns it into per-example terms: factored for the ghost
 norm, or instantiated at once where that is cheaper (biases are always reduced to B×p at once). When
-backward has finished for the whole chunk, `finish_backward` computes every example's norm over *all*
-trainable tensors, the clip factors, and the clipped sums from the stored terms, then drops everything:
-nothing is kept across chunks but the clipped sums.
+backward has finished for the whole chunk, `finish_backward` checks the terms, applies a method's term
+transforms (masks: before any norm) and hands them to `engine.reducer` (reducers.py; by default DP-SGD's flat
+clip: every example's norm over *all* trainable tensors, the clip factors and the clipped sums), then drops
+everything: nothing is kept across chunks but what the reducer accumulates.
 
 Autograd's own parameter gradients would be computed and thrown away, so while a chunk is recorded the
 trainable parameters are flagged `requires_grad=False` ("ghost differentiation"): backward then only
@@ -21,22 +22,25 @@ with the chunk's; the trainer's independence probe (examples alone) exposes it o
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..logs import get_logger
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
-from .terms import clipped_sum, group_rows, inner, squared_norm, zero_examples
+from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer, flat_norms
+from .terms import accumulation_dtype, cast_term, clipped_sum, group_rows, squared_norm, vars_tensors
 
 logger = get_logger(__name__)
 
-_CLIP_STABILITY = 1e-6
+#: a method's map of one parameter's per-example term to another (a mask); it must act on each example alone
+TermTransform = Callable[[object], object]
 # Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total.
 _CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
 _CHECK_TOLERANCE_LOW_PRECISION = 5e-2
@@ -111,21 +115,20 @@ class _Call:
     terms: dict[str, object] = field(default_factory=dict)
 
 
-def vars_tensors(terms: list) -> Iterator[torch.Tensor]:
-    for term in terms:
-        yield from (v for v in vars(term).values() if torch.is_tensor(v) and v.is_floating_point())
-
-
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 class PerExampleGradientEngine:
-    """Computes clipped per-example gradient sums for every trainable parameter of `model`."""
+    """Collects per-example gradient terms for every trainable parameter of `model` and hands them to a reducer.
 
-    def __init__(self, model: nn.Module, max_grad_norm: float) -> None:
+    The default reducer is DP-SGD's `FlatL2ClipReducer(max_grad_norm)`, whose clipped sums `pop_clipped_sums`
+    releases to the optimizer; a method may set `engine.reducer` to another (DP-FROST's selection:
+    `PartitionMagnitudeReducer`) between logical batches, and register term transforms (`add_term_transform`).
+    """
+
+    def __init__(self, model: nn.Module, max_grad_norm: float, *, reducer: Reducer | None = None) -> None:
         self.model = model
-        self.max_grad_norm = float(max_grad_norm)
         self.parameters = trainable_parameters(model)
         if not self.parameters:
             raise ValueError("The model has no trainable parameters (nothing has requires_grad=True).")
@@ -133,13 +136,85 @@ class PerExampleGradientEngine:
         self.batch_norms = [
             name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
-        self.clipped_sums: dict[nn.Parameter, torch.Tensor] = {}
+        self._reducer: Reducer = FlatL2ClipReducer(max_grad_norm)
+        if reducer is not None:
+            self.reducer = reducer
+        self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
         self.last_norms: torch.Tensor | None = None
         self._calls: list[_Call] = []
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
         self._chunk: _Chunk | None = None  # the chunk that `finish_backward` will reduce
         self._handles: list = []
         self.verified = False  # set after the first chunk's per-example sums matched autograd
+
+    # ------------------------------------------------------------------ reducer and term transforms
+    @property
+    def reducer(self) -> Reducer:
+        """What `finish_backward` hands each chunk's terms to. Swap it only when nothing is pending."""
+        return self._reducer
+
+    @reducer.setter
+    def reducer(self, reducer: Reducer) -> None:
+        if reducer is not self._reducer and self._reducer.pending():
+            raise RuntimeError(
+                f"The current reducer ({type(self._reducer).__name__}) holds results not yet released: pop them "
+                "(or engine.reset()) before switching, so that no logical batch mixes two reducers."
+            )
+        reducer.bind(self.parameters)
+        self._reducer = reducer
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C of the flat clip (the current reducer's `max_grad_norm`)."""
+        return self._reducer.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self._reducer.max_grad_norm = float(value)
+
+    @property
+    def clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The clipped sums accumulated since the last `pop_clipped_sums` (a gradient-sum reducer's `sums`)."""
+        return self._gradient_sums_reducer().sums
+
+    @clipped_sums.setter
+    def clipped_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> None:
+        self._gradient_sums_reducer().sums = sums
+
+    def _gradient_sums_reducer(self) -> Reducer:
+        if not hasattr(self._reducer, "pop_clipped_sums"):
+            raise TypeError(
+                f"The engine's reducer is a {type(self._reducer).__name__}, which accumulates no clipped gradient "
+                "sums: nothing from it may reach the optimizer. Pop its own result and set engine.reducer back to a "
+                "clipping reducer (FlatL2ClipReducer) before the next training step."
+            )
+        return self._reducer
+
+    def add_term_transform(self, parameter: nn.Parameter, transform: TermTransform) -> RemovableHandle:
+        """Apply `transform` to every per-example term of `parameter` before any norm, clip or sum.
+
+        The transform receives one term (OuterTerm, IndexTerm or SampleTerm; one row per example, the rows of a
+        multiple-choice example already grouped) and returns a term of any of these kinds for the same parameter,
+        e.g. `lambda t: terms.zero_rows(t, rows)`. It must treat every example alone and depend on no data (a mask
+        from public or already-released weights): it is a change of the mechanism, not a post-processing. The
+        engine's self-check against autograd sees the terms before any transform. Several transforms of one
+        parameter apply in the order added; `handle.remove()` drops one.
+        """
+        if not any(parameter is p for _, p in self.parameters):
+            raise ValueError(f"add_term_transform: a parameter of shape {tuple(parameter.shape)} is not one this "
+                             "engine trains (requires_grad=True when the engine was created).")
+        transforms = self._term_transforms.setdefault(parameter, OrderedDict())
+        handle = RemovableHandle(transforms)
+        transforms[handle.id] = transform
+        return handle
+
+    def _transformed(self, param: nn.Parameter, terms: list, examples: int) -> list:
+        for transform in self._term_transforms.get(param, {}).values():
+            terms = [transform(term) for term in terms]
+            if any(term.batch_size != examples for term in terms):
+                raise ValueError(f"A term transform of a parameter of shape {tuple(param.shape)} changed the number "
+                                 f"of examples ({examples}): a transform must map each example's gradient alone.")
+        return terms
 
     # ------------------------------------------------------------------ set-up
     def _find_layers(self) -> list[_HookedLayer]:
@@ -246,13 +321,14 @@ class PerExampleGradientEngine:
             for p in frozen_for_chunk:
                 p.requires_grad_(True)
 
-    # ------------------------------------------------------------------ clipping
+    # ------------------------------------------------------------------ reduction
     @torch.no_grad()
     def finish_backward(self) -> torch.Tensor:
-        """Clip every example to max_grad_norm over all trainable tensors and add to the running sums.
+        """Hand the chunk's per-example terms (after the term transforms) to the reducer; return its norms.
 
-        An example whose norm is not finite (a NaN label, an overflow) contributes exactly zero. A probe chunk
-        (`recording(probe=True)`) returns the per-example norms and leaves the sums untouched.
+        With the default reducer: clip every example to max_grad_norm over all trainable tensors and add to the
+        running sums; an example whose norm is not finite (a NaN label, an overflow) contributes exactly zero. A
+        probe chunk (`recording(probe=True)`) returns the flat per-example L2 norms and leaves the reducer untouched.
         """
         chunk, self._chunk = self._chunk, None
         if chunk is None:
@@ -278,36 +354,14 @@ class PerExampleGradientEngine:
         if chunk.rows_per_example > 1:
             by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
                             for t in terms] for p, terms in by_param.items()}
-        batch = chunk.examples
-        norms_sq = None
-        for param, terms in by_param.items():
-            contribution = self._squared_norm(terms, self._accumulation_dtype(param))
-            norms_sq = contribution if norms_sq is None else norms_sq + contribution.to(norms_sq.dtype)
-        norms = norms_sq.sqrt() if norms_sq is not None else torch.zeros(batch)
+        if self._term_transforms:
+            by_param = {p: self._transformed(p, terms, chunk.examples) for p, terms in by_param.items()}
+        reduced = ChunkTerms(examples=chunk.examples, terms=dict(by_param))
+        by_param = None  # the reducer may drop each parameter's terms once used
         if chunk.probe:
-            return norms.detach()
-        factors = (self.max_grad_norm / (norms + _CLIP_STABILITY)).clamp(max=1.0)
-        finite = torch.isfinite(norms)
-        if not bool(finite.all()):  # one check per chunk keeps the common path cheap
-            # A NaN label or an overflow must not turn the release into NaN exactly when that record is sampled.
-            factors = torch.where(finite, factors, 0.0)
-            by_param = {p: [zero_examples(t, finite) for t in terms] for p, terms in by_param.items()}
-        for param, terms in by_param.items():
-            dtype = self._accumulation_dtype(param)
-            for term in terms:
-                running = self.clipped_sums.get(param)
-                self.clipped_sums[param] = clipped_sum(self._cast(term, dtype), factors.to(dtype), param.shape, running)
-            by_param[param] = None  # release this parameter's stored factors as soon as they are used
-        self.last_norms = norms.detach()
+            return flat_norms(reduced).detach()
+        self.last_norms = self._reducer.reduce(reduced).detach()
         return self.last_norms
-
-    def _squared_norm(self, terms: list, dtype: torch.dtype) -> torch.Tensor:
-        terms = [self._cast(t, dtype) for t in terms]
-        total = sum(squared_norm(t) for t in terms)
-        for i in range(len(terms)):
-            for j in range(i + 1, len(terms)):
-                total = total + 2 * inner(terms[i], terms[j])
-        return total
 
     def _check_coverage(self, by_param: dict) -> None:
         for name, p in self.parameters:
@@ -331,8 +385,8 @@ class PerExampleGradientEngine:
             return
         pairs = []
         for name, p in self.parameters:
-            terms = [self._cast(t, self._accumulation_dtype(p)) for t in by_param.get(p, [])]
-            ours = torch.zeros(p.shape, dtype=self._accumulation_dtype(p), device=p.device)
+            terms = [cast_term(t, accumulation_dtype(p)) for t in by_param.get(p, [])]
+            ours = torch.zeros(p.shape, dtype=accumulation_dtype(p), device=p.device)
             for term in terms:
                 ours = clipped_sum(term, ours.new_ones(term.batch_size), p.shape, out=ours)
             reference = p.grad.to(ours.dtype) if p.grad is not None else torch.zeros_like(ours)
@@ -351,20 +405,13 @@ class PerExampleGradientEngine:
                 )
         self.verified = True
 
-    @staticmethod
-    def _accumulation_dtype(param: nn.Parameter) -> torch.dtype:
-        return torch.promote_types(param.dtype, torch.float32)
-
-    @staticmethod
-    def _cast(term, dtype: torch.dtype):
-        return type(term)(
-            **{k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in vars(term).items()}
-        )
-
     # ------------------------------------------------------------------ state
     def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
-        sums, self.clipped_sums = self.clipped_sums, {}
-        return sums
+        """The clipped sums since the last pop, handed over (the optimizer noises them); the reducer starts afresh.
+
+        Refused when the reducer accumulates no gradient sums (a `PartitionMagnitudeReducer`).
+        """
+        return self._gradient_sums_reducer().pop_clipped_sums()
 
     def discard_chunk(self) -> None:
         """Forget the chunk being recorded: its terms and autograd's un-clipped gradients."""
@@ -378,4 +425,4 @@ class PerExampleGradientEngine:
     def reset(self) -> None:
         """Forget everything not yet released, so an interrupted logical batch never joins the next one."""
         self.discard_chunk()
-        self.clipped_sums = {}
+        self._reducer.reset()

@@ -6,6 +6,10 @@ A layer call contributes to a parameter's per-example gradient in one of three s
 * `IndexTerm`:   g_b = Σ_t e_{index[b,t]} ⊗ right[b,t]  (Embedding weights; rows picked by token id)
 * `SampleTerm`:  g_b given explicitly, shape [B, *param.shape]  (biases, norm gains: cheap to hold)
 
+Besides the L2 algebra of the flat clip (`squared_norm`, `inner`, `clipped_sum`) this module holds what reducers and
+methods need on the same terms: an L1 norm (`combined_l1_norm`), and masks applied to every example's gradient
+(`zero_rows`, `zero_columns`) without forming B×p×d.
+
 A parameter can receive several terms (tied embeddings, a module called twice); its per-example norm then
 needs the cross terms, which `inner` provides, because ‖Σ_i g_i‖² ≠ Σ_i ‖g_i‖².
 
@@ -127,14 +131,20 @@ def squared_norm(term) -> torch.Tensor:
     return (gram_left * gram_right).flatten(1).sum(1)
 
 
-def _index_squared_norm(term: IndexTerm) -> torch.Tensor:
-    """Sum the rows each example touches (one scatter over (example, token) keys): O(B·T·D), no T²."""
+def _index_row_sums(term: IndexTerm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows each example touches, summed over its tokens: (example·num_rows + row keys [U], row sums [U, D])."""
     batch, _, width = term.right.shape
     example = torch.arange(batch, device=term.index.device).unsqueeze(1).expand_as(term.index)
     keys = (example * term.num_rows + term.index).reshape(-1)
     unique_keys, inverse = torch.unique(keys, return_inverse=True)
     row_sums = term.right.new_zeros(unique_keys.numel(), width).index_add_(0, inverse, term.right.reshape(-1, width))
-    out = term.right.new_zeros(batch)
+    return unique_keys, row_sums
+
+
+def _index_squared_norm(term: IndexTerm) -> torch.Tensor:
+    """Sum the rows each example touches (one scatter over (example, token) keys): O(B·T·D), no T²."""
+    unique_keys, row_sums = _index_row_sums(term)
+    out = term.right.new_zeros(term.batch_size)
     return out.index_add_(0, unique_keys // term.num_rows, row_sums.pow(2).sum(1))
 
 
@@ -191,3 +201,135 @@ def clipped_sum(term, factors: torch.Tensor, shape: torch.Size, out: torch.Tenso
         return torch.mm(left.t(), right).reshape(shape)
     out.view(left.shape[1], right.shape[1]).addmm_(left.t(), right)
     return out
+
+
+# ---------------------------------------------------------------- dtypes
+def accumulation_dtype(param: torch.Tensor) -> torch.dtype:
+    """Norms, cross terms and sums of a parameter's terms: its dtype promoted to at least float32 (never bf16)."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+def cast_term(term, dtype: torch.dtype):
+    """The term with its floating-point tensors in `dtype` (index tensors untouched)."""
+    return type(term)(
+        **{k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in vars(term).items()}
+    )
+
+
+# ---------------------------------------------------------------- one parameter's terms together
+def combined_squared_norm(terms: list, dtype: torch.dtype) -> torch.Tensor:
+    """‖Σ_i g_b^i‖² per example over all terms of one parameter, cross terms included, computed in `dtype`."""
+    terms = [cast_term(t, dtype) for t in terms]
+    total = sum(squared_norm(t) for t in terms)
+    for i in range(len(terms)):
+        for j in range(i + 1, len(terms)):
+            total = total + 2 * inner(terms[i], terms[j])
+    return total
+
+
+def instantiate(term) -> torch.Tensor:
+    """The per-example gradient itself, [B, rows, ...]: B·p·d values, so only for what has no cheaper form."""
+    if isinstance(term, SampleTerm):
+        return term.grad
+    if isinstance(term, IndexTerm):
+        batch, _, width = term.right.shape
+        out = term.right.new_zeros(batch, term.num_rows, width)
+        return out.scatter_add_(1, term.index.unsqueeze(2).expand(-1, -1, width), term.right)
+    return torch.einsum("btp,btd->bpd", term.left, term.right)
+
+
+def select_examples(term, start: int, stop: int):
+    """The term restricted to examples [start, stop)."""
+    return type(term)(**{k: (v[start:stop] if torch.is_tensor(v) else v) for k, v in vars(term).items()})
+
+
+def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = 1 << 25) -> torch.Tensor:
+    """‖Σ_i g_b^i‖₁ per example over all terms of one parameter, computed in `dtype`.
+
+    An L1 norm has no factored (ghost) form: a lone sampled term is read directly, a lone embedding term through
+    the rows each example touches (O(B·T·D)); anything else is instantiated, a block of examples at a time so that
+    no more than about `block_elements` values are held at once (a tied vocabulary-sized weight: one example).
+    """
+    terms = [cast_term(t, dtype) for t in terms]
+    if len(terms) == 1 and isinstance(terms[0], SampleTerm):
+        return terms[0].grad.flatten(1).abs().sum(1)
+    if len(terms) == 1 and isinstance(terms[0], IndexTerm):
+        unique_keys, row_sums = _index_row_sums(terms[0])
+        out = row_sums.new_zeros(terms[0].batch_size)
+        return out.index_add_(0, unique_keys // terms[0].num_rows, row_sums.abs().sum(1))
+    batch = terms[0].batch_size
+    step = max(1, block_elements // max(max(_numel_per_example(t) for t in terms), 1))
+    out = torch.zeros(batch, dtype=dtype, device=next(vars_tensors(terms)).device)
+    for start in range(0, batch, step):
+        block = [select_examples(t, start, start + step) for t in terms]
+        out[start : start + step] = sum(instantiate(t).flatten(1) for t in block).abs().sum(1)
+    return out
+
+
+def vars_tensors(terms: list):
+    """The floating-point tensors the terms hold."""
+    for term in terms:
+        yield from (v for v in vars(term).values() if torch.is_tensor(v) and v.is_floating_point())
+
+
+def _numel_per_example(term) -> int:
+    if isinstance(term, SampleTerm):
+        return term.grad[0].numel() if term.batch_size else 0
+    if isinstance(term, IndexTerm):
+        return term.num_rows * term.right.shape[2]
+    return term.left.shape[2] * term.right.shape[2]
+
+
+# ---------------------------------------------------------------- masks (applied to every example's gradient)
+def _keep(selection, size: int, device: torch.device) -> torch.Tensor:
+    """A [size] bool mask, False where `selection` (indices, or a bool mask with True = zeroed) points."""
+    selection = torch.as_tensor(selection, device=device)
+    if selection.dtype == torch.bool:
+        if selection.shape != (size,):
+            raise ValueError(f"A boolean mask must have shape ({size},), got {tuple(selection.shape)}.")
+        return ~selection
+    keep = torch.ones(size, dtype=torch.bool, device=device)
+    keep[selection.long().reshape(-1)] = False
+    return keep
+
+
+def _where(keep: torch.Tensor, values: torch.Tensor, dim: int) -> torch.Tensor:
+    """`values` with exact zeros where `keep` (indexing dimension `dim` of `values`) is False."""
+    shape = [1] * values.dim()
+    shape[dim] = keep.numel()
+    return torch.where(keep.view(shape), values, values.new_zeros(()))
+
+
+def zero_rows(term, rows):
+    """The term whose every example's gradient has rows `rows` (dimension 0 of the parameter) set to exactly zero.
+
+    `rows`: indices, or a bool mask over the parameter's first dimension (True = zeroed). Nothing B×p×d is formed:
+    a factored weight term loses the rows of its left factor (Linear: output features; GPT-2 Conv1D: input
+    features, its weight being [in, out]), an embedding term the positions that look up a masked row, a sampled
+    term the rows themselves (a bias or norm gain: the coordinates).
+    """
+    if isinstance(term, SampleTerm):
+        return SampleTerm(_where(_keep(rows, term.grad.shape[1], term.grad.device), term.grad, 1))
+    if isinstance(term, IndexTerm):
+        keep = _keep(rows, term.num_rows, term.index.device)[term.index]  # [B, T]: the token's row is kept
+        right = torch.where(keep.unsqueeze(2), term.right, term.right.new_zeros(()))
+        return IndexTerm(index=term.index, right=right, num_rows=term.num_rows)
+    keep = _keep(rows, term.left.shape[2], term.left.device)
+    return OuterTerm(left=_where(keep, term.left, 2), right=term.right)
+
+
+def zero_columns(term, columns):
+    """The term whose every example's gradient has columns `columns` (dimension 1 of a 2-D parameter) set to zero.
+
+    `columns`: indices, or a bool mask over the parameter's second dimension (True = zeroed). A factored weight term
+    loses the columns of its right factor (Linear: input features), an embedding term the columns of its rows.
+    """
+    if isinstance(term, SampleTerm):
+        if term.grad.dim() < 3:
+            raise ValueError("zero_columns needs a parameter with at least two dimensions; use zero_rows for a vector.")
+        return SampleTerm(_where(_keep(columns, term.grad.shape[2], term.grad.device), term.grad, 2))
+    if isinstance(term, IndexTerm):
+        keep = _keep(columns, term.right.shape[2], term.right.device)
+        return IndexTerm(index=term.index, right=_where(keep, term.right, 2), num_rows=term.num_rows)
+    keep = _keep(columns, term.right.shape[2], term.right.device)
+    return OuterTerm(left=term.left, right=_where(keep, term.right, 2))
