@@ -4,9 +4,10 @@ import json
 import math
 
 import pytest
+from opacus.accountants import PRVAccountant, RDPAccountant
 
 import hf_private.privacy.ledger as ledger_module
-from hf_private.privacy import MechanismGroup, PrivacyLedger
+from hf_private.privacy import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, PrivacyLedger, compute_epsilon
 from hf_private.privacy.accountants import epsilon_bound
 
 N = 10_000
@@ -62,7 +63,7 @@ def test_state_dict_save_load_round_trip(tmp_path):
     ledger.record("dp-sgd", 0.9, 0.01, max_grad_norm=1.0, steps=300)
     ledger.record("psel", 3.0, 0.02, steps=5)
     state = ledger.state_dict()
-    assert state["format_version"] == 1
+    assert state["format_version"] == 2
     assert json.loads(json.dumps(state)) == state
     path = tmp_path / "privacy_ledger.json"
     ledger.save(path)
@@ -75,27 +76,141 @@ def test_state_dict_save_load_round_trip(tmp_path):
     fresh.load_state_dict(state)
     assert fresh.epsilon() == ledger.epsilon()
     with pytest.raises(ValueError, match="format_version"):
-        fresh.load_state_dict(state | {"format_version": 2})
+        fresh.load_state_dict(state | {"format_version": 3})
+
+
+# A ledger as version 1 wrote it (before typed events): every group a Poisson-subsampled Gaussian.
+VERSION_1 = {
+    "format_version": 1, "dataset_size": N, "delta": DELTA, "accountant": "prv",
+    "mechanisms": [
+        {"name": "dp-sgd", "noise_multiplier": 0.9, "sample_rate": 0.01, "steps": 300, "max_grad_norm": 1.0},
+        {"name": "psel", "noise_multiplier": 3.0, "sample_rate": 0.02, "steps": 5, "max_grad_norm": None},
+    ],
+}
+
+
+def test_format_version_1_still_loads(tmp_path):
+    path = tmp_path / "privacy_ledger.json"
+    path.write_text(json.dumps(VERSION_1))
+    loaded = PrivacyLedger.load(path)
+    recorded = PrivacyLedger(N, DELTA, accountant="prv")
+    recorded.record("dp-sgd", 0.9, 0.01, max_grad_norm=1.0, steps=300)
+    recorded.record("psel", 3.0, 0.02, steps=5)
+    assert loaded.mechanisms == recorded.mechanisms
+    assert all(group.mechanism == POISSON_GAUSSIAN for group in loaded.mechanisms)
+    assert loaded.epsilon() == recorded.epsilon() and loaded.guarantee() == ("formal", None)
+    loaded.record("dp-sgd", 0.9, 0.01, max_grad_norm=1.0)  # resuming continues it, and saves version 2
+    loaded.save(path)
+    state = json.loads(path.read_text())
+    assert state["format_version"] == 2 and [m["mechanism"] for m in state["mechanisms"]] == [POISSON_GAUSSIAN] * 3
+    typed_v1 = json.loads(json.dumps(VERSION_1))
+    typed_v1["mechanisms"][0]["mechanism"] = NO_GUARANTEE
+    with pytest.raises(ValueError, match="no typed events"):
+        PrivacyLedger(N, DELTA).load_state_dict(typed_v1)
 
 
 def test_report():
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=1.0, steps=10)
     report = ledger.report()
-    assert set(report) == {"epsilon", "delta", "accountant", "dataset_size", "steps", "mechanisms"}
+    assert set(report) == {"epsilon", "delta", "accountant", "dataset_size", "steps", "mechanisms", "guarantee"}
     assert report["steps"] == 10 and report["accountant"] == "rdp" and report["epsilon"] == ledger.epsilon()
+    assert report["guarantee"] == "formal"
     assert report["mechanisms"] == [
-        {"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 10, "max_grad_norm": 1.0}
+        {"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 10, "max_grad_norm": 1.0,
+         "mechanism": POISSON_GAUSSIAN}
     ]
 
 
 def test_mechanism_group_round_trip_and_identity():
     group = MechanismGroup("dp-sgd", 1.0, 0.01, 3, 1.0)
-    assert set(group.to_dict()) == {"name", "noise_multiplier", "sample_rate", "steps", "max_grad_norm"}
+    assert group.mechanism == POISSON_GAUSSIAN
+    assert set(group.to_dict()) == {"name", "noise_multiplier", "sample_rate", "steps", "max_grad_norm", "mechanism"}
     assert MechanismGroup.from_dict(group.to_dict()) == group
     assert group.same_mechanism(MechanismGroup("dp-sgd", 1.0, 0.01, 99, 1.0))
     assert not group.same_mechanism(MechanismGroup("dp-sgd", 1.0, 0.01, 3, 2.0))
     assert not group.same_mechanism(MechanismGroup("psel", 1.0, 0.01, 3, 1.0))
+    none = MechanismGroup.no_guarantee("dp-fp-paper", "encoder trained on raw inputs", steps=2)
+    assert not none.same_mechanism(MechanismGroup.no_guarantee("dp-fp-paper", "another reason", steps=2))
+    for event in (group, none):
+        assert MechanismGroup.from_dict(json.loads(json.dumps(event.to_dict()))) == event
+        # Cached composition (hf_private.audit) rebuilds groups positionally from the serialised values.
+        assert MechanismGroup(*event.to_dict().values()) == event
+
+
+def test_typed_event_validation():
+    with pytest.raises(ValueError, match="say why"):
+        MechanismGroup.no_guarantee("dp-fp-paper", "", steps=1)
+    with pytest.raises(ValueError, match="Only a no-guarantee event"):
+        MechanismGroup("dp-sgd", 1.0, 0.01, 1, reason="because")
+    with pytest.raises(ValueError, match="Unknown mechanism type"):
+        MechanismGroup("dp-sgd", 1.0, 0.01, 1, mechanism="laplace")
+    with pytest.raises(ValueError, match="un-noised"):  # a real σ would let a careless accountant report it
+        MechanismGroup("dp-fp-paper", 0.35, 0.001, 1, mechanism=NO_GUARANTEE, reason="encoder trained on raw inputs")
+    with pytest.raises(ValueError, match="steps"):
+        PrivacyLedger(N, DELTA).record_no_guarantee("dp-fp-paper", "reason", steps=0)
+
+
+REASON = "DP-FP paper mode: the encoder below the noise is trained on raw inputs (methods_spec §6.1)."
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order")
+def test_a_release_without_guarantee_makes_epsilon_infinite_and_the_report_say_none(tmp_path, caplog):
+    ledger = PrivacyLedger(N, DELTA, accountant="prv")
+    ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=1.0, steps=10)
+    assert ledger.guarantee() == ("formal", None)
+    ledger.record_no_guarantee("dp-fp-paper", REASON, steps=3)
+    ledger.record_no_guarantee("dp-fp-paper", REASON)  # merged with the previous
+    assert [(g.mechanism, g.steps) for g in ledger.mechanisms] == [(POISSON_GAUSSIAN, 10), (NO_GUARANTEE, 4)]
+    assert "no finite privacy guarantee" in caplog.text
+    kind, reason = ledger.guarantee()
+    assert kind == "none" and REASON in reason
+    assert ledger.epsilon() == math.inf and ledger.epsilon_upper_bound() == math.inf
+    report = ledger.report()
+    assert report["guarantee"] == "none" and REASON in report["guarantee_note"] and report["epsilon"] == math.inf
+    assert report["mechanisms"][1] == {"name": "dp-fp-paper", "noise_multiplier": 0.0, "sample_rate": 1.0,
+                                       "steps": 4, "max_grad_norm": None, "mechanism": NO_GUARANTEE,
+                                       "reason": REASON}
+    # From the card alone, any accountant gives ∞, even one that ignores the event type.
+    groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]]
+    assert compute_epsilon(groups, DELTA, "prv") == math.inf == compute_epsilon(groups, DELTA, "rdp")
+    opacus_rdp = RDPAccountant()
+    opacus_rdp.history = [(m["noise_multiplier"], m["sample_rate"], m["steps"]) for m in report["mechanisms"]]
+    assert opacus_rdp.get_epsilon(DELTA) == math.inf
+    path = tmp_path / "privacy_ledger.json"
+    ledger.save(path)
+    assert PrivacyLedger.load(path).guarantee() == (kind, reason)  # a resumed run still has none
+
+
+def test_an_unnoised_gaussian_release_has_no_guarantee_either():
+    ledger = PrivacyLedger(N, DELTA, accountant="rdp")
+    ledger.record("dp-sgd", 0.0, 0.01, steps=2)
+    kind, reason = ledger.guarantee()
+    assert kind == "none" and "without noise" in reason and ledger.epsilon() == math.inf
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order")
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_reported_epsilon_is_recomputable_with_opacus_from_the_serialised_events(accountant):
+    """The card's `mechanisms` alone, as JSON, give opacus' own ε: (σ, q, steps) per event, composed."""
+    ledger = PrivacyLedger(N, DELTA, accountant=accountant)
+    released = [("psel", 2.5, 0.02, 5), *[("dp-sgd", 1.1, 0.01, 40)] * 3, ("dp-sgd", 1.3, 0.01, 10),
+                ("dp-bitfit", 1.1, 0.01, 30)]
+    for name, sigma, q, steps in released:
+        ledger.record(name, sigma, q, max_grad_norm=1.0, steps=steps)
+    card = json.loads(json.dumps(ledger.report()))
+    assert card["accountant"] == accountant and card["guarantee"] == "formal"
+    kwargs = {"eps_error": 0.01, "delta_error": card["delta"] / 1000} if accountant == "prv" else {}
+    from_card, as_released = ({"prv": PRVAccountant, "rdp": RDPAccountant}[card["accountant"]]() for _ in range(2))
+    for event in card["mechanisms"]:
+        assert event["mechanism"] == POISSON_GAUSSIAN
+        for _ in range(event["steps"]):
+            from_card.step(noise_multiplier=event["noise_multiplier"], sample_rate=event["sample_rate"])
+    for _, sigma, q, steps in released:
+        for _ in range(steps):
+            as_released.step(noise_multiplier=sigma, sample_rate=q)
+    assert card["epsilon"] == pytest.approx(from_card.get_epsilon(card["delta"], **kwargs), rel=1e-9)
+    assert card["epsilon"] == pytest.approx(as_released.get_epsilon(card["delta"], **kwargs), rel=1e-9)
 
 
 def test_validation():

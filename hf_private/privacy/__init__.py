@@ -1,21 +1,37 @@
-"""Privacy accounting: the ledger of released mechanisms, ε from opacus' PRV/RDP accountants, noise
-calibration to a target ε, and the secret generator for noise and sampling."""
+"""Privacy accounting: the plan of a run's stages (q, steps, δ, jointly calibrated σ), the ledger of typed events
+it releases, ε from opacus' PRV/RDP accountants, noise calibration to a target ε, and the secret generator for
+noise and sampling."""
 
 from .accountants import SUPPORTED_ACCOUNTANTS, compute_epsilon
-from .calibration import BudgetError, calibrate_noise_multiplier, max_steps_within
-from .ledger import MechanismGroup, PrivacyLedger
+from .calibration import (
+    BudgetError,
+    JointMechanism,
+    calibrate_jointly,
+    calibrate_noise_multiplier,
+    max_steps_within,
+)
+from .ledger import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, PrivacyLedger
 from .noise import GaussianNoise
+from .plan import PlannedStage, PrivacyPlan, Stage, resolve_delta
 from .rng import GaussianSampler, SecretRandom
 
 __all__ = [
+    "NO_GUARANTEE",
+    "POISSON_GAUSSIAN",
     "SUPPORTED_ACCOUNTANTS",
     "BudgetError",
     "GaussianNoise",
     "GaussianSampler",
+    "JointMechanism",
     "MechanismGroup",
-    "SecretRandom",
+    "PlannedStage",
     "PrivacyLedger",
+    "PrivacyPlan",
+    "SecretRandom",
+    "Stage",
+    "calibrate_jointly",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "max_steps_within",
+    "resolve_delta",
 ]

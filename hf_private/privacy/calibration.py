@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..logs import get_logger
 from .accountants import check_accountant, compute_epsilon
@@ -55,6 +56,16 @@ def _too_little_noise(
         f"Even σ={max_sigma:g} gives ε={eps:.4g} > target ε={target:.4g} for {steps} steps at sample rate "
         f"{sample_rate:.4g}: train fewer steps/epochs, use a smaller sample rate (batch size), or allow a "
         f"larger ε.{hint}"
+    )
+
+
+def _too_little_noise_jointly(stages: str, eps: float, target: float, accountant: str) -> BudgetError:
+    hint = ""
+    if accountant == "rdp":
+        hint = " RDP cannot certify ε below a floor at any σ; the tighter 'prv' accountant can go lower."
+    return BudgetError(
+        f"Even the most noise allowed ({stages}) gives ε={eps:.4g} > target ε={target:.4g}: train fewer "
+        f"steps/epochs, use smaller sample rates (batch sizes), or allow a larger ε.{hint}"
     )
 
 
@@ -158,37 +169,95 @@ def calibrate_noise_multiplier(
     The returned σ satisfies target − tolerance ≤ ε(σ) ≤ target under `accountant`: the budget is never
     exceeded. Under RDP this is the bisection of opacus' `get_noise_multiplier` and DP-FROST's Algorithm
     2 (σ_high from 10 doubled until feasible, σ_low = 0, halve while target − ε(σ_high) > tolerance,
-    return σ_high); under PRV the RDP answer seeds secant steps checked by PRV.
+    return σ_high); under PRV the RDP answer seeds secant steps checked by PRV. It is `calibrate_jointly`
+    with one mechanism of noise ratio 1.
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}.")
+    return calibrate_jointly(
+        target_epsilon, delta, [JointMechanism(name, 1.0, sample_rate, int(steps))], accountant=accountant,
+        prior=prior, tolerance=tolerance, max_noise_multiplier=max_noise_multiplier,
+    )
+
+
+@dataclass(frozen=True)
+class JointMechanism:
+    """One mechanism of a joint calibration: `steps` releases of (σ = `noise_ratio` · s, `sample_rate`)."""
+
+    name: str
+    noise_ratio: float
+    sample_rate: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.noise_ratio) and self.noise_ratio > 0):
+            raise ValueError(f"noise_ratio of {self.name!r} must be finite and > 0, got {self.noise_ratio}.")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"sample_rate of {self.name!r} must be in (0, 1], got {self.sample_rate}.")
+        if int(self.steps) != self.steps or self.steps < 0:
+            raise ValueError(f"steps of {self.name!r} must be a non-negative integer, got {self.steps}.")
+
+
+def calibrate_jointly(
+    target_epsilon: float,
+    delta: float,
+    mechanisms: Sequence[JointMechanism],
+    accountant: str = "prv",
+    prior: Sequence[MechanismGroup] = (),
+    tolerance: float = 0.01,
+    max_noise_multiplier: float = 1000.0,
+) -> float:
+    """The scale s such that `prior` + every mechanism i at σ_i = ratio_i · s spends ε ≤ `target_epsilon`.
+
+    One scalar for all: ε of the composition is non-increasing in s, so the one-mechanism search applies
+    unchanged (RDP bisection, then PRV secant steps from its answer), and target − tolerance ≤ ε(s) ≤ target
+    under `accountant`. The largest σ_i is at most `max_noise_multiplier`. With one mechanism of ratio 1, s is
+    exactly `calibrate_noise_multiplier`'s σ (the same evaluations in the same order).
+    """
+    mechanisms = list(mechanisms)
+    active = [m for m in mechanisms if m.steps > 0]
+    if not active:
+        raise ValueError("A joint calibration needs at least one mechanism with steps >= 1.")
+    for mechanism in mechanisms:
+        _validate(target_epsilon, delta, mechanism.sample_rate, accountant)
     if not tolerance > 0:
         raise ValueError(f"tolerance must be > 0, got {tolerance}.")
     tolerance = min(tolerance, target_epsilon / 10)  # a tiny target still gets a relative precision
     if not max_noise_multiplier > 0:
         raise ValueError(f"max_noise_multiplier must be > 0, got {max_noise_multiplier}.")
+    max_scale = max_noise_multiplier / max(m.noise_ratio for m in active)
     if prior:
         _check_prior(compute_epsilon(prior, delta, accountant), target_epsilon)
+    prior = list(prior)
 
     def under(accountant: str) -> Callable[[float], float]:
-        epsilon = _epsilon_of(delta, accountant, prior, name)
-        return lambda sigma: epsilon(sigma, sample_rate, steps)
+        def epsilon(scale: float) -> float:
+            events = [MechanismGroup(m.name, m.noise_ratio * scale, m.sample_rate, m.steps) for m in active]
+            return compute_epsilon([*prior, *events], delta, accountant)
+
+        return epsilon
 
     def too_little_noise() -> BudgetError:
-        eps = under(accountant)(max_noise_multiplier)
-        return _too_little_noise(max_noise_multiplier, eps, target_epsilon, steps, sample_rate, accountant)
+        eps = under(accountant)(max_scale)
+        if len(active) == 1:
+            (only,) = active
+            return _too_little_noise(only.noise_ratio * max_scale, eps, target_epsilon, only.steps,
+                                     only.sample_rate, accountant)
+        stages = ", ".join(f"{m.name}: σ={m.noise_ratio * max_scale:g}, q={m.sample_rate:.4g}, {m.steps} steps"
+                           for m in active)
+        return _too_little_noise_jointly(stages, eps, target_epsilon, accountant)
 
     try:
-        sigma, slope = _bisect_sigma(under("rdp"), target_epsilon, tolerance, max_noise_multiplier)
+        scale, slope = _bisect_sigma(under("rdp"), target_epsilon, tolerance, max_scale)
     except BudgetError:
         if accountant == "rdp":
             raise too_little_noise() from None
-        sigma, slope = max_noise_multiplier, -1.0  # RDP is looser: PRV may still meet the target
+        scale, slope = max_scale, -1.0  # RDP is looser: PRV may still meet the target
     if accountant == "rdp":
-        return sigma
+        return scale
     try:
-        return _secant_sigma(under(accountant), target_epsilon, tolerance, sigma, slope, max_noise_multiplier)
+        return _secant_sigma(under(accountant), target_epsilon, tolerance, scale, slope, max_scale)
     except BudgetError:
         raise too_little_noise() from None
 

@@ -1,8 +1,17 @@
 """The privacy ledger: every data-dependent mechanism a run has released, and the ε they add up to.
 
-Each DP-SGD step, DP-FROST selection round or phase of a two-phase method is a Poisson-subsampled
-Gaussian mechanism (σ, q). The ledger keeps them in order, merging consecutive identical events into
-one group, survives checkpoints as JSON, and answers "what is ε now" and "what would ε be if".
+Events are typed (in the spirit of Google dp_accounting's `DpEvent`s), by `MechanismGroup.mechanism`:
+
+* `"poisson_gaussian"` (`POISSON_GAUSSIAN`): a Poisson-subsampled Gaussian mechanism (σ, q), e.g. a DP-SGD
+  step, a DP-FROST selection round, a phase of a two-phase method. What opacus' accountants compose.
+* `"no_guarantee"` (`NO_GUARANTEE`): a release with no finite guarantee, with the reason (e.g. DP-FP in paper
+  mode trains the encoder below its noise on raw data). Serialised with the accounting stand-in σ = 0, q = 1 (an
+  un-noised release of the whole dataset), so that any accountant given the card's numbers, ours or opacus' or
+  one that ignores the event type, returns ε = ∞ rather than a finite number the release does not have.
+
+The ledger keeps events in order, merging consecutive identical ones into one group, survives checkpoints
+as JSON (format 2; format-1 files, which had Poisson-Gaussian groups only, still load), and answers "what
+is ε now", "what would ε be if" and "is there a formal guarantee at all".
 """
 
 from __future__ import annotations
@@ -19,17 +28,28 @@ from .accountants import check_accountant, compute_epsilon, epsilon_bound
 
 logger = get_logger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)  # 1: before typed events, every group a Poisson-subsampled Gaussian
+
+POISSON_GAUSSIAN = "poisson_gaussian"
+NO_GUARANTEE = "no_guarantee"
+EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE)
 # epsilon_upper_bound evaluates ε this factor ahead of the steps taken: O(log steps) evaluations per mechanism.
 LOOK_AHEAD = 1.5
 
 
 @dataclass
 class MechanismGroup:
-    """`steps` consecutive releases of one Poisson-subsampled Gaussian mechanism.
+    """`steps` consecutive releases of one mechanism: a typed ledger event.
 
-    `max_grad_norm` (C) does not enter ε (noise is σ·C for sensitivity C); it is kept so the record
-    says what was released.
+    `mechanism` is the event type. For `"poisson_gaussian"` (the default) the release is a Poisson-subsampled
+    Gaussian mechanism with noise multiplier σ and rate q; `max_grad_norm` (C) does not enter ε (noise is σ·C
+    for sensitivity C) and is kept so the record says what was released. For `"no_guarantee"` the release has
+    no finite guarantee, for the stated `reason`; σ and q hold the stand-in 0 and 1 (nothing is noised, everyone
+    is in), so any accountant composes it to ε = ∞. Build those with `MechanismGroup.no_guarantee`.
+
+    The fields' order is the serialised order (`to_dict`): `MechanismGroup(*group.to_dict().values())` rebuilds
+    the group, which cached composition relies on.
     """
 
     name: str
@@ -37,10 +57,25 @@ class MechanismGroup:
     sample_rate: float
     steps: int
     max_grad_norm: float | None = None
+    mechanism: str = POISSON_GAUSSIAN
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("A mechanism needs a name (e.g. 'dp-sgd').")
+        if self.mechanism not in EVENT_KINDS:
+            raise ValueError(f"Unknown mechanism type {self.mechanism!r}: one of {', '.join(EVENT_KINDS)}.")
+        if self.mechanism == NO_GUARANTEE:
+            if not (isinstance(self.reason, str) and self.reason.strip()):
+                raise ValueError(f"A no-guarantee event ({self.name!r}) must say why there is no guarantee.")
+            if (self.noise_multiplier, self.sample_rate) != (0.0, 1.0):
+                raise ValueError(
+                    f"A no-guarantee event ({self.name!r}) is accounted as un-noised (noise_multiplier=0) on the "
+                    f"whole dataset (sample_rate=1), got noise_multiplier={self.noise_multiplier}, sample_rate="
+                    f"{self.sample_rate}: use MechanismGroup.no_guarantee(name, reason, steps)."
+                )
+        elif self.reason is not None:
+            raise ValueError(f"Only a no-guarantee event carries a reason ({self.name!r} is {self.mechanism}).")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}.")
         if not 0 < self.sample_rate <= 1:
@@ -50,31 +85,70 @@ class MechanismGroup:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm}.")
 
+    @classmethod
+    def no_guarantee(cls, name: str, reason: str, steps: int = 1,
+                     max_grad_norm: float | None = None) -> MechanismGroup:
+        """`steps` releases with no finite guarantee (ε = ∞), for `reason`."""
+        return cls(name, 0.0, 1.0, steps, max_grad_norm, NO_GUARANTEE, reason)
+
+    @property
+    def has_guarantee(self) -> bool:
+        """False when this release alone makes ε infinite: a no-guarantee event, or a Gaussian one with σ = 0."""
+        return self.steps == 0 or (self.mechanism == POISSON_GAUSSIAN and self.noise_multiplier > 0)
+
+    def why_no_guarantee(self) -> str | None:
+        if self.has_guarantee:
+            return None
+        if self.mechanism == NO_GUARANTEE:
+            return f"{self.name}: {self.reason}"
+        return f"{self.name}: {self.steps} release(s) without noise (noise_multiplier=0)."
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "name": str(self.name),
             "noise_multiplier": float(self.noise_multiplier),
             "sample_rate": float(self.sample_rate),
             "steps": int(self.steps),
             "max_grad_norm": None if self.max_grad_norm is None else float(self.max_grad_norm),
+            "mechanism": str(self.mechanism),
         }
+        if self.reason is not None:
+            d["reason"] = str(self.reason)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MechanismGroup:
+        """From `to_dict`'s output, or a format-1 dict (no `mechanism`: a Poisson-subsampled Gaussian)."""
         max_grad_norm = d.get("max_grad_norm")
+        reason = d.get("reason")
         return cls(
             name=str(d["name"]),
             noise_multiplier=float(d["noise_multiplier"]),
             sample_rate=float(d["sample_rate"]),
             steps=int(d["steps"]),
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            mechanism=str(d.get("mechanism", POISSON_GAUSSIAN)),
+            reason=None if reason is None else str(reason),
         )
 
     def same_mechanism(self, other: MechanismGroup) -> bool:
-        """Same release (name, σ, q, C), so the two groups can be one with summed steps."""
-        return (self.name, self.noise_multiplier, self.sample_rate, self.max_grad_norm) == (
-            other.name, other.noise_multiplier, other.sample_rate, other.max_grad_norm,
-        )
+        """Same release (type, name, σ, q, C, reason), so the two groups can be one with summed steps."""
+        return self._identity() == other._identity()
+
+    def _identity(self) -> tuple:
+        return (self.mechanism, self.name, self.noise_multiplier, self.sample_rate, self.max_grad_norm, self.reason)
+
+
+def guarantee_of(mechanisms: Sequence[MechanismGroup]) -> tuple[str, str | None]:
+    """("formal", None) when every release has a finite guarantee, else ("none", why), naming each culprit once."""
+    reasons: list[str] = []
+    for group in mechanisms:
+        why = group.why_no_guarantee()
+        if why is not None and why not in reasons:
+            reasons.append(why)
+    if not reasons:
+        return "formal", None
+    return "none", "No finite (ε, δ) guarantee: " + " ".join(reasons)
 
 
 def _appended(mechanisms: Sequence[MechanismGroup], event: MechanismGroup) -> list[MechanismGroup]:
@@ -131,9 +205,32 @@ class PrivacyLedger:
         steps: int = 1,
     ) -> None:
         """Record `steps` releases of mechanism `name` with noise σ and Poisson rate q."""
-        event = self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps)
+        self.record_event(self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps))
+
+    def record_no_guarantee(self, name: str, reason: str, steps: int = 1, max_grad_norm: float | None = None) -> None:
+        """Record `steps` releases of mechanism `name` that have no finite guarantee, and why (ε becomes ∞)."""
+        if steps < 1:
+            raise ValueError(f"An event has at least one step, got steps={steps}.")
+        self.record_event(MechanismGroup.no_guarantee(name, reason, int(steps), max_grad_norm))
+
+    def record_event(self, event: MechanismGroup) -> None:
+        """Record a typed event (a `PrivacyPlan.event(...)`, or any `MechanismGroup` with steps >= 1)."""
+        if not isinstance(event, MechanismGroup):
+            raise TypeError(f"record_event takes a MechanismGroup, got {type(event).__name__}.")
+        if event.steps < 1:
+            raise ValueError(f"An event has at least one step, got steps={event.steps}.")
+        if event.why_no_guarantee() is not None:
+            logger.warning("Recorded a release with no finite privacy guarantee: %s", event.why_no_guarantee())
         self.mechanisms = _appended(self.mechanisms, event)
         self._bound = None
+
+    def guarantee(self) -> tuple[str, str | None]:
+        """("formal", None), or ("none", reason) when a recorded release has no finite guarantee (ε = ∞).
+
+        Only what the ledger knows: a run in insecure test mode (a noise seed) has no guarantee either, which the
+        trainer adds.
+        """
+        return guarantee_of(self.mechanisms)
 
     @property
     def total_steps(self) -> int:
@@ -158,8 +255,8 @@ class PrivacyLedger:
         *prefix, current = self.mechanisms
         return (
             self.delta, self.accountant,
-            tuple((g.name, g.noise_multiplier, g.sample_rate, g.max_grad_norm, g.steps) for g in prefix),
-            (current.name, current.noise_multiplier, current.sample_rate, current.max_grad_norm),
+            tuple((*g._identity(), g.steps) for g in prefix),
+            current._identity(),
         )
 
     def epsilon_upper_bound(self, max_steps: int | None = None) -> float:
@@ -215,8 +312,13 @@ class PrivacyLedger:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace this ledger's contents with a saved state (resuming continues the same ledger)."""
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"Unsupported privacy ledger format_version {version!r} (expected {FORMAT_VERSION}).")
+        if version not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(
+                f"Unsupported privacy ledger format_version {version!r} (this version reads "
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}): written by a newer hf_private?"
+            )
+        if version == 1 and any("mechanism" in group for group in d["mechanisms"]):
+            raise ValueError("A format_version 1 ledger has no typed events, but this one has a 'mechanism' field.")
         mechanisms = [MechanismGroup.from_dict(group) for group in d["mechanisms"]]
         self._configure(d["dataset_size"], d["delta"], d["accountant"])
         self.mechanisms = mechanisms
@@ -238,13 +340,22 @@ class PrivacyLedger:
         return ledger
 
     def report(self) -> dict[str, Any]:
-        """ε and what it rests on; `accountant` is the one that produced ε (RDP where PRV could not run)."""
+        """ε and what it rests on; `accountant` is the one that produced ε (RDP where PRV could not run).
+
+        `guarantee` is "formal", or "none" with `guarantee_note` saying why (ε is then ∞). Each entry of
+        `mechanisms` is a typed event that opacus' accountants recompute ε from: history (σ, q, steps).
+        """
         epsilon, accountant = self._epsilon_bound()
-        return {
+        guarantee, reason = self.guarantee()
+        report = {
             "epsilon": epsilon,
             "delta": self.delta,
             "accountant": accountant,
             "dataset_size": self.dataset_size,
             "steps": self.total_steps,
             "mechanisms": [group.to_dict() for group in self.mechanisms],
+            "guarantee": guarantee,
         }
+        if reason is not None:
+            report["guarantee_note"] = reason
+        return report
