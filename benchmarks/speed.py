@@ -208,7 +208,7 @@ def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
         model = get_peft_model(model, LoraConfig(task_type=task, r=8, lora_alpha=16,
                                                  target_modules=LORA_TARGETS[model_name]))
     elif mode == "bitfit":
-        BitFitConfig(noise_multiplier=SIGMA).prepare_model(model)
+        BitFitConfig(noise_multiplier=SIGMA).build_method().prepare_model(model)
     return model.to(device).train()
 
 

@@ -25,17 +25,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .artifacts import (
+    ADAPTER_WEIGHTS_NAME,
+    CARD_NAME,
+    DP_CONFIG_NAME,
+    FULL_WEIGHTS_INDEX_NAME,
+    FULL_WEIGHTS_NAME,
+    LEDGER_NAME,
+    MODEL_CONFIG_NAME,
+    PEFT_CONFIG_NAME,
+    PEFT_WEIGHTS_NAME,
+)
 from .logs import get_logger
 
 logger = get_logger(__name__)
 
-ADAPTER_WEIGHTS_NAME = "private_adapter.safetensors"
 ADAPTER_FORMAT = "hf_private.adapter.v1"
-PEFT_CONFIG_NAME = "adapter_config.json"
-FULL_WEIGHTS_NAME = "model.safetensors"
-FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-_HUB_FILES = [ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME, "adapter_model.safetensors", "config.json", "model*.safetensors",
-              FULL_WEIGHTS_INDEX_NAME, "dp_config.json", "privacy_ledger.json", "README.md"]
+_HUB_FILES = [ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, MODEL_CONFIG_NAME, "model*.safetensors",
+              FULL_WEIGHTS_INDEX_NAME, DP_CONFIG_NAME, LEDGER_NAME, CARD_NAME]
 _FINGERPRINT_SAMPLES = 16  # values per frozen tensor: enough to tell two checkpoints apart, cheap for 7B models
 
 
@@ -265,7 +272,7 @@ def _resolve(path_or_repo: str | os.PathLike, revision: str | None, token: str |
 
 
 def _log_guarantee(directory: str) -> None:
-    readme = os.path.join(directory, "README.md")
+    readme = os.path.join(directory, CARD_NAME)
     if not os.path.isfile(readme):
         return
     from huggingface_hub import ModelCard

@@ -1,4 +1,8 @@
-"""What may leave the machine: the allow-list of files a Hub push uploads, and the settings that would leak counts.
+"""Every file a run writes or pushes, by name, and what may leave the machine.
+
+The names below are the only place hf_private spells an artefact's file name: its own files (ledger, method config,
+card, private adapter), the PEFT and transformers weights it saves through Trainer, the tokenizer and processor
+files, and `PUSHABLE_NAMES`, the allow-list of what a Hub push uploads.
 
 Trainer uploads its whole output directory (only `_*` and `checkpoint-*` ignored), so whatever `save_state()`,
 `save_metrics()`, a logging integration or the user leaves there would go public: `trainer_state.json` holds the
@@ -8,35 +12,47 @@ therefore uploads only the released artefacts, named below; anything else stays 
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
-from concurrent.futures import Future
 
-from huggingface_hub import CommitInfo
 from transformers import TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME as TRAINING_ARGS_NAME  # re-exported with the names below
 from transformers.trainer_utils import HubStrategy
-from transformers.utils import hf_api
 
-from .adapters import ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME
-from .logs import get_logger
-from .methods.dpsgd.config import CONFIG_NAME as DP_CONFIG_NAME
-
-logger = get_logger(__name__)
-
+# hf_private's own files: the privacy record and the adapter of the trained tensors
 LEDGER_NAME = "privacy_ledger.json"
+DP_CONFIG_NAME = "dp_config.json"
 CARD_NAME = "README.md"
-PUSHABLE_NAMES = frozenset({
-    # weights: a full model (single file or index), a PEFT adapter, hf_private's adapter of the trained tensors
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-    "adapter_model.safetensors", "adapter_model.bin", PEFT_CONFIG_NAME, ADAPTER_WEIGHTS_NAME,
-    # configurations
-    "config.json", "generation_config.json",
-    # tokenizer and processor (built before training, from public data)
+ADAPTER_WEIGHTS_NAME = "private_adapter.safetensors"
+# TRAINING_ARGS_NAME (imported): transformers' own name for the saved TrainingArguments, also next to a private adapter
+# PEFT's adapter
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_PT_WEIGHTS_NAME = "adapter_model.bin"
+# transformers' full model: a single file or an index of shards, and its configurations
+FULL_WEIGHTS_NAME = "model.safetensors"
+FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PT_WEIGHTS_NAME = "pytorch_model.bin"
+PT_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+MODEL_CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+# tokenizer and processor (built before training, from public data)
+TOKENIZER_NAMES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
     "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model", "chat_template.jinja",
     "chat_template.json", "preprocessor_config.json", "processor_config.json",
+)
+
+# The weights Trainer's own `_load_best_model` looks for (a full model or a PEFT adapter).
+TRAINER_WEIGHTS_NAMES = (FULL_WEIGHTS_NAME, PT_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PEFT_PT_WEIGHTS_NAME,
+                         FULL_WEIGHTS_INDEX_NAME, PT_WEIGHTS_INDEX_NAME)
+PUSHABLE_NAMES = frozenset({
+    # weights: a full model (single file or index), a PEFT adapter, hf_private's adapter of the trained tensors
+    *TRAINER_WEIGHTS_NAMES, PEFT_CONFIG_NAME, ADAPTER_WEIGHTS_NAME,
+    # configurations
+    MODEL_CONFIG_NAME, GENERATION_CONFIG_NAME,
+    *TOKENIZER_NAMES,
     # the privacy record: method config, ledger, card
     DP_CONFIG_NAME, LEDGER_NAME, CARD_NAME,
 })
@@ -68,6 +84,11 @@ def copy_pushable(source: str | os.PathLike, target: str | os.PathLike) -> None:
         shutil.copy(os.path.join(source, name), os.path.join(target, name))
 
 
+def has_trainer_weights(checkpoint: str | os.PathLike) -> bool:
+    """Whether Trainer's `_load_best_model` finds weights to load in `checkpoint` (otherwise it only warns)."""
+    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in TRAINER_WEIGHTS_NAMES)
+
+
 def check_release_settings(args: TrainingArguments) -> None:
     """Refuse TrainingArguments that would publish un-noised functions of the private data."""
     if args.include_num_input_tokens_seen not in ("no", False):
@@ -81,26 +102,5 @@ def check_release_settings(args: TrainingArguments) -> None:
             f"hub_strategy={HubStrategy(args.hub_strategy).value!r} uploads whole checkpoints: trainer_state.json "
             "(un-noised training losses, data-dependent counters) and the optimizer and RNG state. Use "
             "hub_strategy='every_save' or 'end', which push only the released artefacts (weights or adapter, configs, "
-            "tokenizer, dp_config.json, privacy_ledger.json, the card); checkpoints stay in output_dir for resuming."
-        )
-
-
-class AllowListedUpload:
-    """Uploads an output directory's pushable files; warns once about each file it withholds."""
-
-    def __init__(self) -> None:
-        self._warned: set[str] = set()
-
-    def __call__(self, repo_id: str, folder: str, *, commit_message: str | None, token: str | None,
-                 revision: str | None, run_as_future: bool) -> CommitInfo | Future[CommitInfo]:
-        files = pushable_files(folder)
-        new = [name for name in withheld_files(folder) if name not in self._warned]
-        if new:
-            logger.warning("Not pushing %s from %s: only released artefacts leave the machine (see "
-                           "hf_private.artifacts.PUSHABLE_NAMES).", ", ".join(new), folder)
-            self._warned.update(new)
-        logger.info("Pushing %s to %s.", ", ".join(files), repo_id)
-        return hf_api().upload_folder(
-            repo_id=repo_id, folder_path=folder, commit_message=commit_message, token=token, revision=revision,
-            run_as_future=run_as_future, allow_patterns=[glob.escape(name) for name in files],
+            f"tokenizer, {DP_CONFIG_NAME}, {LEDGER_NAME}, the card); checkpoints stay in output_dir for resuming."
         )

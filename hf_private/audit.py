@@ -458,32 +458,23 @@ def _with_canaries(train_dataset, canary_set, included: torch.Tensor):
 
 
 # ---------------------------------------------------------------------- command line
-_DEMO_LENGTH = 8
-_DEMO_VOCAB = 64  # ids 4-19 lean positive, 20-35 negative, the rest neutral; 0-3 are special
+_CANARY_LENGTH = 8
 
 
 def demo_task(size: int, seed: int = 0):
-    """A tiny BERT built from config and a generated two-class token task: the offline default of the CLI."""
-    from datasets import Dataset
-    from transformers import BertConfig, BertForSequenceClassification
+    """A tiny BERT built from config and the generated sentiment task of `hf_private.demo` (tokenized with
+    `hf_private.demo.demo_tokenizer`): the offline default of the CLI."""
+    from .demo import demo_model, sentiment_dataset
 
-    rng = random.Random(seed)
-    input_ids, labels = [], []
-    for _ in range(size):
-        label = rng.randint(0, 1)
-        ids = [rng.randrange(36, _DEMO_VOCAB) for _ in range(_DEMO_LENGTH - 2)]
-        ids.append(rng.randrange(4, 20) if label else rng.randrange(20, 36))
-        rng.shuffle(ids)
-        input_ids.append([2, *ids])  # [CLS] first
-        labels.append(label)
-    data = Dataset.from_dict({"input_ids": input_ids, "attention_mask": [[1] * len(i) for i in input_ids],
-                              "label": labels})
-    config = BertConfig(vocab_size=_DEMO_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=2 * _DEMO_LENGTH, num_labels=2)
-    return (lambda: BertForSequenceClassification(config)), data
+    def factory():
+        return demo_model(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+
+    return factory, sentiment_dataset(size, seed)
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .methods import registered_methods
+
     parser = argparse.ArgumentParser(
         prog="hf-private-audit",
         description="One-run canary audit of hf_private's DP training: an empirical LOWER bound on ε. A bound above "
@@ -497,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--label_column", default="label")
     add("--max_seq_length", type=int, default=128)
     add("--demo_size", type=int, default=2000, help="Examples in the generated demo task.")
-    add("--method", choices=("dpsgd", "bitfit"), default="dpsgd")
+    add("--method", choices=registered_methods(), default="dp-sgd")
     add("--epsilon", type=float, default=2.0, help="Claimed (target) ε of the audited run.")
     add("--delta", type=float, default=1e-5, help="Claimed δ; the bound weakens as canaries·δ grows.")
     add("--clip_norm", type=float, default=1.0)
@@ -510,7 +501,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--k_plus", type=int, default=None, help="Top scores guessed 'in' (default: canaries // 5).")
     add("--k_minus", type=int, default=0, help="Bottom scores guessed 'out'.")
     add("--confidence", type=float, default=0.95)
-    add("--canary_length", type=int, default=_DEMO_LENGTH)
+    add("--canary_length", type=int, default=_CANARY_LENGTH)
     add("--seed", type=int, default=None, help="Seed of the canary inclusion draw (default: from the OS).")
     add("--audit_data", choices=tuple(AUDIT_DATA), default="private",
         help="Whose data --train_file is. 'private' (default): a released model's training data, so this run is "
@@ -550,9 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`hf-private-audit` / `python -m hf_private.audit`; exit status 1 when the audit refutes the claimed ε."""
     import tempfile
 
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import DataCollatorWithPadding, TrainingArguments
 
-    from .methods import BitFitConfig, DPConfig
+    from .demo import demo_tokenizer
+    from .methods import method_class
 
     options = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -562,8 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("No --model_name_or_path: auditing a tiny BERT on a generated task of %d examples.",
                     options.demo_size)
         factory, data = demo_task(options.demo_size)
-        trainer_kwargs = {"data_collator": default_data_collator}
-    config_cls = BitFitConfig if options.method == "bitfit" else DPConfig
+        tokenizer = demo_tokenizer()
+        trainer_kwargs = {"data_collator": DataCollatorWithPadding(tokenizer), "processing_class": tokenizer}
+    config_cls = method_class(options.method).config_class
     dp_config = config_cls(target_epsilon=options.epsilon, target_delta=options.delta,
                            max_grad_norm=options.clip_norm, accountant=options.accountant)
     with tempfile.TemporaryDirectory(prefix="hf-private-audit-") as scratch:

@@ -12,17 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .adapters import unwrap_peft
+
 PerExampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 
 IGNORE_INDEX = -100
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def is_causal_lm(model: nn.Module) -> bool:
-    name = type(_base_model(model)).__name__
+    name = type(unwrap_peft(model)).__name__
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
@@ -48,7 +46,7 @@ def default_per_example_loss(
     applies it to the batch (for the cross-entropy heads; it has no meaning for regression or multi-label).
     """
     logits = outputs.logits
-    config = getattr(_base_model(model), "config", None)
+    config = getattr(unwrap_peft(model), "config", None)
     if logits.dim() == 2:
         problem = getattr(config, "problem_type", None)
         if logits.shape[-1] == 1 or problem == "regression":

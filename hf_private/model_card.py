@@ -14,6 +14,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .adapters import is_hub_model_id
+from .artifacts import ADAPTER_WEIGHTS_NAME, CARD_NAME, DP_CONFIG_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from .audit import AUDIT_MECHANISM_PREFIX
 
 TEMPLATE = "private_model.md"
@@ -208,20 +209,20 @@ def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: fl
     """One sentence on what the repository holds, so a reader knows what the base model must supply."""
     if adapter_format == "full":
         return ("Every weight was trained with differential privacy: the repository holds the full model, plus the "
-                "method config `dp_config.json`.")
+                f"method config `{DP_CONFIG_NAME}`.")
     base = ("The base model's weights (random, from its configuration, and not published) are unchanged" if from_config
             else "The base model's weights are public and unchanged")
     if adapter_format == "peft":
-        return ("The repository holds a PEFT adapter (`adapter_model.safetensors`, `adapter_config.json`): only the "
-                f"tensors trained with differential privacy, plus the method config `dp_config.json`. {base}.")
+        return (f"The repository holds a PEFT adapter (`{PEFT_WEIGHTS_NAME}`, `{PEFT_CONFIG_NAME}`): only the "
+                f"tensors trained with differential privacy, plus the method config `{DP_CONFIG_NAME}`. {base}.")
     base = base.replace("weights", "other weights", 1)
     return (f"The repository holds only what differentially private training changed: {trained_tensors} tensors "
-            f"({100 * trained_fraction:.3g}% of the model's parameters) in `private_adapter.safetensors`, plus the "
-            f"method config `dp_config.json`. {base}; `hf_private.load_private_adapter` puts the trained tensors back "
-            "onto it and checks that the base matches.")
+            f"({100 * trained_fraction:.3g}% of the model's parameters) in `{ADAPTER_WEIGHTS_NAME}`, plus the "
+            f"method config `{DP_CONFIG_NAME}`. {base}; `hf_private.load_private_adapter` puts the trained tensors "
+            "back onto it and checks that the base matches.")
 
 
 def write_model_card(card: ModelCard, output_dir: str | os.PathLike) -> str:
-    path = os.path.join(output_dir, "README.md")
+    path = os.path.join(output_dir, CARD_NAME)
     card.save(path)
     return path

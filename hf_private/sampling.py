@@ -1,4 +1,4 @@
-"""Poisson batch sampling and empty-batch-safe collation (design invariant 1).
+"""Poisson batch sampling and empty-batch-safe collation.
 
 The privacy accountant assumes every example enters every logical batch independently with
 probability ``q``.  Shuffled fixed-size batches do not satisfy that, so the train loader is built from
@@ -17,7 +17,19 @@ from torch.utils.data import Sampler
 from .example_rows import PER_EXAMPLE_KEYS, check_one_row_per_example
 from .privacy.rng import SecretRandom
 
-__all__ = ["EmptySafeCollator", "PoissonBatchSampler", "batch_size_of", "expected_steps_per_epoch"]
+__all__ = ["EmptySafeCollator", "PoissonBatchSampler", "batch_size_of", "expected_steps_per_epoch", "sampling_random"]
+
+# Test mode keys the sampler from DPConfig.noise_seed plus this offset, so its stream is not the noise's.
+_TEST_SEED_OFFSET = 7919
+
+
+def sampling_random(noise_seed: int | None = None) -> SecretRandom:
+    """The sampler's secret generator (`hf_private.privacy.rng`): a fresh OS-drawn key, independent on every rank.
+
+    Insecure test mode (`noise_seed` set): one key from the seed on every rank, so a multi-process run draws the very
+    logical batch a single process would (each rank keeps its shard).
+    """
+    return SecretRandom(test_seed=None if noise_seed is None else noise_seed + _TEST_SEED_OFFSET)
 
 
 def _check_sample_rate(sample_rate: float) -> float:
@@ -71,7 +83,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.rank = _check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.random = random if random is not None else SecretRandom()
+        self.random = random if random is not None else sampling_random()
         self._shard_indices = torch.arange(rank, num_samples, world_size)
 
     def _draw(self) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """`PrivateTrainer`: a `transformers.Trainer` whose every update is differentially private.
 
-Wiring (see DESIGN.md): Poisson batch sampler → physical chunks → engine hooks clip per example during the one
+Wiring: Poisson batch sampler → physical chunks → engine hooks clip per example during the one
 backward pass → `NoisyOptimizer.step` adds noise once per logical batch → ledger records the step. The model
 stays the user's own `PreTrainedModel`/`PeftModel`, so saving, evaluation and `push_to_hub` work as usual.
 """
@@ -8,55 +8,39 @@ stays the user's own `PreTrainedModel`/`PeftModel`, so saving, evaluation and `p
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import HubStrategy, SaveStrategy, TrainOutput, get_last_checkpoint
-from transformers.utils import PushInProgress
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .adapters import (
-    adapter_format,
-    has_private_adapter,
-    load_adapter_weights,
-    save_private_adapter,
-    unwrap_peft,
-    withhold_local_base_path,
-)
-from .artifacts import LEDGER_NAME, AllowListedUpload, check_release_settings, copy_pushable
+from .adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
+from .artifacts import check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
+from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
+from .checkpoints import load_ledger, save_privacy_record, save_private_checkpoint
 from .engine import PerExampleGradientEngine
 from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
 from .example_rows import rows_per_example
-from .held_out import (
-    HELD_OUT,
-    OVERLAPS,
-    TrainingRows,
-    card_evaluation,
-    eval_sets,
-    published_metrics,
-)
+from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics
+from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
-from .methods import DPConfig
-from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
+from .methods import MethodConfig
 from .model_support import check_supported_model
-from .optimizer import NoisyOptimizer
-from .privacy import (
-    GaussianNoise,
-    PrivacyLedger,
-    SecretRandom,
-    calibrate_noise_multiplier,
-    max_steps_within,
+from .optimizer import NoisyOptimizer, noisy_optimizer
+from .privacy import GaussianNoise, PrivacyLedger, calibrate_noise_multiplier, max_steps_within
+from .sampling import (
+    EmptySafeCollator,
+    PoissonBatchSampler,
+    batch_size_of,
+    expected_steps_per_epoch,
+    sampling_random,
 )
-from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, expected_steps_per_epoch
 from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
 
 logger = get_logger(__name__)
@@ -82,24 +66,26 @@ class PrivateTrainer(Trainer):
         model: nn.Module | None = None,
         args=None,
         *trainer_args: Any,
-        dp_config: DPConfig,
+        dp_config: MethodConfig,
         per_example_loss: PerExampleLoss | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        if not isinstance(dp_config, DPConfig):
+        if not isinstance(dp_config, MethodConfig):
             raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
+        self.dp_method = dp_config.build_method()
         check_subclass(type(self), PrivateTrainer)
         check_trainer_kwargs(trainer_kwargs)
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
         _check_model(model)
-        dp_config.prepare_model(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         check_finite_labels(train_dataset)
         if args is not None:  # before Trainer, which creates the Hub repo when push_to_hub is set
             check_training_args(args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
             check_release_settings(args)
+        model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
+        self.dp_method.prepare_model(model)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
@@ -127,7 +113,7 @@ class PrivateTrainer(Trainer):
         )
         self.noise_multiplier = self._noise_multiplier()
         self.ledger = PrivacyLedger(self.dataset_size, self.delta, dp_config.accountant)
-        self.phases = dp_config.phases()
+        self.phases = self.dp_method.stages()
         self.phase = 0
         self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
@@ -137,7 +123,7 @@ class PrivateTrainer(Trainer):
         self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self._step_limit: int | None = None
         self._budget_exhausted = False
-        self._independence_checked = False  # the probe of invariant 8 runs once, on the first chunk of ≥ 2
+        self._independence_checked = False  # the example-independence probe runs once, on the first chunk of ≥ 2
         self._audits: list[AuditResult] = []  # see attach_audit
         self._set_signature_columns_if_needed()
         self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names)
@@ -187,7 +173,7 @@ class PrivateTrainer(Trainer):
             return float(self.dp_config.noise_multiplier)
         return calibrate_noise_multiplier(
             self.dp_config.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
-            accountant=self.dp_config.accountant, name=self.dp_config.phases()[0][0],
+            accountant=self.dp_config.accountant, name=self.dp_method.stages()[0][0],
         )
 
     @property
@@ -199,15 +185,13 @@ class PrivateTrainer(Trainer):
         if self.phase >= len(self.phase_switch_steps) or self.ledger.total_steps < self.phase_switch_steps[self.phase]:
             return
         self.phase += 1
-        self.dp_config.select_phase_two(self.model)
+        self.dp_method.start_stage(self.phase, self.model)
         self.trained_parameter_names |= {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.engine.detach()
         self.engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
         self.engine.attach()
-        noisy = self.optimizer
-        while not isinstance(noisy, NoisyOptimizer):
-            noisy = noisy.optimizer
-        noisy.engine = self.engine  # the optimizer keeps every phase's parameters; untouched ones get no grad
+        # The optimizer keeps every phase's parameters; untouched ones get no grad.
+        noisy_optimizer(self.optimizer).engine = self.engine
         logger.info("Phase %d (%s) starts after %d steps: %d trainable tensors.", self.phase + 1,
                     self.mechanism_name, self.ledger.total_steps, len(self.engine.parameters))
 
@@ -217,13 +201,10 @@ class PrivateTrainer(Trainer):
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
-        # Secret mode: an independent OS-seeded generator per rank. Test mode: one seed on every rank, so a
-        # multi-process run draws the very logical batch a single process would (each rank keeps its shard).
-        seed = self.dp_config.noise_seed
-        random = SecretRandom(test_seed=None if seed is None else seed + 7919)
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
-            rank=self.args.process_index, world_size=self.args.world_size, random=random,
+            rank=self.args.process_index, world_size=self.args.world_size,
+            random=sampling_random(self.dp_config.noise_seed),
         )
         return DataLoader(
             dataset,
@@ -235,10 +216,10 @@ class PrivateTrainer(Trainer):
 
     # ------------------------------------------------------------------ optimisation
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        for current in (self.optimizer, getattr(self.optimizer, "optimizer", None)):  # maybe AcceleratedOptimizer
-            if isinstance(current, NoisyOptimizer):
-                self.optimizer = current
-                return current
+        noisy = noisy_optimizer(self.optimizer)  # Trainer may call again with it wrapped by Accelerate
+        if noisy is not None:
+            self.optimizer = noisy
+            return noisy
         inner = super().create_optimizer(model)
         self.optimizer = NoisyOptimizer(
             inner,
@@ -295,7 +276,7 @@ class PrivateTrainer(Trainer):
         return total / (self.expected_batch_size / self.args.world_size)
 
     def _check_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int) -> None:
-        """Once per training: examples recomputed alone must get the norms they had in the chunk (invariant 8)."""
+        """Once per training: examples recomputed alone must get the norms they had in the chunk."""
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16)
                                               for _, p in self.engine.parameters)
 
@@ -330,7 +311,7 @@ class PrivateTrainer(Trainer):
             )
             if checkpoint is None:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
-            self._load_ledger(checkpoint)
+            self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
             resume_from_checkpoint = checkpoint
         if self.dp_config.target_epsilon is not None:
             self._step_limit = self.ledger.total_steps + max_steps_within(
@@ -362,22 +343,6 @@ class PrivateTrainer(Trainer):
             self._load_from_checkpoint(checkpoint)
         return TrainOutput(self.ledger.total_steps, math.nan,
                            {"epsilon": epsilon, "delta": self.delta, "steps_taken": 0})
-
-    def _load_ledger(self, checkpoint: str) -> None:
-        path = os.path.join(checkpoint, LEDGER_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{checkpoint} has no {LEDGER_NAME}: resuming from it would lose the privacy already spent. "
-                "Resume only from checkpoints written by PrivateTrainer."
-            )
-        ledger = PrivacyLedger.load(path)
-        if (ledger.dataset_size, ledger.delta, ledger.accountant) != (self.dataset_size, self.delta,
-                                                                        self.dp_config.accountant):
-            raise ValueError(
-                f"Checkpoint ledger (N={ledger.dataset_size}, δ={ledger.delta}, {ledger.accountant}) does not match "
-                f"this run (N={self.dataset_size}, δ={self.delta}, {self.dp_config.accountant})."
-            )
-        self.ledger = ledger
 
     # ------------------------------------------------------------------ reporting
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -487,8 +452,7 @@ class PrivateTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            self.ledger.save(os.path.join(output_dir, LEDGER_NAME))
-            self.dp_config.save_pretrained(output_dir)
+            save_privacy_record(output_dir, self.ledger, self.dp_config)
             self._write_card(output_dir)
 
     @property
@@ -503,13 +467,9 @@ class PrivateTrainer(Trainer):
             super()._save(output_dir, state_dict)
             if self.args.should_save:
                 withhold_local_base_path(output_dir)
-            return
-        if not self.args.should_save:
-            return
-        save_private_adapter(self.model, output_dir, self.trained_parameter_names)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        elif self.args.should_save:
+            save_private_checkpoint(self.model, output_dir, self.trained_parameter_names, self.processing_class,
+                                    self.args)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if has_private_adapter(resume_from_checkpoint):
@@ -525,56 +485,19 @@ class PrivateTrainer(Trainer):
             load_adapter_weights(self.model, best)
         else:
             super()._load_best_model()
-            if not best or not _has_trainer_weights(best):
+            if not best or not has_trainer_weights(best):
                 return  # Trainer only warned that it could not find them: the weights are still the last step's
-        self._reloaded_best = _reloaded_checkpoint(self.state, self.args.metric_for_best_model, self._eval_results)
+        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model, self._eval_results)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
-        """Trainer's push (transformers 5.x), but only the allow-listed artefacts of `hf_private.artifacts` go up.
-
-        Trainer uploads the whole output directory: trainer_state.json, metrics and event files would go public.
-        """
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        model_name = kwargs.pop("model_name", None)
-        if model_name is None and self.args.should_save:
-            hub_id = self.args.hub_model_id
-            model_name = Path(self.args.output_dir).name if hub_id is None else hub_id.split("/")[-1]
-        token = token if token is not None else self.args.hub_token
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        model_tags = getattr(self.model, "model_tags", None)
-        if model_tags is not None:
-            tags = kwargs.get("tags") or []
-            tags = [tags] if isinstance(tags, str) else list(tags)
-            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
-        self.create_model_card(model_name=model_name, **kwargs)
-        self._finish_current_push()
-        return self._upload_to_hub(
-            self.hub_model_id, self.args.output_dir, commit_message=commit_message, token=token,
-            revision=revision if revision is not None else self.args.hub_revision, run_as_future=not blocking,
-        )
+        """Trainer's push (transformers 5.x), but only the allow-listed artefacts of `hf_private.artifacts` go up
+        (see `hf_private.hub`): Trainer would upload the whole output directory."""
+        return push_release(self, self._upload_to_hub, commit_message, blocking, token, revision, private, **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Trainer's checkpoint push, but never a checkpoint folder, and only allow-listed files, copied together."""
-        busy = self.push_in_progress is not None and not self.push_in_progress.is_done()
-        if (not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END
-                or (busy and not self.args.hub_always_push)):
-            return
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        copy_pushable(checkpoint_folder, self.args.output_dir)  # weights, ledger and card of the same step
-        progress = (f"step {self.state.global_step}" if self.args.save_strategy == SaveStrategy.STEPS
-                    else f"epoch {int(self.state.epoch)}")
-        job = self._upload_to_hub(self.hub_model_id, self.args.output_dir,
-                                  commit_message=f"Training in progress, {progress}", token=self.args.hub_token,
-                                  revision=self.args.hub_revision, run_as_future=True)
-        if busy:
-            self.push_in_progress.jobs.append(job)
-        else:
-            self.push_in_progress = PushInProgress([job])
+        push_checkpoint(self, self._upload_to_hub, checkpoint_folder)
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
@@ -583,80 +506,28 @@ class PrivateTrainer(Trainer):
                              tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
                              dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
 
-    def _inner_optimizer_name(self) -> str:
-        optimizer = self.optimizer
-        while hasattr(optimizer, "optimizer"):  # AcceleratedOptimizer → NoisyOptimizer → the real one
-            optimizer = optimizer.optimizer
-        return type(optimizer).__name__
+    def _write_card(self, output_dir: str, **publication: Any) -> None:
+        """README.md, built by `hf_private.card_facts` from what this run knows (the keywords: create_model_card's)."""
+        write_card(output_dir, self._card_facts(), **publication)
 
-    def _write_card(self, output_dir: str, model_name=None, finetuned_from=None, tags=None, dataset=None,
-                    license=None, dataset_tags=None) -> None:
-        """README.md: no local path (base model or output folder) and no evaluation of training data reach it."""
-        report = self.privacy_report()
-        fmt = self.adapter_format
-        base = unwrap_peft(self.model)
-        base_model = finetuned_from or _base_model_name(base)
-        hub_id = self.args.hub_model_id or getattr(self, "hub_model_id", None)
-        title = model_name or (hub_id.split("/")[-1] if hub_id else None)  # None: the base model and the method
-        training = {
-            "method": report["method"],
-            "dataset": dataset or "private training data (not published)",
-            "steps taken": f"{report['steps']} (all counted in ε)",
-            "planned steps": self.planned_steps,
-            "expected logical batch size (q·N)": self.expected_batch_size,
-            "learning rate": self.args.learning_rate,
-            "optimizer": self._inner_optimizer_name(),
-            "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
-        }
-        held_out, eval_notes = card_evaluation(self._eval_results)
-        best = self._released_checkpoint(report["steps"], held_out)
-        if best is not None:
-            training["weights released"] = f"step {best['step']} (the best checkpoint by `{best['metric']}`)"
-            held_out, eval_notes = self._drop_stale_evaluations(best["step"], held_out, eval_notes)
-        card = build_model_card(
-            privacy=privacy_metadata(report, report["method"], audit=self.audit),
-            base_model=base_model,
-            model_title=title,
-            training=training,
-            eval_results=held_out,
-            eval_notes=eval_notes,
-            load_snippet=load_snippet(fmt, type(base).__name__, base_model, hub_id, _num_labels(base)),
-            library_name="peft" if fmt == "peft" else "transformers",
-            tags=tags,
-            citations=self.dp_config.citations(),
-            adapter_note=adapter_note(fmt, len(self.trained_parameter_names), self._trained_fraction(),
-                                      from_config=not base_model),
-            needs_hf_private=fmt == "private_adapter",
-            license=license,
-            model_class=type(base).__name__,
-            task_type=_task_type(base),
-            eval_dataset_name=f"{dataset} (held-out evaluation data)" if dataset else "held-out evaluation data",
-            eval_dataset_type=dataset_tags[0] if dataset_tags else "held-out",
-            best_checkpoint=best,
-            adapter_format=fmt,
+    def _card_facts(self) -> RunFacts:
+        return RunFacts(
+            report=self.privacy_report(),
+            audit=self.audit,
+            model=self.model,
+            adapter_format=self.adapter_format,
+            trained_tensors=len(self.trained_parameter_names),
+            trained_fraction=self._trained_fraction(),
+            citations=self.dp_method.citations(),
+            hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None),
+            planned_steps=self.planned_steps,
+            expected_batch_size=self.expected_batch_size,
+            learning_rate=self.args.learning_rate,
+            optimizer=optimizer_name(self.optimizer),
+            evaluations=self._eval_results,
+            reloaded_best=getattr(self, "_reloaded_best", None),
+            global_step=self.state.global_step,
         )
-        write_model_card(card, output_dir)
-
-    def _released_checkpoint(self, steps_taken: int, held_out: dict[str, float]) -> dict[str, Any] | None:
-        """The best checkpoint `_load_best_model` put back, if the weights are still its (and it is not the last)."""
-        best = getattr(self, "_reloaded_best", None)
-        if best is None or best["global_step"] != self.state.global_step or best["step"] >= best["global_step"]:
-            return None
-        metric = best["metric"]
-        value = f"{best['value']:.4g}" if metric in held_out and best["value"] is not None else None
-        return {"step": best["step"], "metric": metric, "value": value, "steps_taken": steps_taken}
-
-    def _drop_stale_evaluations(self, step: int, held_out: dict[str, float], notes: list[str]):
-        """Held-out results measured before the best checkpoint was reloaded describe other weights: not published."""
-        stale = self._reloaded_best["evaluations"]
-        kept = {prefix: entry for prefix, entry in self._eval_results.items()
-                if not any(entry is before for before in stale)}
-        if len(kept) == len(self._eval_results):
-            return held_out, notes
-        held_out, notes = card_evaluation(kept)
-        return held_out, [*notes, f"Evaluations run during training measured the weights of a later step, not the "
-                                  f"released weights of step {step}: they are not published here. Run "
-                                  "`trainer.evaluate()` after training to measure the released weights."]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -712,48 +583,3 @@ def _slice(value, size: int, start: int, stop: int):
         return value[start:stop]
     return value
 
-
-def _base_model_name(base: nn.Module) -> str | None:
-    """The pre-trained model's Hub id or local path, as loaded; None for a model built from config.
-
-    A local path is returned too: `hf_private.model_card` decides what reaches the card (a Hub id only).
-    """
-    name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
-    return name.strip() or None
-
-
-def _task_type(model: nn.Module) -> str | None:
-    """The Hub task of the model's head (as transformers' own cards infer it), for the card's model-index."""
-    from transformers.modelcard import TASK_MAPPING, _get_mapping_values
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
-
-    name = type(model).__name__
-    tasks = {**TASK_MAPPING, "multiple-choice": MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES}
-    return next((task for task, mapping in tasks.items() if name in _get_mapping_values(mapping)), None)
-
-
-_TRAINER_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin",
-                    "model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def _has_trainer_weights(checkpoint: str) -> bool:
-    """Whether Trainer's `_load_best_model` finds weights to load in `checkpoint` (otherwise it only warns)."""
-    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in _TRAINER_WEIGHTS)
-
-
-def _reloaded_checkpoint(state, metric: str | None, evaluations: dict) -> dict[str, Any]:
-    """What the card needs of a best checkpoint just reloaded: its step, metric, and the evaluations made before."""
-    step = state.best_global_step
-    if step is None:
-        step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
-    metric = metric or "loss"
-    metric = metric if metric.startswith("eval_") else f"eval_{metric}"
-    return {"step": step, "global_step": state.global_step, "metric": metric, "value": state.best_metric,
-            "evaluations": list(evaluations.values())}  # the entries themselves: evaluate() replaces them
-
-
-def _num_labels(model: nn.Module) -> int | None:
-    """Needed to rebuild a new classification head's shape on the base model; None for other heads."""
-    if type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification")):
-        return getattr(getattr(model, "config", None), "num_labels", None)
-    return None

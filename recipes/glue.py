@@ -1,17 +1,20 @@
-"""Differentially private fine-tuning on GLUE: `[accelerate launch] recipes/glue.py --task sst2 --method bitfit ...`.
+"""Differentially private fine-tuning on GLUE: `[accelerate launch] recipes/glue.py --task sst2 --method dp-bitfit ...`.
 
-Every `TrainingArguments` flag works as usual. Per (method, task) the paper's hyperparameters are the defaults
-(`paper_defaults.py`); flags override them. Data come from the Hub (`load_dataset("glue", task)`) or, offline,
+Every `TrainingArguments` flag works as usual. `--method` is any registered DP method (`hf_private.methods`); its
+own config fields are flags too, and per (method, task) the paper's hyperparameters, which each method declares, are
+the defaults; flags override them. Data come from the Hub (`load_dataset("glue", task)`) or, offline,
 from `--train_file/--validation_file` or `--data_dir`. With no model and no data it runs the embedded offline demo
 (a generated sentiment task and a small BERT built from config), which shows the pipeline, not GLUE numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,18 +39,17 @@ from glue_data import (  # noqa: E402
     prepare,
     task_spec,
 )
-from paper_defaults import Defaults, paper_defaults, split_batch  # noqa: E402
+from paper_defaults import split_batch  # noqa: E402
 
-from hf_private import BitFitConfig, DPConfig, PrivateTrainer  # noqa: E402
+from hf_private import PrivateTrainer  # noqa: E402
+from hf_private.methods import MethodConfig, RecipeDefaults, method_class, registered_methods  # noqa: E402
 from hf_private.metrics import load_glue_metric  # noqa: E402
 
 logger = logging.getLogger("recipes.glue")
 
-METHODS = ("dpsgd", "lora", "bitfit", "frost", "sparse_lowrank", "dpfp")
-AVAILABLE_METHODS = ("dpsgd", "lora", "bitfit")
-DEMO = Defaults(expected_batch_size=256, num_train_epochs=3, learning_rate=1e-2, clip_norm=1.0,
-                max_seq_length=MAX_LENGTH, source="the offline demo's own settings (not a paper's)", lora_r=8,
-                lora_alpha=16)
+DEMO = RecipeDefaults(expected_batch_size=256, num_train_epochs=3, learning_rate=1e-2, clip_norm=1.0,
+                      max_seq_length=MAX_LENGTH, source="the offline demo's own settings (not a paper's)",
+                      method_fields={"lora_r": 8, "lora_alpha": 16})
 # LoRA factors start at zero and need larger steps here (one demo run each: accuracy 0.83 vs 0.48 at 1e-2).
 DEMO_LORA_LEARNING_RATE = 5e-2
 DEMO_ARGS = ["--output_dir", "outputs/demo", "--logging_steps", "20", "--per_device_train_batch_size", "256",
@@ -59,7 +61,7 @@ GLUE_ARGS = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_siz
 @dataclass
 class RecipeArguments:
     task: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
-    method: str = field(default="dpsgd", metadata={"help": f"DP method: {', '.join(METHODS)}."})
+    method: str = field(default="dp-sgd", metadata={"help": "DP method: one of hf_private.registered_methods()."})
     epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
@@ -79,15 +81,7 @@ class RecipeArguments:
     )
     clip_norm: float | None = field(default=None, metadata={"help": "Per-example clip norm C (paper default)."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Truncation length (paper default)."})
-    lora_r: int | None = field(default=None, metadata={"help": "LoRA rank for --method lora (paper default)."})
-    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha for --method lora."})
-    lora_target_modules: str | None = field(
-        default=None, metadata={"help": "Comma-separated LoRA target modules (PEFT's default for the model type)."}
-    )
-    bitfit_train_head: bool = field(default=True, metadata={"help": "DP-BiTFiT: also train the new task head."})
-    bitfit_full_finetune_epochs: float = field(
-        default=0.0, metadata={"help": "DP-BiTFiT: X of 'X+BiTFiT' (DP full fine-tuning epochs first)."}
-    )
+    method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -110,7 +104,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         logger.warning("DEMO: no --model_name_or_path and no data given, so this trains a small randomly initialised "
                        "BERT on a generated sentiment task. The numbers show the pipeline works; they say nothing "
                        "about GLUE.")
-        if recipe.method == "bitfit":
+        if recipe.method == "dp-bitfit":
             logger.warning("DEMO: DP-BiTFiT adapts pre-trained features and the demo model has none (random "
                            "weights), so expect chance accuracy here; give --model_name_or_path to see it work.")
         raw, tokenizer, model = demo_dataset(), demo_tokenizer(), demo_model()
@@ -125,7 +119,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
 
     with training_args.main_process_first(desc="tokenize"):
         data = raw.map(tokenize, batched=True, remove_columns=list(text_columns))
-    model, dp_config = _apply_method(model, recipe)
+    dp_config = _dp_config(recipe)
     trainer = PrivateTrainer(
         model=model, args=training_args, train_dataset=data["train"], eval_dataset=data.get("validation"),
         processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer), dp_config=dp_config,
@@ -153,12 +147,16 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     """(recipe arguments, TrainingArguments, is_demo): paper defaults for the method and task, then the flags."""
     first = _pre_parse(argv)
     demo = _is_demo(first)
-    defaults = DEMO if demo else paper_defaults(first.method, first.task)
-    if demo and first.method == "lora":
+    method = method_class(first.method)
+    defaults = DEMO if demo else method.recipe_defaults(first.task)
+    if demo and first.method == "dp-lora":
         defaults = replace(defaults, learning_rate=DEMO_LORA_LEARNING_RATE)
-    parser = HfArgumentParser((RecipeArguments, TrainingArguments))
+    method_arguments = _method_arguments(method.config_class)
+    parser = HfArgumentParser((RecipeArguments, TrainingArguments, method_arguments))
     fixed = DEMO_ARGS if demo else ["--output_dir", f"outputs/{first.task}-{first.method}", *GLUE_ARGS]
-    recipe, training_args = parser.parse_args_into_dataclasses(args=[*fixed, *_default_args(defaults), *argv])
+    recipe, training_args, method_flags = parser.parse_args_into_dataclasses(
+        args=[*fixed, *_default_args(defaults, method_arguments), *argv])
+    recipe.method_fields = dataclasses.asdict(method_flags)
     for name in ("recipes", "transformers.hf_private"):  # the main process tells the story; the others only warn
         logging.getLogger(name).setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     accumulation_given = any(a.split("=")[0] == "--gradient_accumulation_steps" for a in argv)
@@ -177,11 +175,8 @@ def _pre_parse(argv: list[str]) -> RecipeArguments:
         return RecipeArguments()
     (first, _) = HfArgumentParser(RecipeArguments).parse_args_into_dataclasses(args=argv,
                                                                                 return_remaining_strings=True)
-    if first.method not in METHODS:
-        raise SystemExit(f"--method must be one of {METHODS}, got {first.method!r}.")
-    if first.method not in AVAILABLE_METHODS:
-        raise SystemExit(f"--method {first.method} is not yet available in hf_private; use one of "
-                         f"{AVAILABLE_METHODS}.")
+    if first.method not in registered_methods():
+        raise SystemExit(f"--method must be one of {', '.join(registered_methods())}, got {first.method!r}.")
     if first.task not in TASKS:
         raise SystemExit(f"Unknown --task {first.task!r}; choose one of {', '.join(TASKS)}.")
     demo = _is_demo(first)
@@ -193,11 +188,22 @@ def _pre_parse(argv: list[str]) -> RecipeArguments:
     return first
 
 
-def _default_args(defaults: Defaults) -> list[str]:
-    return ["--num_train_epochs", str(defaults.num_train_epochs), "--learning_rate", str(defaults.learning_rate),
+def _default_args(defaults: RecipeDefaults, method_arguments: type) -> list[str]:
+    args = ["--num_train_epochs", str(defaults.num_train_epochs), "--learning_rate", str(defaults.learning_rate),
             "--expected_batch_size", str(defaults.expected_batch_size), "--clip_norm", str(defaults.clip_norm),
-            "--max_seq_length", str(defaults.max_seq_length), "--lora_r", str(defaults.lora_r),
-            "--lora_alpha", str(defaults.lora_alpha)]
+            "--max_seq_length", str(defaults.max_seq_length)]
+    own = {f.name for f in dataclasses.fields(method_arguments)}
+    for name, value in defaults.method_fields.items():
+        if name in own:
+            args += [f"--{name}", str(value)]
+    return args
+
+
+def _method_arguments(config_class: type[MethodConfig]) -> type:
+    """The method's own config fields as recipe flags (their help text included)."""
+    hints = typing.get_type_hints(config_class)
+    fields = [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata)) for f in config_class.own_fields()]
+    return dataclasses.make_dataclass(f"{config_class.__name__}Arguments", fields)
 
 
 def _set_batch(args: TrainingArguments, expected: int, accumulation_given: bool) -> None:
@@ -213,7 +219,7 @@ def _set_batch(args: TrainingArguments, expected: int, accumulation_given: bool)
                 args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size)
 
 
-def _log_defaults(defaults: Defaults, recipe: RecipeArguments, demo: bool) -> None:
+def _log_defaults(defaults: RecipeDefaults, recipe: RecipeArguments, demo: bool) -> None:
     if not demo and not defaults.from_paper:
         logger.warning("The papers give no %s setting for %s: starting from their SST-2 row. Tune on public data, "
                        "not the private data (tuning on it spends privacy this ε does not count).", recipe.method,
@@ -251,20 +257,11 @@ def _load_model(recipe: RecipeArguments):
     return tokenizer, model
 
 
-def _apply_method(model, recipe: RecipeArguments):
-    common = dict(target_epsilon=recipe.epsilon, target_delta=recipe.delta, max_grad_norm=recipe.clip_norm,
-                  accountant=recipe.accountant)
-    if recipe.method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        targets = recipe.lora_target_modules.split(",") if recipe.lora_target_modules else None
-        model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=recipe.lora_r, lora_alpha=recipe.lora_alpha,
-                                                 target_modules=targets))
-        return model, DPConfig(**common)
-    if recipe.method == "bitfit":
-        return model, BitFitConfig(train_head=recipe.bitfit_train_head,
-                                   full_finetune_epochs=recipe.bitfit_full_finetune_epochs, **common)
-    return model, DPConfig(**common)
+def _dp_config(recipe: RecipeArguments) -> MethodConfig:
+    """The registered method's config from the shared privacy flags and the method's own flags."""
+    return method_class(recipe.method).config_class(
+        target_epsilon=recipe.epsilon, target_delta=recipe.delta, max_grad_norm=recipe.clip_norm,
+        accountant=recipe.accountant, **recipe.method_fields)
 
 
 def _metrics(task: str):

@@ -24,8 +24,7 @@ from transformers import DataCollatorWithPadding, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hf_private.trainer as trainer_module  # noqa: E402
-from hf_private import BitFitConfig, DPConfig, PrivateTrainer  # noqa: E402
+from hf_private import BitFitConfig, DPConfig, PrivateTrainer, card_facts, checkpoints  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests import tiny  # noqa: E402
@@ -87,7 +86,7 @@ def _count_calls(calls: dict[str, int], model) -> None:
     """Count real writes of the card, the ledger and the weights (save_pretrained as the main process, or the
     private adapter of a method that trains only some tensors)."""
     write_card, save_ledger, save_pretrained = (
-        trainer_module.write_model_card, PrivacyLedger.save, model.save_pretrained
+        card_facts.write_model_card, PrivacyLedger.save, model.save_pretrained
     )
 
     def counted_write_card(*a, **kw):
@@ -102,16 +101,16 @@ def _count_calls(calls: dict[str, int], model) -> None:
         calls["model"] += kw.get("is_main_process", True) is not False
         return save_pretrained(*a, **kw)
 
-    save_adapter = trainer_module.save_private_adapter
+    save_adapter = checkpoints.save_private_adapter
 
     def counted_save_adapter(*a, **kw):
         calls["model"] += 1
         return save_adapter(*a, **kw)
 
-    trainer_module.write_model_card = counted_write_card
+    card_facts.write_model_card = counted_write_card
     PrivacyLedger.save = counted_save_ledger
     model.save_pretrained = counted_save_pretrained
-    trainer_module.save_private_adapter = counted_save_adapter
+    checkpoints.save_private_adapter = counted_save_adapter
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     from demo_task import demo_model, demo_tokenizer
 
     output_dir = os.path.join(workdir, "recipe")
-    result = glue.main(["--method", "lora", "--max_steps", "2", "--output_dir", output_dir, "--push_to_hub", "true",
+    result = glue.main(["--method", "dp-lora", "--max_steps", "2", "--output_dir", output_dir, "--push_to_hub", "true",
                         "--hub_model_id", LORA_REPO, "--disable_tqdm", "true"])
     batch = _batch(demo_tokenizer(), ["a great and moving film", "not good , quite dull"])
     local = load_private_adapter(demo_model(), output_dir)
@@ -81,7 +81,7 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     assert not torch.equal(eval_logits(demo_model(), batch), expected), "the adapter changed nothing"
     card = ModelCard.load(LORA_REPO)
     privacy = card.data.to_dict()["privacy"]
-    assert privacy["epsilon"] == result["epsilon"] and privacy["method"] == "dp-sgd", privacy
+    assert privacy["epsilon"] == result["epsilon"] and privacy["method"] == "dp-lora", privacy
     assert card.data.model_name == LORA_REPO.split("/")[-1] and card.data.library_name == "peft", card.data
     assert card.text.startswith(f"\n# {LORA_REPO.split('/')[-1]}\n") and workdir not in str(card)
     return {"lora_epsilon": privacy["epsilon"]}

@@ -22,7 +22,7 @@ def _trainable(model) -> set[str]:
 
 def test_selects_every_bias_and_the_new_head():
     model = tiny.roberta()
-    BitFitConfig(target_epsilon=1.0).prepare_model(model)
+    BitFitConfig(target_epsilon=1.0).build_method().prepare_model(model)
     names = _trainable(model)
     assert {n for n, _ in model.named_parameters() if n.endswith(".bias")} <= names
     assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= names
@@ -32,15 +32,15 @@ def test_selects_every_bias_and_the_new_head():
 
 def test_paper_mode_freezes_the_head_weights_and_norm_option_adds_gains():
     model = tiny.roberta()
-    BitFitConfig(target_epsilon=1.0, train_head=False).prepare_model(model)
+    BitFitConfig(target_epsilon=1.0, train_head=False).build_method().prepare_model(model)
     assert all(n.endswith(".bias") for n in _trainable(model))
-    BitFitConfig(target_epsilon=1.0, train_norm_weights=True).prepare_model(model)
+    BitFitConfig(target_epsilon=1.0, train_norm_weights=True).build_method().prepare_model(model)
     assert any(n.endswith("LayerNorm.weight") for n in _trainable(model))
 
 
 def test_gpt2_conv1d_biases_and_no_head_for_a_language_model():
     model = tiny.gpt2()
-    BitFitConfig(target_epsilon=1.0).prepare_model(model)
+    BitFitConfig(target_epsilon=1.0).build_method().prepare_model(model)
     names = _trainable(model)
     assert "transformer.h.0.attn.c_attn.bias" in names and "transformer.h.0.ln_1.bias" in names
     assert all(n.endswith(".bias") for n in names), "the tied LM head is not a new head"
@@ -48,13 +48,13 @@ def test_gpt2_conv1d_biases_and_no_head_for_a_language_model():
 
 def test_model_without_biases_gets_a_clear_error():
     with pytest.raises(ValueError, match="no bias parameters.*LoRA"):
-        BitFitConfig(target_epsilon=1.0).prepare_model(tiny.llama())
+        BitFitConfig(target_epsilon=1.0).build_method().prepare_model(tiny.llama())
 
 
 def test_no_activation_is_held_for_bias_only_layers():
     """Only layers with a trainable weight (the head) keep their input; every other call keeps nothing."""
     model = tiny.roberta().train()
-    BitFitConfig(target_epsilon=1.0).prepare_model(model)
+    BitFitConfig(target_epsilon=1.0).build_method().prepare_model(model)
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
     batch = tiny.sentiment_dataset(4)[:4]
@@ -78,15 +78,15 @@ def test_two_phase_training_is_one_ledger_with_one_group_per_phase(tmp_path):
     trainer.train()
     assert weight not in _trainable(model) and "roberta.encoder.layer.0.attention.self.query.bias" in _trainable(model)
     groups = trainer.ledger.mechanisms
-    assert [g.name for g in groups] == ["dp-sgd-full", "dp-bitfit"]
+    assert [g.name for g in groups] == ["dp-sgd", "dp-bitfit"]
     assert groups[0].steps == trainer.steps_per_epoch and sum(g.steps for g in groups) == trainer.planned_steps
     assert trainer.ledger.epsilon() <= 4.0
 
     trainer.save_model()
     privacy = ModelCard.load(os.path.join(tmp_path, "README.md")).data.to_dict()["privacy"]
-    assert privacy["method"] == "dp-bitfit" and [m["name"] for m in privacy["mechanisms"]] == ["dp-sgd-full",
+    assert privacy["method"] == "dp-bitfit" and [m["name"] for m in privacy["mechanisms"]] == ["dp-sgd",
                                                                                                "dp-bitfit"]
-    assert [p["mechanism"] for p in privacy["phases"]] == ["dp-sgd-full", "dp-bitfit"]
+    assert [p["mechanism"] for p in privacy["phases"]] == ["dp-sgd", "dp-bitfit"]
     mechanisms = [MechanismGroup.from_dict(m) for m in privacy["mechanisms"]]
     assert compute_epsilon(mechanisms, privacy["delta"], privacy["accountant"]) == pytest.approx(privacy["epsilon"])
 

@@ -52,7 +52,7 @@ def _lora(model, task):
 
 def _bitfit(**kw):
     def prepare(model):
-        BitFitConfig(noise_multiplier=1.0, **kw).prepare_model(model)
+        BitFitConfig(noise_multiplier=1.0, **kw).build_method().prepare_model(model)
         return model
 
     return prepare

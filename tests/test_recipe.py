@@ -22,14 +22,17 @@ SHARED_SST2 = ROOT.parent / "shared" / "data" / "sst2"
 sys.path.insert(0, str(ROOT / "recipes"))
 import glue  # noqa: E402
 import glue_data  # noqa: E402
-from paper_defaults import paper_defaults, split_batch  # noqa: E402
+from paper_defaults import split_batch  # noqa: E402
+
+from hf_private.methods import method_class, registered_methods  # noqa: E402
 
 QUIET = ["--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true"]
 FAST = [*QUIET, "--accountant", "rdp"]  # RDP calibrates in a fraction of PRV's time; the demo tests keep PRV
-SAVED = {"dpsgd": "model.safetensors", "lora": "adapter_model.safetensors", "bitfit": "private_adapter.safetensors"}
+SAVED = {"dp-sgd": "model.safetensors", "dp-lora": "adapter_model.safetensors",
+         "dp-bitfit": "private_adapter.safetensors"}
 
 
-@pytest.mark.parametrize("method", ["dpsgd", "lora", "bitfit"])
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-lora", "dp-bitfit"])
 def test_demo_runs_and_writes_adapter_ledger_and_card(tmp_path, method, caplog):
     with caplog.at_level("INFO"):
         result = glue.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--method", method, *QUIET])
@@ -44,9 +47,9 @@ def test_demo_runs_and_writes_adapter_ledger_and_card(tmp_path, method, caplog):
     assert sum(m["steps"] for m in ledger["mechanisms"]) == 3
 
 
-@pytest.mark.parametrize("method", ["frost", "sparse_lowrank", "dpfp"])
-def test_later_methods_are_not_yet_available(tmp_path, method):
-    with pytest.raises(SystemExit, match="not yet available"):
+@pytest.mark.parametrize("method", ["dp-frost", "bitfit", "lora"])
+def test_unregistered_methods_are_refused_naming_the_registered_ones(tmp_path, method):
+    with pytest.raises(SystemExit, match="--method must be one of dp-sgd, dp-bitfit, dp-lora"):
         glue.main(["--output_dir", str(tmp_path), "--method", method])
 
 
@@ -64,14 +67,18 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message)
 # ---------------------------------------------------------------- paper defaults
 def test_paper_defaults_apply_and_flags_override(tmp_path):
     common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true"]
-    recipe, args, demo = glue.parse_args([*common, "--task", "qnli", "--method", "bitfit"])
+    recipe, args, demo = glue.parse_args([*common, "--task", "qnli", "--method", "dp-bitfit"])
     assert not demo and (args.learning_rate, args.num_train_epochs, recipe.clip_norm) == (5e-3, 6, 0.1)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 2000 == recipe.expected_batch_size
     assert args.per_device_train_batch_size <= 32 and recipe.max_seq_length == 256
 
-    recipe, args, _ = glue.parse_args([*common, "--method", "lora", "--learning_rate", "2e-4", "--lora_r", "4",
+    recipe, args, _ = glue.parse_args([*common, "--method", "dp-lora", "--learning_rate", "2e-4", "--lora_r", "4",
                                        "--per_device_train_batch_size", "100"])
-    assert (args.learning_rate, recipe.lora_r, recipe.clip_norm, args.num_train_epochs) == (2e-4, 4, 10.0, 20)
+    assert (args.learning_rate, recipe.method_fields["lora_r"], recipe.clip_norm, args.num_train_epochs) == (
+        2e-4, 4, 10.0, 20)
+    assert recipe.method_fields["lora_alpha"] == 16  # the paper's, declared by the method
+    with pytest.raises(ValueError, match="lora_r"):  # a method's own flag belongs to that method only
+        glue.parse_args([*common, "--method", "dp-sgd", "--lora_r", "4"])
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (100, 20)
 
     _, args, _ = glue.parse_args([*common, "--gradient_accumulation_steps", "3"])
@@ -79,10 +86,11 @@ def test_paper_defaults_apply_and_flags_override(tmp_path):
 
 
 def test_paper_tables_and_batch_split():
-    assert astuple(paper_defaults("bitfit", "sst2"))[:4] == (1000, 3, 5e-3, 0.1)
-    assert astuple(paper_defaults("dpsgd", "mnli"))[:4] == (6000, 18, 5e-4, 0.1)
-    assert astuple(paper_defaults("lora", "qnli"))[:4] == (2000, 20, 1e-3, 10.0)
-    assert not paper_defaults("bitfit", "cola").from_paper and paper_defaults("lora", "sst2").from_paper
+    defaults = {name: method_class(name).recipe_defaults for name in registered_methods()}
+    assert astuple(defaults["dp-bitfit"]("sst2"))[:4] == (1000, 3, 5e-3, 0.1)
+    assert astuple(defaults["dp-sgd"]("mnli"))[:4] == (6000, 18, 5e-4, 0.1)
+    assert astuple(defaults["dp-lora"]("qnli"))[:4] == (2000, 20, 1e-3, 10.0)
+    assert not defaults["dp-bitfit"]("cola").from_paper and defaults["dp-lora"]("sst2").from_paper
     assert split_batch(1000, 32, 1) == (25, 40)
     assert split_batch(6000, 64, 2) == (60, 50)
     assert split_batch(256, 256, 2) == (128, 1)
@@ -179,7 +187,7 @@ def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_pat
     # sst2 reads GLUE's layout through --data_dir (train.tsv + dev.tsv), the others name their files.
     data = (["--data_dir", str(tmp_path)] if task == "sst2"
             else ["--train_file", files["train"], "--validation_file", files["dev"]])
-    result = glue.main(["--model_name_or_path", model_dir, "--task", task, "--method", "bitfit", *data,
+    result = glue.main(["--model_name_or_path", model_dir, "--task", task, "--method", "dp-bitfit", *data,
                         "--max_steps", "1", "--expected_batch_size", "16", "--max_seq_length", "16",
                         "--output_dir", str(tmp_path / "out"), *FAST])
     assert metric in result["metrics"] and result["steps"] == 1
@@ -208,7 +216,7 @@ def test_recipe_runs_unchanged_under_a_two_process_accelerate_launch(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = subprocess.run(
         [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-         "no", "--dynamo_backend", "no", "recipes/glue.py", "--method", "bitfit", "--max_steps", "2",
+         "no", "--dynamo_backend", "no", "recipes/glue.py", "--method", "dp-bitfit", "--max_steps", "2",
          "--output_dir", str(tmp_path), *FAST],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )

@@ -16,8 +16,8 @@ from torch.utils.data import IterableDataset
 from transformers import DataCollatorForLanguageModeling, TrainerCallback
 
 from hf_private import BudgetError, DPConfig, PrivateTrainer, UnsupportedLayerError
+from hf_private.artifacts import LEDGER_NAME
 from hf_private.privacy import MechanismGroup, compute_epsilon
-from hf_private.trainer import LEDGER_NAME
 from tests import tiny
 from tests.helpers import make_trainer, snapshot, training_args
 

@@ -1,4 +1,4 @@
-"""Tiny models (hidden 32, 2 layers) built from configs, an in-memory tokenizer and a learnable toy task."""
+"""Tiny models (hidden 32, 2 layers) built from configs, and the demo task (`hf_private.demo`) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import random
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -14,43 +13,19 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedTokenizerFast,
     RobertaConfig,
     RobertaForMultipleChoice,
     RobertaForSequenceClassification,
 )
 
-POSITIVE = ["good", "great", "fine", "nice", "happy", "love", "superb", "bright"]
-NEGATIVE = ["bad", "awful", "poor", "sad", "hate", "dull", "broken", "worse"]
-NEUTRAL = ["the", "a", "movie", "plot", "was", "it", "and", "very", "this", "film", "story", "actor"]
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
-VOCAB = SPECIAL + POSITIVE + NEGATIVE + NEUTRAL
+from hf_private import demo
+
+POSITIVE, NEGATIVE, NEUTRAL, SPECIAL = list(demo.POSITIVE), list(demo.NEGATIVE), list(demo.NEUTRAL), list(demo.SPECIAL)
+VOCAB = list(demo.VOCAB)
 VOCAB_SIZE = 64  # > len(VOCAB): unused rows must still get noise and stay consistent
-SEQ_LEN = 16
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-        model_max_length=SEQ_LEN,
-    )
-
-
-def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
-    rng = random.Random(seed)
-    texts, labels = [], []
-    for _ in range(n):
-        label = rng.randint(0, 1)
-        words = rng.choices(NEUTRAL, k=rng.randint(3, 8))
-        words += rng.choices(POSITIVE if label else NEGATIVE, k=rng.randint(1, 3))
-        rng.shuffle(words)
-        texts.append(" ".join(words))
-        labels.append(label)
-    tok = tokenizer()
-    enc = tok(texts, truncation=True, max_length=SEQ_LEN)
-    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
+SEQ_LEN = demo.MAX_LENGTH
+tokenizer = demo.demo_tokenizer
+sentiment_dataset = demo.sentiment_dataset
 
 
 def multiple_choice_dataset(n: int, choices: int = 3, seed: int = 0) -> Dataset:

@@ -1,18 +1,20 @@
-"""One folder per DP method: its config and what it makes trainable."""
+"""One folder per DP method (config + behaviour), each registered under its canonical name on import."""
 
 from __future__ import annotations
 
+from .base import (
+    DPMethod,
+    MethodConfig,
+    RecipeDefaults,
+    method_class,
+    register_dp_method,
+    registered_methods,
+)
 from .bitfit import BitFitConfig
 from .dpsgd import DPConfig
+from .lora import DPLoRAConfig
 
-_CONFIG_CLASSES: dict[str, type[DPConfig]] = {cls.method: cls for cls in (DPConfig, BitFitConfig)}
-
-
-def config_class_for(method: str) -> type[DPConfig]:
-    try:
-        return _CONFIG_CLASSES[method]
-    except KeyError:
-        raise ValueError(f"Unknown DP method {method!r}; known: {sorted(_CONFIG_CLASSES)}.") from None
-
-
-__all__ = ["BitFitConfig", "DPConfig", "config_class_for"]
+__all__ = [
+    "BitFitConfig", "DPConfig", "DPLoRAConfig", "DPMethod", "MethodConfig", "RecipeDefaults", "method_class",
+    "register_dp_method", "registered_methods",
+]

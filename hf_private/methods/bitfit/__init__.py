@@ -1,3 +1,4 @@
 from .config import BitFitConfig
+from .method import BitFitMethod
 
-__all__ = ["BitFitConfig"]
+__all__ = ["BitFitConfig", "BitFitMethod"]

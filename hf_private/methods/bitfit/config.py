@@ -6,10 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from torch import nn
-
 from ..dpsgd import DPConfig
-from .model import select_bitfit_parameters
 
 
 @dataclass
@@ -38,22 +35,3 @@ class BitFitConfig(DPConfig):
         super().__post_init__()
         if self.full_finetune_epochs < 0:
             raise ValueError(f"full_finetune_epochs must be >= 0, got {self.full_finetune_epochs}.")
-
-    def prepare_model(self, model: nn.Module) -> None:
-        if self.full_finetune_epochs > 0:
-            model.requires_grad_(True)  # phase 1 is DP full fine-tuning
-        else:
-            self.select_phase_two(model)
-
-    def select_phase_two(self, model: nn.Module) -> None:
-        select_bitfit_parameters(model, train_head=self.train_head, train_norm_weights=self.train_norm_weights)
-
-    def phases(self) -> list[tuple[str, float]]:
-        if self.full_finetune_epochs > 0:
-            return [("dp-sgd-full", self.full_finetune_epochs), ("dp-bitfit", float("inf"))]
-        return [("dp-bitfit", float("inf"))]
-
-    def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "Bu, Wang, Zha, Karypis, *Differentially Private Bias-Term Fine-tuning of Foundation Models*, "
-                "ICML 2024.")

@@ -1,3 +1,4 @@
 from .config import DPConfig
+from .method import DPSGDMethod
 
-__all__ = ["DPConfig"]
+__all__ = ["DPConfig", "DPSGDMethod"]

@@ -1,0 +1,49 @@
+"""What `PrivateTrainer` writes into a save or checkpoint, and reads back to resume.
+
+A save holds the weights in the smallest faithful format (`hf_private.adapters`), the method config and the
+privacy ledger; resuming needs that ledger, so the privacy already spent carries over into the new run's ε.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .adapters import save_private_adapter
+from .artifacts import LEDGER_NAME, TRAINING_ARGS_NAME
+from .privacy import PrivacyLedger
+
+
+def save_private_checkpoint(model: nn.Module, output_dir: str, trained_names: Iterable[str], processing_class,
+                            args) -> None:
+    """What Trainer's `_save` writes, with the private adapter of the trained tensors in place of the full model."""
+    save_private_adapter(model, output_dir, trained_names)
+    if processing_class is not None:
+        processing_class.save_pretrained(output_dir)
+    torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+def save_privacy_record(output_dir: str, ledger: PrivacyLedger, dp_config) -> None:
+    """The ledger and the method config, next to the weights they describe."""
+    ledger.save(os.path.join(output_dir, LEDGER_NAME))
+    dp_config.save_pretrained(output_dir)
+
+
+def load_ledger(checkpoint: str, dataset_size: int, delta: float, accountant: str) -> PrivacyLedger:
+    """The ledger a resumed run continues; refused when missing or when it accounts for another dataset or δ."""
+    path = os.path.join(checkpoint, LEDGER_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{checkpoint} has no {LEDGER_NAME}: resuming from it would lose the privacy already spent. "
+            "Resume only from checkpoints written by PrivateTrainer."
+        )
+    ledger = PrivacyLedger.load(path)
+    if (ledger.dataset_size, ledger.delta, ledger.accountant) != (dataset_size, delta, accountant):
+        raise ValueError(
+            f"Checkpoint ledger (N={ledger.dataset_size}, δ={ledger.delta}, {ledger.accountant}) does not match "
+            f"this run (N={dataset_size}, δ={delta}, {accountant})."
+        )
+    return ledger

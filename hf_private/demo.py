@@ -1,0 +1,66 @@
+"""The generated sentiment task behind every offline demo: the GLUE recipe's, the audit command's and the tests'.
+
+A review is a few neutral words and one to three sentiment words, shuffled; its label is the sentiment's. It needs
+no download, and a small BERT built from config learns it in seconds. It shows that the pipeline works; it is not a
+benchmark.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+POSITIVE = ("good", "great", "fine", "nice", "happy", "love", "superb", "bright")
+NEGATIVE = ("bad", "awful", "poor", "sad", "hate", "dull", "broken", "worse")
+NEUTRAL = ("the", "a", "movie", "plot", "was", "it", "and", "very", "this", "film", "story", "actor")
+SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
+VOCAB = (*SPECIAL, *POSITIVE, *NEGATIVE, *NEUTRAL)
+MAX_LENGTH = 16  # tokens: the longest review has 11
+
+
+def demo_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of the demo vocabulary, built in memory."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        model_max_length=MAX_LENGTH,
+    )
+
+
+def sentiment_texts(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
+    """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed."""
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        words = rng.choices(NEUTRAL, k=rng.randint(3, 8))
+        words += rng.choices(POSITIVE if label else NEGATIVE, k=rng.randint(1, 3))
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+        labels.append(label)
+    return texts, labels
+
+
+def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
+    """`sentiment_texts` tokenized: input_ids, attention_mask and label columns."""
+    texts, labels = sentiment_texts(n, seed)
+    enc = demo_tokenizer()(texts, truncation=True, max_length=MAX_LENGTH)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
+
+
+def demo_model(num_labels: int = 2, **config: Any) -> BertForSequenceClassification:
+    """A small BERT for the demo vocabulary, built from config (`config` overrides its fields).
+
+    Seeded, so the same "base model" can be rebuilt to load a saved adapter onto.
+    """
+    torch.manual_seed(0)
+    fields = dict(vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=MAX_LENGTH + 2, num_labels=num_labels)
+    return BertForSequenceClassification(BertConfig(**{**fields, **config}))

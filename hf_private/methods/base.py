@@ -1,0 +1,214 @@
+"""What every DP method is made of: a config (data, saved as dp_config.json) and a method (behaviour), registered
+under one canonical name.
+
+As in PEFT (`PeftConfig` vs the tuner model, `register_peft_method`): the config holds the privacy knobs every
+method shares plus its own fields, validates them and round-trips through JSON; the method decides what trains,
+which stages its run has, and what it does at their boundaries. Clipping, noise and accounting stay the engine's,
+the optimizer's and the ledger's: a method never re-implements them. Adding a method touches only its folder: a
+config subclass and a method subclass decorated with `register_dp_method`, imported by `hf_private.methods`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+from ..logs import get_logger
+
+logger = get_logger(__name__)
+
+CONFIG_NAME = "dp_config.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RecipeDefaults:
+    """A method's starting hyperparameters for the GLUE recipe, with where they come from."""
+
+    expected_batch_size: int
+    num_train_epochs: float
+    learning_rate: float
+    clip_norm: float
+    max_seq_length: int
+    source: str
+    from_paper: bool = True
+    method_fields: dict[str, Any] = field(default_factory=dict)  # defaults for the method's own config fields
+
+
+@dataclass
+class MethodConfig:
+    """The privacy knobs every method shares; a method's config adds its own fields (with `help` metadata)."""
+
+    method: ClassVar[str] = ""
+
+    target_epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Privacy budget ε for the whole planned run. Exactly one of this and noise_multiplier."},
+    )
+    target_delta: float | None = field(
+        default=None,
+        metadata={"help": "δ of the (ε, δ) guarantee. None means 1/(2N), always below 1/N."},
+    )
+    noise_multiplier: float | None = field(
+        default=None,
+        metadata={"help": "σ: noise std is σ·max_grad_norm. Alternative to target_epsilon (then ε is reported)."},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Per-example clipping norm C over all trainable tensors (one flat clip)."}
+    )
+    accountant: str = field(
+        default="prv", metadata={"help": "'prv' (tight upper bound, default) or 'rdp' (conservative)."}
+    )
+    noise_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "INSECURE test mode: seed the noise and Poisson sampling reproducibly. Anyone who knows it "
+            "can remove the noise, so the guarantee is void. Leave None for real training."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                "Give exactly one of target_epsilon (σ is calibrated to it) and noise_multiplier (ε is reported); "
+                f"got target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}."
+            )
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            raise ValueError(
+                f"noise_multiplier must be > 0, got {self.noise_multiplier}: without noise there is no guarantee."
+            )
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}.")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
+        if self.accountant not in ("prv", "rdp"):
+            raise ValueError(f"accountant must be 'prv' or 'rdp', got {self.accountant!r}.")
+
+    def resolve_delta(self, dataset_size: int) -> float:
+        """δ for a dataset of this size; a δ ≥ 1/N would allow publishing one record outright."""
+        delta = self.target_delta if self.target_delta is not None else 1.0 / (2 * dataset_size)
+        if delta >= 1.0 / dataset_size:
+            raise ValueError(
+                f"target_delta={delta:g} is not below 1/N = {1.0 / dataset_size:g} for N={dataset_size}: such a δ "
+                "permits leaking whole records. Use a smaller δ or leave it None for 1/(2N)."
+            )
+        return delta
+
+    def build_method(self) -> DPMethod:
+        """The behaviour registered for this config's method."""
+        return method_class(self.method)(self)
+
+    @classmethod
+    def own_fields(cls) -> list[dataclasses.Field]:
+        """The fields this method adds to the shared ones (its recipe flags)."""
+        shared = {f.name for f in dataclasses.fields(MethodConfig)}
+        return [f for f in dataclasses.fields(cls) if f.name not in shared]
+
+    # ------------------------------------------------------------------ dp_config.json
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MethodConfig:
+        """The registered config for data["method"]; keys this version does not know are dropped with a warning
+        (a file written by a newer hf_private), as PEFT does."""
+        data = dict(data)
+        version = data.pop("format_version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            logger.warning("dp_config.json has format_version %s, newer than this hf_private's %s.", version,
+                           FORMAT_VERSION)
+        config_cls = method_class(data.pop("method", cls.method)).config_class
+        if not issubclass(config_cls, cls):
+            raise ValueError(f"Method {config_cls.method!r} is not a {cls.__name__}.")
+        known = {f.name for f in dataclasses.fields(config_cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            logger.warning("Ignoring unknown %s keys %s in dp_config.json.", config_cls.__name__, unknown)
+        return config_cls(**{k: v for k, v in data.items() if k in known})
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        os.makedirs(save_directory, exist_ok=True)
+        with open(os.path.join(save_directory, CONFIG_NAME), "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> MethodConfig:
+        with open(os.path.join(directory, CONFIG_NAME)) as f:
+            return cls.from_dict(json.load(f))
+
+
+class DPMethod:
+    """A method's behaviour. The defaults are plain DP-SGD on whatever the model has trainable."""
+
+    #: the config this method reads (set by `register_dp_method`)
+    config_class: ClassVar[type[MethodConfig]]
+
+    def __init__(self, config: MethodConfig) -> None:
+        self.config = config
+
+    @property
+    def name(self) -> str:
+        return self.config.method
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """The model the trainer trains, e.g. a PeftModel around the user's model (DP-LoRA); the model by default."""
+        return model
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Select what trains (requires_grad) for the first stage."""
+
+    def stages(self) -> list[tuple[str, float]]:
+        """(mechanism name, epochs) in order; the last stage runs to the end of training."""
+        return [(self.name, float("inf"))]
+
+    def start_stage(self, index: int, model: nn.Module) -> None:
+        """Called between logical batches when stage `index` (≥ 1) begins: re-select what trains."""
+        raise NotImplementedError(f"{type(self).__name__} has a single stage.")
+
+    def citations(self) -> tuple[str, ...]:
+        return (
+            "Abadi et al., *Deep Learning with Differential Privacy*, CCS 2016.",
+            "Gopi, Lee, Wutschitz, *Numerical Composition of Differential Privacy* (PRV accountant), NeurIPS 2021.",
+        )
+
+    @classmethod
+    def recipe_defaults(cls, task: str) -> RecipeDefaults:
+        """The published hyperparameters for a GLUE task (the SST-2 row, marked not from a paper, for others)."""
+        raise NotImplementedError(f"{cls.__name__} gives no recipe defaults.")
+
+
+_METHODS: dict[str, type[DPMethod]] = {}
+
+
+def register_dp_method(config_class: type[MethodConfig]):
+    """Class decorator: register a `DPMethod` subclass under its config's canonical `method` name."""
+
+    def register(method_cls: type[DPMethod]) -> type[DPMethod]:
+        name = config_class.method
+        if not name:
+            raise ValueError(f"{config_class.__name__} needs a canonical `method` name.")
+        if name in _METHODS and _METHODS[name] is not method_cls:
+            raise ValueError(f"A DP method named {name!r} is already registered ({_METHODS[name].__name__}).")
+        method_cls.config_class = config_class
+        _METHODS[name] = method_cls
+        return method_cls
+
+    return register
+
+
+def method_class(name: str) -> type[DPMethod]:
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"Unknown DP method {name!r}; registered: {', '.join(registered_methods())}.") from None
+
+
+def registered_methods() -> tuple[str, ...]:
+    return tuple(_METHODS)

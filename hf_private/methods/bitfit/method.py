@@ -1,0 +1,40 @@
+"""DP-BiTFiT's behaviour: biases (and the head) train; with X+BiTFiT, a first stage of DP full fine-tuning."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..base import DPMethod, RecipeDefaults, register_dp_method
+from ..dpsgd import DPConfig
+from ..dpsgd.method import table9_defaults
+from .config import BitFitConfig
+from .model import select_bitfit_parameters
+
+
+@register_dp_method(BitFitConfig)
+class BitFitMethod(DPMethod):
+    config: BitFitConfig
+
+    def prepare_model(self, model: nn.Module) -> None:
+        if self.config.full_finetune_epochs > 0:
+            model.requires_grad_(True)  # stage 1 is DP full fine-tuning
+        else:
+            self.start_stage(1, model)
+
+    def start_stage(self, index: int, model: nn.Module) -> None:
+        select_bitfit_parameters(model, train_head=self.config.train_head,
+                                 train_norm_weights=self.config.train_norm_weights)
+
+    def stages(self) -> list[tuple[str, float]]:
+        if self.config.full_finetune_epochs > 0:
+            return [(DPConfig.method, self.config.full_finetune_epochs), (self.name, float("inf"))]
+        return [(self.name, float("inf"))]
+
+    def citations(self) -> tuple[str, ...]:
+        return (*super().citations(),
+                "Bu, Wang, Zha, Karypis, *Differentially Private Bias-Term Fine-tuning of Foundation Models*, "
+                "ICML 2024.")
+
+    @classmethod
+    def recipe_defaults(cls, task: str) -> RecipeDefaults:
+        return table9_defaults(task, 5e-3, "DP-BiTFiT")

@@ -1,0 +1,110 @@
+"""Methods register themselves under one canonical name; configs round-trip like PEFT configs; a new method needs
+only its own folder to train, be saved and be offered by the recipe."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import pytest
+from peft import PeftModel
+from torch import nn
+
+from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
+from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_dp_method
+from hf_private.methods.base import _METHODS, CONFIG_NAME, FORMAT_VERSION, MethodConfig
+from tests import tiny
+from tests.helpers import make_trainer, training_args
+
+
+def test_each_method_has_one_canonical_name():
+    assert {"dp-sgd", "dp-lora", "dp-bitfit"} <= set(registered_methods())
+    for name in registered_methods():
+        method = method_class(name)
+        assert method.config_class.method == name
+        assert method.config_class(noise_multiplier=1.0).build_method().name == name
+
+
+def test_config_file_carries_format_version_and_drops_unknown_keys(tmp_path, caplog):
+    config = BitFitConfig(target_epsilon=3.0, full_finetune_epochs=1.0)
+    config.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert data["method"] == "dp-bitfit" and data["format_version"] == FORMAT_VERSION
+    data["added_by_a_newer_version"] = 7
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
+        assert DPConfig.from_pretrained(tmp_path) == config
+    assert "added_by_a_newer_version" in caplog.text
+
+
+def test_registering_a_name_twice_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        register_dp_method(DPConfig)(type("AnotherDPSGD", (DPMethod,), {}))
+
+
+def test_dp_lora_wraps_the_model_with_peft_and_trains(tmp_path):
+    dp = DPLoRAConfig(noise_multiplier=1.0, lora_r=2, lora_target_modules="query,value", noise_seed=0)
+    trainer = make_trainer(tmp_path, model=tiny.bert(), dp=dp, max_steps=2)
+    assert isinstance(trainer.model, PeftModel) and trainer.adapter_format == "peft"
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
+    trainer.train()
+    assert trainer.ledger.total_steps == 2 and trainer.privacy_report()["method"] == "dp-lora"
+
+
+# ---------------------------------------------------------------- a method from its own folder only
+@dataclass
+class _HeadOnlyConfig(DPConfig):
+    method: ClassVar[str] = "test-head-only"
+    head_name: str = field(default="classifier", metadata={"help": "Prefix of the parameters that train."})
+
+
+class _HeadOnlyMethod(DPMethod):
+    def prepare_model(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith(self.config.head_name))
+
+    @classmethod
+    def recipe_defaults(cls, task: str) -> RecipeDefaults:
+        return RecipeDefaults(64, 1, 1e-2, 1.0, 32, "a test", method_fields={"head_name": "classifier"})
+
+
+@pytest.fixture
+def head_only_method():
+    register_dp_method(_HeadOnlyConfig)(_HeadOnlyMethod)
+    yield _HeadOnlyConfig
+    del _METHODS[_HeadOnlyConfig.method]
+
+
+def test_a_new_method_trains_saves_and_reloads_its_config(tmp_path, head_only_method):
+    trainer = PrivateTrainer(tiny.bert(), training_args(tmp_path, max_steps=1),
+                             train_dataset=tiny.sentiment_dataset(32),
+                             dp_config=head_only_method(noise_multiplier=1.0, noise_seed=0))
+    trainer.data_collator = _padding()
+    trainer.train()
+    trainer.save_model()
+    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {"classifier.weight",
+                                                                                   "classifier.bias"}
+    assert MethodConfig.from_pretrained(tmp_path) == trainer.dp_config
+    assert trainer.privacy_report()["mechanisms"][0]["name"] == "test-head-only"
+
+
+def test_the_recipe_offers_a_new_method_and_its_flags(tmp_path, head_only_method):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
+    import glue
+
+    recipe, args, _ = glue.parse_args(["--method", "test-head-only", "--head_name", "bert.pooler",
+                                       "--output_dir", str(tmp_path), "--use_cpu", "true"])
+    assert recipe.method_fields == {"head_name": "bert.pooler"}
+    assert isinstance(glue._dp_config(recipe), head_only_method)
+
+
+def _padding():
+    from transformers import DataCollatorWithPadding
+
+    return DataCollatorWithPadding(tiny.tokenizer())
