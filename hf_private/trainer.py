@@ -33,12 +33,11 @@ from .losses import PerExampleLoss, check_per_example_losses, default_per_exampl
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
-from .privacy import GaussianNoise, PrivacyLedger, calibrate_noise_multiplier, max_steps_within
+from .privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
 from .sampling import (
     EmptySafeCollator,
     PoissonBatchSampler,
     batch_size_of,
-    expected_steps_per_epoch,
     sampling_random,
 )
 from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
@@ -104,18 +103,16 @@ class PrivateTrainer(Trainer):
                 f"Expected logical batch {self.expected_batch_size} (per_device_train_batch_size × "
                 f"gradient_accumulation_steps × world_size) exceeds the dataset size {self.dataset_size}."
             )
-        self.sample_rate = self.expected_batch_size / self.dataset_size
-        self.steps_per_epoch = expected_steps_per_epoch(self.sample_rate)
-        self.planned_steps = (
-            self.args.max_steps
-            if self.args.max_steps > 0
-            else math.ceil(self.args.num_train_epochs * self.steps_per_epoch)
+        schedule = {"steps": self.args.max_steps} if self.args.max_steps > 0 else {"epochs": self.args.num_train_epochs}
+        self.plan = PrivacyPlan(
+            self.dataset_size, self.expected_batch_size, **schedule, delta=self.delta, accountant=dp_config.accountant,
+            target_epsilon=dp_config.target_epsilon, noise_multiplier=dp_config.noise_multiplier,
+            stages=self.dp_method.stages(),
         )
-        self.noise_multiplier = self._noise_multiplier()
+        self.sample_rate, self.steps_per_epoch = self.plan.sample_rate, self.plan.steps_per_epoch
+        self.planned_steps = self.plan.planned_steps
+        self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(self.dataset_size, self.delta, dp_config.accountant)
-        self.phases = self.dp_method.stages()
-        self.phase = 0
-        self.phase_switch_steps = [round(epochs * self.steps_per_epoch) for _, epochs in self.phases[:-1]]
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
         self.add_callback(_LogicalBatchBoundaries(self))
@@ -168,32 +165,39 @@ class PrivateTrainer(Trainer):
                 NOISY_UPDATE,
             )
 
-    def _noise_multiplier(self) -> float:
-        if self.dp_config.noise_multiplier is not None:
-            return float(self.dp_config.noise_multiplier)
-        return calibrate_noise_multiplier(
-            self.dp_config.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
-            accountant=self.dp_config.accountant, name=self.dp_method.stages()[0][0],
-        )
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the current training stage."""
+        return self.stage.noise_multiplier
 
     @property
     def mechanism_name(self) -> str:
-        return self.phases[self.phase][0]
+        return self.stage.name
+
+    def training_steps(self) -> int:
+        """Training steps released so far (the ledger may also hold a method's own releases, e.g. selection)."""
+        return self.plan.training_steps(self.ledger.mechanisms)
+
+    def record_release(self, stage: str, steps: int = 1) -> None:
+        """A method's own release of one of its planned stages (e.g. DP-FROST's selection rounds) joins the ledger."""
+        self.ledger.record_event(self.plan.event(stage, steps, self.dp_config.max_grad_norm))
 
     def _maybe_start_next_phase(self) -> None:
-        """Between logical batches: switch to the next phase's trainable set once its step is reached."""
-        if self.phase >= len(self.phase_switch_steps) or self.ledger.total_steps < self.phase_switch_steps[self.phase]:
+        """Between logical batches: switch to the next training stage's trainable set once its step is reached."""
+        stage = self.plan.stage_at(self.training_steps())
+        if stage.name == self.stage.name:
             return
-        self.phase += 1
-        self.dp_method.start_stage(self.phase, self.model)
+        self.stage = stage
+        self.dp_method.start_stage(self.plan.training_stages.index(stage), self.model)
         self.trained_parameter_names |= {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.engine.detach()
         self.engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
         self.engine.attach()
-        # The optimizer keeps every phase's parameters; untouched ones get no grad.
-        noisy_optimizer(self.optimizer).engine = self.engine
-        logger.info("Phase %d (%s) starts after %d steps: %d trainable tensors.", self.phase + 1,
-                    self.mechanism_name, self.ledger.total_steps, len(self.engine.parameters))
+        # The optimizer keeps every stage's parameters; untouched ones get no grad.
+        optimizer = noisy_optimizer(self.optimizer)
+        optimizer.engine, optimizer.noise_multiplier = self.engine, self.noise_multiplier
+        logger.info("Stage %s starts after %d training steps: %d trainable tensors, σ=%.4g.", self.mechanism_name,
+                    self.training_steps(), len(self.engine.parameters), self.noise_multiplier)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -289,10 +293,10 @@ class PrivateTrainer(Trainer):
         self._independence_checked = True
 
     def _may_step(self) -> bool:
-        return self._step_limit is None or self.ledger.total_steps < self._step_limit
+        return self._step_limit is None or self.training_steps() < self._step_limit
 
     def _record_step(self) -> None:
-        self.ledger.record(self.mechanism_name, self.noise_multiplier, self.sample_rate, self.dp_config.max_grad_norm)
+        self.record_release(self.mechanism_name)
 
     def _stop_for_budget(self) -> None:
         if not self._budget_exhausted:
@@ -313,11 +317,8 @@ class PrivateTrainer(Trainer):
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
             self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
             resume_from_checkpoint = checkpoint
-        if self.dp_config.target_epsilon is not None:
-            self._step_limit = self.ledger.total_steps + max_steps_within(
-                self.dp_config.target_epsilon, self.delta, self.noise_multiplier, self.sample_rate,
-                accountant=self.dp_config.accountant, prior=self.ledger.mechanisms, name=self.mechanism_name,
-            )
+        allowed = self.plan.max_training_steps(self.ledger.mechanisms)
+        self._step_limit = None if allowed is None else self.training_steps() + allowed
         if not self._may_step():
             return self._budget_already_spent(resume_from_checkpoint)
         self._budget_exhausted = False
@@ -360,13 +361,16 @@ class PrivateTrainer(Trainer):
 
     def privacy_report(self) -> dict[str, Any]:
         report = self.ledger.report()
-        if self.dp_config.noise_seed is None:
-            report.update(guarantee="formal")
-        else:
-            report.update(guarantee="none", guarantee_note=(
+        notes = [note for note in dict.fromkeys([self.ledger.guarantee()[1], self.plan.guarantee[1]]) if note]
+        if self.dp_config.noise_seed is not None:
+            notes.append(
                 "Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be "
                 "replayed by anyone who knows the seed, so the ε below holds only against those who do not."
-            ))
+            )
+        report.pop("guarantee_note", None)
+        report["guarantee"] = "none" if notes else "formal"
+        if notes:
+            report["guarantee_note"] = " ".join(notes)
         report.update(
             method=self.dp_config.method,
             unit="example",
@@ -377,8 +381,7 @@ class PrivateTrainer(Trainer):
             planned_steps=self.planned_steps,
             expected_batch_size=self.expected_batch_size,
             trainable_fraction=self._trainable_fraction(),
-            phases=[{"mechanism": name, "from_step": start} for (name, _), start
-                    in zip(self.phases, [0, *self.phase_switch_steps])],
+            phases=[{"mechanism": stage.name, "from_step": stage.start_step} for stage in self.plan.training_stages],
         )
         return compose_audits(report, self._audits, self.ledger.accountant)
 

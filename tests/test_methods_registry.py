@@ -15,6 +15,7 @@ from torch import nn
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
 from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_dp_method
 from hf_private.methods.base import _METHODS, CONFIG_NAME, FORMAT_VERSION, MethodConfig
+from hf_private.privacy import Stage
 from tests import tiny
 from tests.helpers import make_trainer, training_args
 
@@ -108,3 +109,35 @@ def _padding():
     from transformers import DataCollatorWithPadding
 
     return DataCollatorWithPadding(tiny.tokenizer())
+
+
+# ---------------------------------------------------------------- a method's own releases join the plan and ledger
+@dataclass
+class _SelectThenTrainConfig(DPConfig):
+    method: ClassVar[str] = "test-select-then-train"
+
+
+class _SelectThenTrainMethod(DPMethod):
+    def stages(self):
+        return [Stage("test-selection", sample_rate=0.25, steps=2, training=False, noise_ratio=2.0), Stage(self.name)]
+
+
+@pytest.fixture
+def select_then_train():
+    register_dp_method(_SelectThenTrainConfig)(_SelectThenTrainMethod)
+    yield _SelectThenTrainConfig
+    del _METHODS[_SelectThenTrainConfig.method]
+
+
+def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tmp_path, select_then_train):
+    trainer = make_trainer(tmp_path, dp=select_then_train(target_epsilon=3.0, noise_seed=0), max_steps=4)
+    selection, training = trainer.plan["test-selection"], trainer.plan[select_then_train.method]
+    assert selection.noise_multiplier == pytest.approx(2 * training.noise_multiplier)  # one scale, two ratios
+    assert trainer.plan.epsilon() <= 3.0
+    trainer.record_release("test-selection", 2)  # what the method does before training
+    trainer.train()
+    report = trainer.privacy_report()
+    assert [(m["name"], m["steps"]) for m in report["mechanisms"]] == [("test-selection", 2),
+                                                                       (select_then_train.method, 4)]
+    assert trainer.training_steps() == 4 == trainer.state.global_step
+    assert report["epsilon"] == pytest.approx(trainer.plan.epsilon(), rel=1e-9) and report["epsilon"] <= 3.0

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..logs import get_logger
+from ..privacy.plan import Stage
 
 logger = get_logger(__name__)
 
@@ -164,9 +165,10 @@ class DPMethod:
     def prepare_model(self, model: nn.Module) -> None:
         """Select what trains (requires_grad) for the first stage."""
 
-    def stages(self) -> list[tuple[str, float]]:
-        """(mechanism name, epochs) in order; the last stage runs to the end of training."""
-        return [(self.name, float("inf"))]
+    def stages(self) -> list[Stage]:
+        """The data-dependent mechanisms this method releases, in order (see `hf_private.privacy.plan`): the plan
+        calibrates their noise jointly; the last training stage runs to the end of training."""
+        return [Stage(self.name, sensitivity="flat L2 clip C over every trainable tensor")]
 
     def start_stage(self, index: int, model: nn.Module) -> None:
         """Called between logical batches when stage `index` (≥ 1) begins: re-select what trains."""

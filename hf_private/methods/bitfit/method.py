@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...privacy.plan import Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..dpsgd import DPConfig
 from ..dpsgd.method import table9_defaults
@@ -25,10 +26,12 @@ class BitFitMethod(DPMethod):
         select_bitfit_parameters(model, train_head=self.config.train_head,
                                  train_norm_weights=self.config.train_norm_weights)
 
-    def stages(self) -> list[tuple[str, float]]:
-        if self.config.full_finetune_epochs > 0:
-            return [(DPConfig.method, self.config.full_finetune_epochs), (self.name, float("inf"))]
-        return [(self.name, float("inf"))]
+    def stages(self) -> list[Stage]:
+        bitfit = Stage(self.name, sensitivity="flat L2 clip C over biases (and the head)")
+        if self.config.full_finetune_epochs > 0:  # X+BiTFiT: same σ and q, one ledger
+            return [Stage(DPConfig.method, epochs=self.config.full_finetune_epochs,
+                          sensitivity="flat L2 clip C over every parameter"), bitfit]
+        return [bitfit]
 
     def citations(self) -> tuple[str, ...]:
         return (*super().citations(),
