@@ -1,4 +1,4 @@
-"""One example, its own rows (design invariant 8): what a collated chunk must look like to the engine.
+"""One example, its own rows: what a collated chunk must look like to the engine.
 
 The engine clips per *example*, and checks every term against the number of examples in the chunk. That
 number must come from the sampler (how many features were collated), never from a tensor shape: a packing

@@ -1,6 +1,6 @@
 """Is an evaluation set held out? Checked against the training set before its metrics are called held-out.
 
-Metrics on training examples are un-noised functions of the private data (DESIGN.md invariant 9): the card must
+Metrics on training examples are un-noised functions of the private data: the card must
 never present them as a held-out result. An evaluation set overlaps the training set when it is the same object,
 has the same `datasets` fingerprint, or shares a row: a 128-bit blake2b hash of each row's model-input columns.
 Label columns are left out of the hash, since the same input under another label still shows what the model

@@ -1,6 +1,6 @@
 """Refuse non-finite float labels before training, while refusing spends no privacy.
 
-The engine gives an example whose gradient is not finite a zero contribution (design invariant 8), so a NaN
+The engine gives an example whose gradient is not finite a zero contribution, so a NaN
 regression label cannot poison a release; but that record would then be silently never learnt from. A data bug
 is better reported up front, by column and count (no row is named: the message may end up in shared logs).
 """

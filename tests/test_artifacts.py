@@ -1,4 +1,4 @@
-"""Nothing un-noised leaves the machine (invariant 9): no data-dependent counts, and pushes go through an allow-list.
+"""Nothing un-noised leaves the machine: no data-dependent counts, and pushes go through an allow-list.
 
 The uploads themselves, against a fake Hub, are tested in tests/test_hub.py.
 """

@@ -1,4 +1,4 @@
-"""Evaluation on the training data is never published as held-out (DESIGN.md invariant 9).
+"""Evaluation on the training data is never published as held-out.
 
 The card publishes an evaluation set's metrics as held-out only when the set shares no row with the training data:
 the training set itself, a copy under another fingerprint and a set with a few training rows are all refused.

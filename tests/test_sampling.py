@@ -1,4 +1,4 @@
-"""Contract tests for invariant 1: Poisson sampling at rate q, every step, empty batches included."""
+"""Contract tests of Poisson sampling at rate q, every step, empty batches included."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""The secret random stream behind noise and sampling (invariant 3): strength of the key, quality of the draws.
+"""The secret random stream behind noise and sampling: strength of the key, quality of the draws.
 
 The key-strength check is a predicate run on two generators: ours, and the torch generator the library used
 before (seeded with 64 OS bits, of which mt19937 keeps 32). The predicate must reject the old one, or it

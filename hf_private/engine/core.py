@@ -140,7 +140,6 @@ class PerExampleGradientEngine:
         if reducer is not None:
             self.reducer = reducer
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
-        self.last_norms: torch.Tensor | None = None
         self._calls: list[_Call] = []
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
         self._chunk: _Chunk | None = None  # the chunk that `finish_backward` will reduce
@@ -360,8 +359,7 @@ class PerExampleGradientEngine:
         by_param = None  # the reducer may drop each parameter's terms once used
         if chunk.probe:
             return flat_norms(reduced).detach()
-        self.last_norms = self._reducer.reduce(reduced).detach()
-        return self.last_norms
+        return self._reducer.reduce(reduced).detach()
 
     def _check_coverage(self, by_param: dict) -> None:
         for name, p in self.parameters:

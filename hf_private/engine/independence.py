@@ -1,4 +1,4 @@
-"""Example-independence probe (design invariant 8): no example's gradient may depend on its chunk-mates.
+"""Example-independence probe: no example's gradient may depend on its chunk-mates.
 
 Hooks see which rows a gradient lands in, not what those rows were computed from. With left padding and
 absolute position embeddings an example's positions depend on the longest example in its chunk; a layer with

@@ -13,7 +13,7 @@ chunk.
   normalised by the partition size, that vector of magnitudes clipped in the same norm, summed over examples. It
   adds no noise: the method noises the popped vector through the secret noise source.
 
-Either way an example whose result is not finite contributes exactly zero (invariant 8).
+Either way an example whose result is not finite contributes exactly zero.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Reducer:
 
 
 class FlatL2ClipReducer(Reducer):
-    """DP-SGD's one flat clip (invariant 2): g_b · min(1, C / (‖g_b‖₂ + 1e-6)) summed per parameter.
+    """DP-SGD's one flat clip: g_b · min(1, C / (‖g_b‖₂ + 1e-6)) summed per parameter.
 
     ‖g_b‖₂ covers every tensor the optimizer updates. The sums stay in the parameter's dtype promoted to at least
     float32 until `pop_clipped_sums` hands them to the optimizer.

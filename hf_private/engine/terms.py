@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-Term = "OuterTerm | IndexTerm | SampleTerm"
-
 
 @dataclass
 class OuterTerm:
