@@ -116,6 +116,9 @@ class PrivateTrainer(Trainer):
         self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
         self.engine.attach()
         self.add_callback(_LogicalBatchBoundaries(self))
+        seed = dp_config.noise_seed  # test mode: a stream of its own, apart from the optimizer's
+        self._forward_mechanisms = self.dp_method.attach_forward_mechanisms(
+            self.model, GaussianNoise(self.args.device, test_seed=None if seed is None else seed + 104729))
         # Every tensor trainable in any phase: what a saved adapter must contain.
         self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self._step_limit: int | None = None

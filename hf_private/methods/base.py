@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..logs import get_logger
+from ..privacy.noise import GaussianNoise
 from ..privacy.plan import Stage
 
 logger = get_logger(__name__)
@@ -169,6 +171,12 @@ class DPMethod:
         """The data-dependent mechanisms this method releases, in order (see `hf_private.privacy.plan`): the plan
         calibrates their noise jointly; the last training stage runs to the end of training."""
         return [Stage(self.name, sensitivity="flat L2 clip C over every trainable tensor")]
+
+    def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise) -> list[RemovableHandle]:
+        """Forward hooks releasing clipped, noised representations (DP-FP, e.g. `privacy.ClippedNoisyOutput`),
+        drawing from `noise`, the run's secret noise source; their releases must be stages of `stages()`. None by
+        default."""
+        return []
 
     def start_stage(self, index: int, model: nn.Module) -> None:
         """Called between logical batches when stage `index` (≥ 1) begins: re-select what trains."""
