@@ -113,8 +113,7 @@ class PrivateTrainer(Trainer):
         self.planned_steps = self.plan.planned_steps
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(self.dataset_size, self.delta, dp_config.accountant)
-        self.engine = PerExampleGradientEngine(self.model, dp_config.max_grad_norm)
-        self.engine.attach()
+        self.engine = self._new_engine()
         self.add_callback(_LogicalBatchBoundaries(self))
         seed = dp_config.noise_seed  # test mode: a stream of its own, apart from the optimizer's
         self._forward_mechanisms = self.dp_method.attach_forward_mechanisms(
@@ -168,6 +167,13 @@ class PrivateTrainer(Trainer):
                 NOISY_UPDATE,
             )
 
+    def _new_engine(self) -> PerExampleGradientEngine:
+        """The engine for the current trainable set, with the method's reducer and term transforms."""
+        engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
+        engine.attach()
+        self.dp_method.attach_engine(engine)
+        return engine
+
     @property
     def noise_multiplier(self) -> float:
         """σ of the current training stage."""
@@ -194,8 +200,7 @@ class PrivateTrainer(Trainer):
         self.dp_method.start_stage(self.plan.training_stages.index(stage), self.model)
         self.trained_parameter_names |= {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.engine.detach()
-        self.engine = PerExampleGradientEngine(self.model, self.dp_config.max_grad_norm)
-        self.engine.attach()
+        self.engine = self._new_engine()
         # The optimizer keeps every stage's parameters; untouched ones get no grad.
         optimizer = noisy_optimizer(self.optimizer)
         optimizer.engine, optimizer.noise_multiplier = self.engine, self.noise_multiplier
@@ -238,6 +243,7 @@ class PrivateTrainer(Trainer):
             may_step=self._may_step,
             on_step=self._record_step,
         )
+        self.dp_method.attach_optimizer(self.optimizer)
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pytest
+import torch
 from peft import PeftModel
 from torch import nn
 
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
+from hf_private.engine.terms import zero_rows
 from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_dp_method
 from hf_private.methods.base import _METHODS, CONFIG_NAME, FORMAT_VERSION, MethodConfig
 from hf_private.privacy import Stage
@@ -141,3 +143,49 @@ def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tm
                                                                        (select_then_train.method, 4)]
     assert trainer.training_steps() == 4 == trainer.state.global_step
     assert report["epsilon"] == pytest.approx(trainer.plan.epsilon(), rel=1e-9) and report["epsilon"] <= 3.0
+
+
+# ---------------------------------------------------------------- a method's hooks on the engine and the optimizer
+@dataclass
+class _MaskedRowConfig(DPConfig):
+    method: ClassVar[str] = "test-masked-row"
+
+
+class _MaskedRowMethod(DPMethod):
+    """Row 0 of the classifier never trains: masked before the norm and after the noise (seed 003's pattern)."""
+
+    step_ends = 0
+
+    def attach_engine(self, engine):
+        weight = dict(engine.parameters)["classifier.weight"]
+        engine.add_term_transform(weight, lambda term: zero_rows(term, [0]))
+
+    def attach_optimizer(self, optimizer):
+        weight = next(p for n, p in optimizer.engine.parameters if n == "classifier.weight")
+
+        def mask(grad):
+            grad[0] = 0
+
+        optimizer.add_gradient_transform(weight, mask)
+        optimizer.add_step_end_hook(self._count)
+
+    def _count(self):
+        type(self).step_ends += 1
+
+
+@pytest.fixture
+def masked_row():
+    register_dp_method(_MaskedRowConfig)(_MaskedRowMethod)
+    _MaskedRowMethod.step_ends = 0
+    yield _MaskedRowConfig
+    del _METHODS[_MaskedRowConfig.method]
+
+
+def test_a_method_masks_terms_before_the_norm_and_the_noisy_gradient_and_acts_at_step_end(tmp_path, masked_row):
+    trainer = make_trainer(tmp_path, dp=masked_row(noise_multiplier=1.0), max_steps=3, weight_decay=0.0)
+    weight = trainer.model.classifier.weight
+    before = weight.detach().clone()
+    trainer.train()
+    assert torch.equal(weight[0], before[0]), "a masked row moved: masked before the norm and after the noise"
+    assert not torch.equal(weight[1], before[1])
+    assert _MaskedRowMethod.step_ends == 3 == trainer.state.global_step

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..engine import PerExampleGradientEngine
 from ..logs import get_logger
+from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import Stage
 
@@ -171,6 +173,16 @@ class DPMethod:
         """The data-dependent mechanisms this method releases, in order (see `hf_private.privacy.plan`): the plan
         calibrates their noise jointly; the last training stage runs to the end of training."""
         return [Stage(self.name, sensitivity="flat L2 clip C over every trainable tensor")]
+
+    def attach_engine(self, engine: PerExampleGradientEngine) -> None:
+        """Called for every engine the trainer builds (at the start and at each stage switch): set a reducer or add
+        term transforms applied before the per-example norm (e.g. `engine.add_term_transform(p, lambda t:
+        terms.zero_rows(t, rows))`). Nothing by default."""
+
+    def attach_optimizer(self, optimizer: NoisyOptimizer) -> None:
+        """Called once the noisy optimizer exists: add gradient transforms applied after the noise
+        (`optimizer.add_gradient_transform`) and step-end hooks (`optimizer.add_step_end_hook`). Nothing by
+        default."""
 
     def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise) -> list[RemovableHandle]:
         """Forward hooks releasing clipped, noised representations (DP-FP, e.g. `privacy.ClippedNoisyOutput`),
