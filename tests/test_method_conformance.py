@@ -6,16 +6,20 @@ without a row fails `test_every_registered_method_has_a_row`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from huggingface_hub import ModelCard
 from transformers import DataCollatorWithPadding
 
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, load_private_adapter, registered_methods
-from hf_private.privacy import MechanismGroup
+from hf_private.audit import epsilon_from_error_rates
+from hf_private.privacy import GaussianNoise, MechanismGroup
 from hf_private.privacy.accountants import compute_epsilon
 from tests import tiny
 from tests.helpers import eval_logits, make_trainer, snapshot
+from tests.test_audit import DELTA, STEP_BATCH, STEP_CLIP, STEP_SIGMA, gaussian_mechanism_epsilon
 
 CLIP = 0.5
 SIGMA = 0.8
@@ -107,3 +111,59 @@ def test_saved_adapter_reloads_onto_a_fresh_base_with_identical_logits(tmp_path,
     _, factory = ROWS[name]
     reloaded = load_private_adapter(factory(), tmp_path)
     torch.testing.assert_close(eval_logits(reloaded, batch), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("noise", ["on", "off"])
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name, noise):
+    """The Tier-1 distinguisher of test_audit on each method's own trainable set: one release F = clipped sum + noise
+    on D and on D ∪ {x*} (q = 1, SGD lr 1), projected on x*'s clipped gradient. With the noise it stays below the
+    Gaussian mechanism's ε; with the noise removed it separates the two perfectly and refutes the claim."""
+    if noise == "off":
+        monkeypatch.setattr(GaussianNoise, "add_", lambda self, tensors, std: None)
+    config, factory = ROWS[name]
+    dp = dataclasses.replace(config, noise_multiplier=STEP_SIGMA, max_grad_norm=STEP_CLIP, noise_seed=0)
+    trainer = make_trainer(tmp_path, model=factory(), dp=dp, learning_rate=1.0, optim="sgd", weight_decay=0.0,
+                           per_device_train_batch_size=STEP_BATCH)
+    trainer.create_optimizer()
+    model, engine = trainer.model, trainer.engine
+    params = [p for _, p in engine.parameters]
+    data = tiny.sentiment_dataset(9, seed=5)
+    rows = [{**data[i], "labels": data[i]["label"]} for i in range(9)]
+    rows[-1]["labels"] = 1 - rows[-1]["labels"]  # x*: mislabelled, a large gradient
+
+    def sums(chunk):
+        batch = _batch(chunk)
+        engine.reset()
+        with engine.recording(len(chunk)):
+            trainer._summed_loss(model, batch)[0].backward()
+        engine.finish_backward()
+        return {p: s.clone() for p, s in engine.pop_clipped_sums().items()}
+
+    without, with_canary = sums(rows[:-1]), sums(rows)
+    flat = lambda s: torch.cat([s.get(p, torch.zeros_like(p)).flatten() for p in params])  # noqa: E731
+    base, direction = flat(without), flat(with_canary) - flat(without)
+    direction = direction / direction.norm()
+
+    def statistic(clipped) -> float:
+        before = [p.detach().clone() for p in params]
+        engine.clipped_sums = {p: s.clone() for p, s in clipped.items()}
+        trainer.optimizer.step()
+        released = torch.cat([((b - p.detach()) * trainer.expected_batch_size).flatten()
+                              for b, p in zip(before, params)])
+        with torch.no_grad():
+            for b, p in zip(before, params):
+                p.copy_(b)
+        return torch.dot(released.double() - base.double(), direction.double()).item()
+
+    trials = 300
+    negatives = torch.tensor([statistic(without) for _ in range(trials)])
+    positives = torch.tensor([statistic(with_canary) for _ in range(trials)])
+    threshold = 0.5 * STEP_CLIP  # fixed in advance: halfway between the two means (0 and ≈C)
+    lower_bound = epsilon_from_error_rates(int((negatives > threshold).sum()), trials,
+                                           int((positives <= threshold).sum()), trials, DELTA)
+    claimed = gaussian_mechanism_epsilon(STEP_SIGMA, DELTA)
+    if noise == "on":
+        assert lower_bound <= claimed
+    else:
+        assert lower_bound > claimed, "without noise the release must be refuted"
