@@ -68,24 +68,27 @@ def _two_chunks(engine, model, batch):
 
 
 # ---------------------------------------------------------------- per-partition magnitudes (DP-FROST's selection)
-def _magnitude_oracle(grads, partitions, params, order, normalize, clip):
+def _magnitude_oracle(grads, partitions, params, order, variant, clip):
+    """Def. 8 partition by partition: (each example's α-norm before its clip, μ)."""
     position = {p: i for i, p in enumerate(params)}
-    rows = []
+    sizes = torch.tensor([sum(p.numel() for p in group) for group in partitions], dtype=torch.float64)
+    scale = torch.ones_like(sizes) if variant == "mg" else sizes ** (1 / order)  # ĝ_{P_i} = g_{P_i} / |P_i|^{1/α}
+    bound = clip if variant == "mg" else clip / sizes.mean().item() ** (1 / order)
+    norms, sums = [], [0.0] * len(partitions)
     for example in grads:
-        m = []
-        for group in partitions:
-            flat = torch.cat([example[position[p]].flatten() for p in group])
-            value = flat.abs().sum() if order == 1 else flat.norm()
-            m.append(value / flat.numel() ** (1 / order) if normalize else value)
-        rows.append(torch.stack(m))
-    m = torch.stack(rows)  # [B, M]
-    norms = m.sum(1) if order == 1 else m.norm(dim=1)
-    return norms, (m * torch.clamp(clip / norms, max=1.0).unsqueeze(1)).sum(0)
+        pieces = [torch.cat([example[position[p]].flatten() for p in group]) / s for group, s in zip(partitions, scale)]
+        pieces = [g.abs() for g in pieces] if variant == "mgna" else pieces
+        norm = torch.linalg.vector_norm(torch.cat(pieces), ord=order)
+        norms.append(norm)
+        sums = [total + min(1.0, bound / norm.item()) * g for total, g in zip(sums, pieces)]
+    mu = torch.stack([torch.linalg.vector_norm(total, ord=order) for total in sums])
+    return torch.stack(norms), mu / sizes ** (1 / order) if variant == "mg" else mu
 
 
 @pytest.mark.parametrize("order", [1, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_partition_magnitudes_match_fp64_per_example_loop(name, order):
+    """Every PGM variant on a later round's partitions (tied and LoRA models too) equals Def. 8 per partition."""
     model, batch = _model(name)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = _per_example_grads(model, batch, params)
@@ -95,16 +98,17 @@ def test_partition_magnitudes_match_fp64_per_example_loop(name, order):
     remaining = [g for i, g in enumerate(partitions) if i % 3]
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
-    for normalize in (True, False):
-        ref_norms, _ = _magnitude_oracle(grads, remaining, params, order, normalize, 1.0)
-        clip = 0.5 * ref_norms.min().item()  # every example is clipped: the sum tests the clip factors too
-        _, ref = _magnitude_oracle(grads, remaining, params, order, normalize, clip)
-        engine.reducer = PartitionMagnitudeReducer(remaining, clip, order=order, normalize=normalize)
+    for variant in ("mg", "mgn", "mgna"):
+        ref_norms, _ = _magnitude_oracle(grads, remaining, params, order, variant, 1.0)
+        unit = PartitionMagnitudeReducer(remaining, 1.0, order=order, variant=variant)
+        clip = 0.5 * ref_norms.min().item() / unit.bound  # every example is clipped: the sum tests the clip factors
+        _, ref = _magnitude_oracle(grads, remaining, params, order, variant, clip)
+        engine.reducer = PartitionMagnitudeReducer(remaining, clip, order=order, variant=variant)
         for norms in _two_chunks(engine, model, batch):
             assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
             ours = engine.reducer.pop_magnitudes()
-            assert ours.shape == (len(remaining),)
-            assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6
+            assert ours.shape == (len(remaining),) and ours.dtype == torch.float64
+            assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6, variant
             assert all(p.grad is None for p in params)
     engine.detach()
 

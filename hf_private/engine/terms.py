@@ -264,6 +264,39 @@ def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = 1 <<
     return out
 
 
+def clipped_abs_sum(terms: list, factors: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                    out: torch.Tensor | None = None, block_elements: int = 1 << 25) -> torch.Tensor:
+    """Σ_b factors[b]·abs(Σ_i g_b^i) per coordinate over all terms of one parameter, in `dtype`, added into `out`.
+
+    The absolute value of each example's gradient has no factored form, so, as in `combined_l1_norm`: a lone sampled
+    term is read directly, a lone embedding term through the rows each example touches (O(B·T·D)), anything else
+    is instantiated a block of examples at a time (about `block_elements` values held at once). `factors` must be
+    finite and every term's examples finite where their factor is non-zero (0·NaN is NaN: see `zero_examples`).
+    """
+    terms = [cast_term(t, dtype) for t in terms]
+    factors = factors.to(dtype)
+    if out is None:
+        out = torch.zeros(shape, dtype=dtype, device=factors.device)
+    flat = out.view(-1)
+    if len(terms) == 1 and isinstance(terms[0], SampleTerm):
+        grad = terms[0].grad
+        flat.addmv_(grad.reshape(grad.shape[0], -1).abs().t(), factors)
+        return out
+    if len(terms) == 1 and isinstance(terms[0], IndexTerm):
+        term = terms[0]
+        unique_keys, row_sums = _index_row_sums(term)
+        scaled = row_sums.abs() * factors[unique_keys // term.num_rows].unsqueeze(1)
+        out.view(term.num_rows, -1).index_add_(0, unique_keys % term.num_rows, scaled)
+        return out
+    batch = terms[0].batch_size
+    step = max(1, block_elements // max(max(_numel_per_example(t) for t in terms), 1))
+    for start in range(0, batch, step):
+        block = [select_examples(t, start, start + step) for t in terms]
+        dense = sum(instantiate(t).reshape(block[0].batch_size, -1) for t in block)
+        flat.addmv_(dense.abs().t(), factors[start : start + step])
+    return out
+
+
 def vars_tensors(terms: list):
     """The floating-point tensors the terms hold."""
     for term in terms:
