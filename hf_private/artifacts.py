@@ -23,6 +23,7 @@ from transformers.trainer_utils import HubStrategy
 # hf_private's own files: the privacy record and the adapter of the trained tensors
 LEDGER_NAME = "privacy_ledger.json"
 DP_CONFIG_NAME = "dp_config.json"
+METHOD_STATE_NAME = "dp_method_state.json"  # a method's released choices (DP-FROST: the selected partitions)
 CARD_NAME = "README.md"
 ADAPTER_WEIGHTS_NAME = "private_adapter.safetensors"
 # TRAINING_ARGS_NAME (imported): transformers' own name for the saved TrainingArguments, also next to a private adapter
@@ -53,8 +54,8 @@ PUSHABLE_NAMES = frozenset({
     # configurations
     MODEL_CONFIG_NAME, GENERATION_CONFIG_NAME,
     *TOKENIZER_NAMES,
-    # the privacy record: method config, ledger, card
-    DP_CONFIG_NAME, LEDGER_NAME, CARD_NAME,
+    # the privacy record: method config and state, ledger, card
+    DP_CONFIG_NAME, METHOD_STATE_NAME, LEDGER_NAME, CARD_NAME,
 })
 _WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model-\d{5}-of-\d{5}\.bin")
 _LOCAL_ONLY_STRATEGIES = (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)

@@ -62,6 +62,7 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         "optimizer": facts.optimizer,
         "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
     }
+    training.update(_method_lines(report.get("method_details", {})))
     held_out, eval_notes = card_evaluation(facts.evaluations)
     best = _released_checkpoint(facts, report["steps"], held_out)
     if best is not None:
@@ -89,6 +90,18 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         adapter_format=fmt,
     )
     return write_model_card(card, output_dir)
+
+
+def _method_lines(details: dict[str, Any]) -> dict[str, str]:
+    """The method's own facts that read as one line (text, numbers, lists of names); nested ones stay in the YAML."""
+    lines = {}
+    for key, value in details.items():
+        label = key.replace("_", " ")
+        if isinstance(value, (str, int, float)):
+            lines[label] = str(value)
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            lines[label] = ", ".join(f"`{v}`" for v in value) if value else "none"
+    return lines
 
 
 def optimizer_name(optimizer) -> str:

@@ -6,14 +6,16 @@ privacy ledger; resuming needs that ledger, so the privacy already spent carries
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .adapters import save_private_adapter
-from .artifacts import LEDGER_NAME, TRAINING_ARGS_NAME
+from .artifacts import LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
 from .privacy import PrivacyLedger
 
 
@@ -26,10 +28,22 @@ def save_private_checkpoint(model: nn.Module, output_dir: str, trained_names: It
     torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
-def save_privacy_record(output_dir: str, ledger: PrivacyLedger, dp_config) -> None:
-    """The ledger and the method config, next to the weights they describe."""
+def save_privacy_record(output_dir: str, ledger: PrivacyLedger, dp_config, method_state: dict[str, Any]) -> None:
+    """The ledger, the method config and the method's state (if any), next to the weights they describe."""
     ledger.save(os.path.join(output_dir, LEDGER_NAME))
     dp_config.save_pretrained(output_dir)
+    if method_state:
+        with open(os.path.join(output_dir, METHOD_STATE_NAME), "w") as f:
+            json.dump(method_state, f, indent=2, sort_keys=True)
+
+
+def load_method_state(checkpoint: str) -> dict[str, Any]:
+    """The method state saved with a checkpoint (`DPMethod.state_dict`); empty when the method keeps none."""
+    path = os.path.join(checkpoint, METHOD_STATE_NAME)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def load_ledger(checkpoint: str, dataset_size: int, delta: float, accountant: str) -> PrivacyLedger:

@@ -97,7 +97,7 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "dataset_size": int(report["dataset_size"]),
         "mechanisms": [dict(m) for m in report["mechanisms"]],
     }
-    for optional in ("guarantee_note", "training_epsilon", "trainable_fraction", "phases"):
+    for optional in ("guarantee_note", "training_epsilon", "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:

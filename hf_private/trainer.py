@@ -21,7 +21,7 @@ from .adapters import adapter_format, has_private_adapter, load_adapter_weights,
 from .artifacts import check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
-from .checkpoints import load_ledger, save_privacy_record, save_private_checkpoint
+from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
 from .engine import PerExampleGradientEngine
 from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
 from .example_rows import rows_per_example
@@ -30,6 +30,7 @@ from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
+from .method_run import MethodRun
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
@@ -114,12 +115,14 @@ class PrivateTrainer(Trainer):
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(self.dataset_size, self.delta, dp_config.accountant)
         self.engine = self._new_engine()
+        self._engine_suspended = False
+        self._method_run = MethodRun(self)
         self.add_callback(_LogicalBatchBoundaries(self))
         seed = dp_config.noise_seed  # test mode: a stream of its own, apart from the optimizer's
         self._forward_mechanisms = self.dp_method.attach_forward_mechanisms(
             self.model, GaussianNoise(self.args.device, test_seed=None if seed is None else seed + 104729))
-        # Every tensor trainable in any phase: what a saved adapter must contain.
-        self.trained_parameter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        # Every tensor trained in any stage: what a saved adapter must contain.
+        self.trained_parameter_names = self.dp_method.trained_parameter_names(self.model)
         self._step_limit: int | None = None
         self._budget_exhausted = False
         self._independence_checked = False  # the example-independence probe runs once, on the first chunk of ≥ 2
@@ -198,21 +201,48 @@ class PrivateTrainer(Trainer):
             return
         self.stage = stage
         self.dp_method.start_stage(self.plan.training_stages.index(stage), self.model)
-        self.trained_parameter_names |= {name for name, p in self.model.named_parameters() if p.requires_grad}
-        self.engine.detach()
-        self.engine = self._new_engine()
-        # The optimizer keeps every stage's parameters; untouched ones get no grad.
-        optimizer = noisy_optimizer(self.optimizer)
-        optimizer.engine, optimizer.noise_multiplier = self.engine, self.noise_multiplier
+        self._rebuild_engine()
         logger.info("Stage %s starts after %d training steps: %d trainable tensors, σ=%.4g.", self.mechanism_name,
                     self.training_steps(), len(self.engine.parameters), self.noise_multiplier)
 
+    def _before_step(self) -> None:
+        """At the start of a logical batch: the method's own releases and re-selection (`DPMethod.before_step`)."""
+        if not self._may_step():
+            return
+        before = _trainable_names(self.model)
+        self.dp_method.before_step(self._method_run, self.training_steps())
+        if self._engine_suspended or _trainable_names(self.model) != before:
+            self._rebuild_engine()
+
+    def suspend_training_engine(self) -> None:
+        """Detach the training engine while a method records with its own (`MethodRun.new_engine`)."""
+        if not self._engine_suspended:
+            self.engine.detach()
+            self._engine_suspended = True
+
+    def _rebuild_engine(self) -> None:
+        """A new training engine for the current trainable set; the optimizer keeps every stage's parameters (those
+        not trainable now get no gradient)."""
+        if not self._engine_suspended:
+            self.engine.detach()
+        self.engine = self._new_engine()
+        self._engine_suspended = False
+        self.trained_parameter_names |= self.dp_method.trained_parameter_names(self.model)
+        optimizer = noisy_optimizer(self.optimizer)
+        if optimizer is not None:
+            optimizer.engine, optimizer.noise_multiplier = self.engine, self.noise_multiplier
+
     # ------------------------------------------------------------------ data
-    def get_train_dataloader(self) -> DataLoader:
-        """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
+    def training_data(self) -> tuple[Any, EmptySafeCollator]:
+        """The training set as the model reads it (unused columns removed) and its empty-batch-safe collator."""
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
+        return dataset, EmptySafeCollator(self.data_collator, dataset[0])
+
+    def get_train_dataloader(self) -> DataLoader:
+        """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
+        dataset, collate = self.training_data()
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
             rank=self.args.process_index, world_size=self.args.world_size,
@@ -221,7 +251,7 @@ class PrivateTrainer(Trainer):
         return DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=EmptySafeCollator(self.data_collator, dataset[0]),
+            collate_fn=collate,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
@@ -272,32 +302,38 @@ class PrivateTrainer(Trainer):
         if not self._may_step():
             self._stop_for_budget()
             return zero
-        size = batch_size_of(inputs)
         # The unwrapped model: DDP must not all-reduce un-clipped gradients (the optimizer reduces clipped sums).
-        model = self.accelerator.unwrap_model(model)
+        total = self.record_chunks(self.accelerator.unwrap_model(model), inputs, self.engine)
+        return total / (self.expected_batch_size / self.args.world_size)
+
+    def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
+        """Forward/backward `inputs` in chunks of at most per_device_train_batch_size, each example's terms into
+        `engine`; the summed loss. The first chunk of ≥ 2 examples of the run is probed for example independence."""
+        size = batch_size_of(inputs)
         rows = rows_per_example(model, inputs)
         chunk = self.args.per_device_train_batch_size
-        total = zero
+        total = torch.zeros((), device=self.args.device)
         for start in range(0, size, chunk):
             part = {k: _slice(v, size, start, start + chunk) for k, v in inputs.items()}
             examples = min(chunk, size - start)
-            with self.engine.recording(examples, rows):
+            with engine.recording(examples, rows):
                 total = total + super().training_step(model, part, None)
-            self.engine.finish_backward()
+            engine.finish_backward()
             if examples >= 2 and not self._independence_checked:
-                self._check_example_independence(model, part, examples, rows)
-        return total / (self.expected_batch_size / self.args.world_size)
+                self._check_example_independence(model, part, examples, rows, engine)
+        return total
 
-    def _check_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int) -> None:
+    def _check_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int,
+                                    engine: PerExampleGradientEngine) -> None:
         """Once per training: examples recomputed alone must get the norms they had in the chunk."""
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16)
-                                              for _, p in self.engine.parameters)
+                                              for _, p in engine.parameters)
 
         def summed_loss(model: nn.Module, batch: dict) -> torch.Tensor:
             with self.compute_loss_context_manager():
                 return self._summed_loss(model, batch)[0]
 
-        check_example_independence(self.engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows,
+        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows,
                                    rtol=RTOL_LOW_PRECISION if low_precision else RTOL)
         self._independence_checked = True
 
@@ -311,7 +347,7 @@ class PrivateTrainer(Trainer):
         if not self._budget_exhausted:
             logger.warning(
                 "Privacy budget reached: ε=%.4g of target %.4g after %d steps. Stopping training so the budget is "
-                "not exceeded.", self.ledger.epsilon(), self.dp_config.target_epsilon, self.ledger.total_steps,
+                "not exceeded.", self.ledger.epsilon(), self.dp_config.target_epsilon, self.training_steps(),
             )
         self._budget_exhausted = True
         self.control.should_training_stop = True
@@ -325,6 +361,7 @@ class PrivateTrainer(Trainer):
             if checkpoint is None:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
             self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
+            self.dp_method.load_state_dict(load_method_state(checkpoint))
             resume_from_checkpoint = checkpoint
         allowed = self.plan.max_training_steps(self.ledger.mechanisms)
         self._step_limit = None if allowed is None else self.training_steps() + allowed
@@ -344,14 +381,14 @@ class PrivateTrainer(Trainer):
         self._budget_exhausted = True
         epsilon = self.ledger.epsilon()
         logger.warning(
-            "The privacy budget is already spent: ε=%.4g of target ε=%.4g after the %d steps recorded in the ledger%s, "
-            "so train() takes no step. Raising target_epsilon would spend more privacy on the same data; otherwise "
-            "use the model as it is.", epsilon, self.dp_config.target_epsilon, self.ledger.total_steps,
+            "The privacy budget is already spent: ε=%.4g of target ε=%.4g after the %d training steps recorded in the "
+            "ledger%s, so train() takes no step. Raising target_epsilon would spend more privacy on the same data; "
+            "otherwise use the model as it is.", epsilon, self.dp_config.target_epsilon, self.training_steps(),
             f" of {checkpoint}" if checkpoint else "",
         )
         if checkpoint:
             self._load_from_checkpoint(checkpoint)
-        return TrainOutput(self.ledger.total_steps, math.nan,
+        return TrainOutput(self.training_steps(), math.nan,
                            {"epsilon": epsilon, "delta": self.delta, "steps_taken": 0})
 
     # ------------------------------------------------------------------ reporting
@@ -381,6 +418,7 @@ class PrivateTrainer(Trainer):
         if notes:
             report["guarantee_note"] = " ".join(notes)
         report.update(
+            steps=self.training_steps(),  # optimizer steps; a method's own releases are in `mechanisms`
             method=self.dp_config.method,
             unit="example",
             target_epsilon=self.dp_config.target_epsilon,
@@ -392,6 +430,9 @@ class PrivateTrainer(Trainer):
             trainable_fraction=self._trainable_fraction(),
             phases=[{"mechanism": stage.name, "from_step": stage.start_step} for stage in self.plan.training_stages],
         )
+        details = self.dp_method.report()
+        if details:
+            report["method_details"] = details
         return compose_audits(report, self._audits, self.ledger.accountant)
 
     def attach_audit(self, result: AuditResult) -> None:
@@ -456,15 +497,17 @@ class PrivateTrainer(Trainer):
         return trained / sum(p.numel() for p in params.values())
 
     def _trainable_fraction(self) -> float:
-        trainable = sum(p.numel() for _, p in self.engine.parameters)
-        return round(trainable / sum(p.numel() for p in self.model.parameters()), 6)
+        """Share of the model's values the current stage trains."""
+        params = dict(self.model.named_parameters())
+        trainable = sum(params[n].numel() for n in self.dp_method.trained_parameter_names(self.model))
+        return round(trainable / sum(p.numel() for p in params.values()), 6)
 
     # ------------------------------------------------------------------ saving and the card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            save_privacy_record(output_dir, self.ledger, self.dp_config)
+            save_privacy_record(output_dir, self.ledger, self.dp_config, self.dp_method.state_dict())
             self._write_card(output_dir)
 
     @property
@@ -555,10 +598,15 @@ class _LogicalBatchBoundaries(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer.engine.reset()
+        self.trainer._before_step()
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.trainer._may_step():
             self.trainer._stop_for_budget()
+
+
+def _trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _check_model(model: nn.Module) -> None:

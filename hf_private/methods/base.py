@@ -14,10 +14,13 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from ..method_run import MethodRun
 
 from ..engine import PerExampleGradientEngine
 from ..logs import get_logger
@@ -189,6 +192,32 @@ class DPMethod:
         drawing from `noise`, the run's secret noise source; their releases must be stages of `stages()`. None by
         default."""
         return []
+
+    def before_step(self, run: MethodRun, step: int) -> None:
+        """Called at the start of every logical batch, before training step `step` (0-based, counted from the ledger,
+        so a resumed run continues where it stopped): release the method's own planned stages through `run` (DP-FROST's
+        selection rounds) and change what trains (requires_grad). It must be idempotent for a given `step` and state.
+        Nothing by default."""
+
+    def trained_parameter_names(self, model: nn.Module) -> set[str]:
+        """The tensors the current trainable set actually trains (what a saved adapter must hold): the trainable ones
+        by default. A method whose trainable set is a candidate set until a data-dependent selection says otherwise."""
+        return {name for name, p in model.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold for a resumed run to go on exactly (DP-FROST: the selections made, which were
+        paid for in the ledger and must not be drawn again). JSON-serialisable; empty by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` from a checkpoint (called before training resumes)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint holds {sorted(state)}.")
+
+    def report(self) -> dict[str, Any]:
+        """Method-specific facts for the privacy report and the card (DP-FROST: the selected partitions). Only
+        released (post-processed) values belong here. Nothing by default."""
+        return {}
 
     def start_stage(self, index: int, model: nn.Module) -> None:
         """Called between logical batches when stage `index` (≥ 1) begins: re-select what trains."""

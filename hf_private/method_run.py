@@ -1,0 +1,101 @@
+"""What a method may do between logical batches (`DPMethod.before_step`): draw its own Poisson sample, collect
+per-example terms with a reducer of its choice, and release a noisy vector of one of its planned stages.
+
+The pieces that make a release private stay here, not in the method: the sample is Poisson at the stage's planned rate
+from a secret generator; the noise is the stage's planned σ times the sensitivity the reducer guarantees, drawn once
+from the secret noise source (on rank 0, before the sum over processes); and every release is recorded in the ledger
+before the method sees it. A method only chooses what to measure and what to do with the noisy result.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .engine import PerExampleGradientEngine
+from .engine.reducers import Reducer
+from .optimizer import all_reduce_sum
+from .privacy import GaussianNoise
+from .privacy.plan import PrivacyPlan
+from .sampling import PoissonBatchSampler, sampling_random
+
+if TYPE_CHECKING:
+    from .trainer import PrivateTrainer
+
+# Test mode (noise_seed set): the method's noise and sampling get streams of their own, apart from training's.
+_TEST_NOISE_OFFSET = 15485863
+_TEST_SAMPLING_OFFSET = 32452843
+
+
+class MethodRun:
+    """A method's handle on the run: sampling, per-example terms, and the noisy release of its planned stages."""
+
+    def __init__(self, trainer: PrivateTrainer) -> None:
+        self._trainer = trainer
+        seed = trainer.dp_config.noise_seed
+        self._noise = GaussianNoise(trainer.args.device, test_seed=None if seed is None else seed + _TEST_NOISE_OFFSET)
+        self._random = sampling_random(None if seed is None else seed + _TEST_SAMPLING_OFFSET)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._trainer.model
+
+    @property
+    def plan(self) -> PrivacyPlan:
+        return self._trainer.plan
+
+    def poisson_sample(self, stage: str) -> list[dict[str, Any]]:
+        """This process's share of one Poisson sample at the planned rate of `stage`, collated in physical chunks of
+        per_device_train_batch_size (none when the sample is empty: its release is then noise alone)."""
+        trainer = self._trainer
+        dataset, collate = trainer.training_data()
+        args = trainer.args
+        sampler = PoissonBatchSampler(len(dataset), self.plan[stage].sample_rate, 1, rank=args.process_index,
+                                      world_size=args.world_size, random=self._random)
+        indices = next(iter(sampler))
+        size = args.per_device_train_batch_size
+        return [collate([dataset[i] for i in indices[start:start + size]]) for start in range(0, len(indices), size)]
+
+    def new_engine(self, reducer: Reducer) -> PerExampleGradientEngine:
+        """An engine on the currently trainable parameters that hands its terms to `reducer`; detach it when done.
+
+        The training engine is detached first (two engines would both record), and rebuilt after `before_step`.
+        """
+        self._trainer.suspend_training_engine()
+        engine = PerExampleGradientEngine(self.model, self._trainer.dp_config.max_grad_norm, reducer=reducer)
+        engine.attach()
+        return engine
+
+    def accumulate(self, engine: PerExampleGradientEngine, chunks: list[dict[str, Any]]) -> None:
+        """Forward and backward every chunk in training mode, one per-example loss each, into `engine`'s reducer."""
+        model = self.model
+        was_training = model.training
+        model.train()
+        try:
+            for chunk in chunks:
+                self._trainer.record_chunks(model, chunk, engine)
+        finally:
+            model.train(was_training)
+
+    def releases(self, stage: str) -> int:
+        """Releases of `stage` the ledger holds (a resumed run's included)."""
+        return sum(group.steps for group in self._trainer.ledger.mechanisms if group.name == stage)
+
+    def release(self, stage: str, values: torch.Tensor, sensitivity: float) -> torch.Tensor:
+        """values + N(0, (σ_stage · sensitivity)²) per coordinate, summed over processes, recorded in the ledger.
+
+        `sensitivity` is the L2 sensitivity of `values` under add/remove of one example (the reducer's). The σ is the
+        plan's for `stage`: a method cannot pick its own.
+        """
+        if not (sensitivity > 0 and torch.isfinite(torch.tensor(float(sensitivity)))):
+            raise ValueError(f"The sensitivity of a release must be finite and > 0, got {sensitivity}.")
+        noisy = values.detach().to(dtype=torch.promote_types(values.dtype, torch.float32), copy=True)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed or torch.distributed.get_rank() == 0:  # exactly once, before the sum over processes
+            self._noise.add_([noisy], self.plan[stage].noise_multiplier * float(sensitivity))
+        if distributed:
+            all_reduce_sum([noisy])
+        self._trainer.record_release(stage)
+        return noisy
