@@ -62,7 +62,8 @@ GLUE_ARGS = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_siz
 @dataclass
 class RecipeArguments:
     task: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
-    method: str = field(default="dp-sgd", metadata={"help": "DP method: one of hf_private.registered_methods()."})
+    method: str = field(default="dp-sgd", metadata={
+        "help": "DP method: one of hf_private.registered_methods(), or its name without 'dp-' (frost, bitfit, ...)."})
     epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
@@ -83,6 +84,11 @@ class RecipeArguments:
     clip_norm: float | None = field(default=None, metadata={"help": "Per-example clip norm C (paper default)."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Truncation length (paper default)."})
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
+
+    def __post_init__(self) -> None:
+        # The short name is accepted too: --method frost is dp-frost.
+        if self.method not in registered_methods() and f"dp-{self.method}" in registered_methods():
+            self.method = f"dp-{self.method}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from huggingface_hub import ModelCard
 from scipy import optimize, stats
 from transformers import DataCollatorWithPadding
 
-from hf_private import BitFitConfig, DPConfig
+from hf_private import BitFitConfig, DPConfig, FrostConfig
 from hf_private.audit import (
     AuditResult,
     build_canaries,
@@ -113,9 +113,11 @@ def test_bitfit_passes_the_audit(tmp_path):
     assert result.epsilon_lower_bound < CLAIMED_EPSILON
 
 
-@pytest.mark.skip(reason="DP-FROST not yet available (its own issue)")
-def test_frost_passes_the_audit():
-    """FrostConfig at claimed ε = 2 must give ε_lb < 2, like DPConfig and BitFitConfig above."""
+def test_frost_passes_the_audit(tmp_path):
+    """FrostConfig at the claimed ε (selection rounds and DP-SGD composed) gives ε_lb below it, like DPConfig above."""
+    result = _audit(tmp_path, FrostConfig)
+    assert result.claimed_epsilon == pytest.approx(CLAIMED_EPSILON, abs=0.05)
+    assert result.epsilon_lower_bound < CLAIMED_EPSILON and not result.refutes_claim
 
 
 def _skip_clipping(monkeypatch):

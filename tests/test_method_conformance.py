@@ -13,7 +13,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import DataCollatorWithPadding
 
-from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, load_private_adapter, registered_methods
+from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, FrostConfig, load_private_adapter, registered_methods
 from hf_private.audit import epsilon_from_error_rates
 from hf_private.privacy import GaussianNoise, MechanismGroup
 from hf_private.privacy.accountants import compute_epsilon
@@ -29,6 +29,8 @@ ROWS = {
     "dp-lora": (DPLoRAConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, lora_r=2,
                              lora_target_modules="query,value"), tiny.bert),
     "dp-bitfit": (BitFitConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.roberta),
+    "dp-frost": (FrostConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, unfreeze_ratio=0.3, selection_sample_rate=0.25,
+                             noise_seed=5), tiny.bert),
 }
 
 
@@ -37,8 +39,11 @@ def test_every_registered_method_has_a_row():
 
 
 def _trainer(tmp_path, name, **overrides):
+    """The row's trainer with what it trains at its first step (a selecting method has selected by then)."""
     config, factory = ROWS[name]
-    return make_trainer(tmp_path, model=factory(), dp=config, **overrides)
+    trainer = make_trainer(tmp_path, model=factory(), dp=config, **overrides)
+    trainer._before_step()
+    return trainer
 
 
 def _batch(rows):
@@ -91,10 +96,11 @@ def test_frozen_tensors_stay_bit_identical_and_the_card_recomputes_epsilon(tmp_p
     after = snapshot(trainer.model)
     trainable = {f"param:{n}" for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert all(torch.equal(v, after[k]) for k, v in before.items() if k not in trainable)
-    assert trainer.ledger.total_steps == 3 == trainer.state.global_step
+    assert trainer.training_steps() == 3 == trainer.state.global_step
     trainer.save_model()
     privacy = ModelCard.load(tmp_path / "README.md").data.to_dict()["privacy"]
-    assert privacy["method"] == name and sum(m["steps"] for m in privacy["mechanisms"]) == 3
+    training = {phase["mechanism"] for phase in privacy["phases"]}
+    assert privacy["method"] == name and sum(m["steps"] for m in privacy["mechanisms"] if m["name"] in training) == 3
     groups = [MechanismGroup.from_dict(m) for m in privacy["mechanisms"]]
     assert compute_epsilon(groups, privacy["delta"], privacy["accountant"]) == pytest.approx(privacy["epsilon"],
                                                                                              rel=1e-9)
@@ -125,6 +131,7 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
     dp = dataclasses.replace(config, noise_multiplier=STEP_SIGMA, max_grad_norm=STEP_CLIP, noise_seed=0)
     trainer = make_trainer(tmp_path, model=factory(), dp=dp, learning_rate=1.0, optim="sgd", weight_decay=0.0,
                            per_device_train_batch_size=STEP_BATCH)
+    trainer._before_step()
     trainer.create_optimizer()
     model, engine = trainer.model, trainer.engine
     params = [p for _, p in engine.parameters]

@@ -29,10 +29,10 @@ from hf_private.methods import method_class, registered_methods  # noqa: E402
 QUIET = ["--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true"]
 FAST = [*QUIET, "--accountant", "rdp"]  # RDP calibrates in a fraction of PRV's time; the demo tests keep PRV
 SAVED = {"dp-sgd": "model.safetensors", "dp-lora": "adapter_model.safetensors",
-         "dp-bitfit": "private_adapter.safetensors"}
+         "dp-bitfit": "private_adapter.safetensors", "dp-frost": "private_adapter.safetensors"}
 
 
-@pytest.mark.parametrize("method", ["dp-sgd", "dp-lora", "dp-bitfit"])
+@pytest.mark.parametrize("method", ["dp-sgd", "dp-lora", "dp-bitfit", "dp-frost"])
 def test_demo_runs_and_writes_adapter_ledger_and_card(tmp_path, method, caplog):
     with caplog.at_level("INFO"):
         result = glue.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--method", method, *QUIET])
@@ -44,17 +44,28 @@ def test_demo_runs_and_writes_adapter_ledger_and_card(tmp_path, method, caplog):
     assert privacy["guarantee"] == "formal" and privacy["epsilon"] == pytest.approx(result["epsilon"])
     assert "generated demo sentiment data" in card.text and "eval_accuracy" in card.text
     ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
-    assert sum(m["steps"] for m in ledger["mechanisms"]) == 3
+    training = {phase["mechanism"] for phase in privacy["phases"]}
+    assert sum(m["steps"] for m in ledger["mechanisms"] if m["name"] in training) == 3 == result["steps"]
+    assert privacy["method"] == method and set(ledger["mechanisms"][0]) >= {"name", "noise_multiplier", "steps"}
 
 
-@pytest.mark.parametrize("method", ["dp-frost", "bitfit", "lora"])
+@pytest.mark.parametrize("method", ["dp-adam", "full", "sparse"])
 def test_unregistered_methods_are_refused_naming_the_registered_ones(tmp_path, method):
-    with pytest.raises(SystemExit, match="--method must be one of dp-sgd, dp-bitfit, dp-lora"):
+    with pytest.raises(SystemExit, match=f"--method must be one of {', '.join(registered_methods())}, got"):
         glue.main(["--output_dir", str(tmp_path), "--method", method])
 
 
+def test_short_method_names_are_the_registered_ones(tmp_path):
+    common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true"]
+    recipe, args, _ = glue.parse_args([*common, "--method", "frost", "--task", "qnli"])
+    assert recipe.method == "dp-frost" and recipe.method_fields["unfreeze_ratio"] == 0.25**2
+    assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (1593, 6,
+                                                                                                        1e-3, 0.1)
+    assert glue.parse_args([*common, "--method", "bitfit"])[0].method == "dp-bitfit"
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "sgd"], "--method must be one of"),
+    (["--method", "adam"], "--method must be one of"),
     (["--task", "wnli"], "Unknown --task"),
     (["--task", "mnli"], "offline demo is a sentiment task"),
     (["--train_file", "train.tsv"], "give --model_name_or_path"),

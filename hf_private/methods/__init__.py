@@ -12,9 +12,11 @@ from .base import (
 )
 from .bitfit import BitFitConfig
 from .dpsgd import DPConfig
+from .frost import FrostConfig
 from .lora import DPLoRAConfig
 
 __all__ = [
-    "BitFitConfig", "DPConfig", "DPLoRAConfig", "DPMethod", "MethodConfig", "RecipeDefaults", "method_class",
+    "BitFitConfig", "DPConfig", "DPLoRAConfig", "FrostConfig",
+    "DPMethod", "MethodConfig", "RecipeDefaults", "method_class",
     "register_dp_method", "registered_methods",
 ]
