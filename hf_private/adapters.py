@@ -87,9 +87,22 @@ def has_private_adapter(directory: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS_NAME))
 
 
+#: set on a module whose parameters a method added for training only (RGP's gradient carriers): they are not part of
+#: the released model, so a fresh base model does not have them
+AUXILIARY_MARKER = "hf_private_auxiliary"
+
+
+def auxiliary_parameter_names(model: nn.Module) -> set[str]:
+    """Parameters of modules marked `AUXILIARY_MARKER`: training scaffolding, neither base nor adapter."""
+    return {f"{name}.{param_name}" if name else param_name
+            for name, module in model.named_modules() if getattr(module, AUXILIARY_MARKER, False)
+            for param_name, _ in module.named_parameters()}
+
+
 def base_fingerprint(model: nn.Module, exclude: Iterable[str] = ()) -> str:
-    """A short hash of names, shapes and a strided sample of every parameter not in `exclude` (the frozen base)."""
-    skip = set(exclude)
+    """A short hash of names, shapes and a strided sample of every parameter not in `exclude` (the frozen base) and
+    not auxiliary."""
+    skip = set(exclude) | auxiliary_parameter_names(model)
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
         if name in skip:

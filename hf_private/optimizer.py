@@ -9,7 +9,9 @@ override (as Opacus' DPOptimizer.pre_step):
 4. `to_gradients`: divided by the expected logical batch q·N and cast to the parameter's dtype, as `.grad`;
 5. `transform_gradients`: a method's per-parameter gradient transforms (e.g. zero masked coordinates of the noisy
    gradient): post-processing of the released value, the same on every process;
-6. the inner optimizer's step, then `on_step` (the ledger records the step), then the step-end hooks (e.g.
+6. the pre-step hooks: a method may move released gradients between parameters (RGP: the noisy carrier gradients
+   become the full weight's gradient), again post-processing, the same on every process;
+7. the inner optimizer's step, then `on_step` (the ledger records the step), then the step-end hooks (e.g.
    RGP's re-decomposition), once per logical batch on every process.
 """
 
@@ -79,6 +81,7 @@ class NoisyOptimizer(torch.optim.Optimizer):
         self.may_step = may_step
         self.on_step = on_step
         self._gradient_transforms: dict[nn.Parameter, OrderedDict[int, GradientTransform]] = {}
+        self._pre_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_end_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         for param, transform in (gradient_transforms or {}).items():
             self.add_gradient_transform(param, transform)
@@ -100,6 +103,14 @@ class NoisyOptimizer(torch.optim.Optimizer):
         transforms = self._gradient_transforms.setdefault(parameter, OrderedDict())
         handle = RemovableHandle(transforms)
         transforms[handle.id] = transform
+        return handle
+
+    def add_pre_step_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call `hook()` once per logical batch, after the gradient transforms and before the inner step: it sees the
+        released `.grad` of every trainable parameter and may turn them into gradients of other parameters of the
+        inner optimizer (RGP: carrier gradients into the full weight's, carriers' own set to None)."""
+        handle = RemovableHandle(self._pre_step_hooks)
+        self._pre_step_hooks[handle.id] = hook
         return handle
 
     def add_step_end_hook(self, hook: Callable[[], None]) -> RemovableHandle:
@@ -158,6 +169,8 @@ class NoisyOptimizer(torch.optim.Optimizer):
             self.all_reduce(totals)
         self.to_gradients(params, totals)
         self.transform_gradients(params)
+        for hook in list(self._pre_step_hooks.values()):
+            hook()
         self.optimizer.step()
         self.on_step()
         self.step_end()

@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
+from .adapters import (
+    adapter_format,
+    auxiliary_parameter_names,
+    has_private_adapter,
+    load_adapter_weights,
+    withhold_local_base_path,
+)
 from .artifacts import check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
@@ -492,13 +498,15 @@ class PrivateTrainer(Trainer):
 
     def _trained_fraction(self) -> float:
         """Share of the model's values trained in any phase (what a saved adapter holds)."""
-        params = dict(self.model.named_parameters())
+        auxiliary = auxiliary_parameter_names(self.model)
+        params = {n: p for n, p in self.model.named_parameters() if n not in auxiliary}
         trained = sum(params[n].numel() for n in self.trained_parameter_names if n in params)
         return trained / sum(p.numel() for p in params.values())
 
     def _trainable_fraction(self) -> float:
         """Share of the model's values the current stage trains."""
-        params = dict(self.model.named_parameters())
+        auxiliary = auxiliary_parameter_names(self.model)
+        params = {n: p for n, p in self.model.named_parameters() if n not in auxiliary}
         trainable = sum(params[n].numel() for n in self.dp_method.trained_parameter_names(self.model))
         return round(trainable / sum(p.numel() for p in params.values()), 6)
 

@@ -20,6 +20,17 @@ _TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification":
                "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM"}
 
 
+def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | None) -> nn.Module:
+    """`model` as a PEFT LoRA model (task type from its head, so a new classification head trains too); targets are
+    comma-separated module names, None for PEFT's default for the model type."""
+    from peft import LoraConfig, get_peft_model
+
+    name = type(model).__name__
+    task_type = next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+    targets = target_modules.split(",") if target_modules else None
+    return get_peft_model(model, LoraConfig(task_type=task_type, r=rank, lora_alpha=alpha, target_modules=targets))
+
+
 @register_dp_method(DPLoRAConfig)
 class DPLoRAMethod(DPMethod):
     config: DPLoRAConfig
@@ -28,13 +39,7 @@ class DPLoRAMethod(DPMethod):
         if is_peft_model(model):
             logger.info("The model is already a PeftModel: training its adapters as they are (lora_* fields unused).")
             return model
-        from peft import LoraConfig, get_peft_model
-
-        name = type(model).__name__
-        task_type = next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
-        targets = self.config.lora_target_modules.split(",") if self.config.lora_target_modules else None
-        return get_peft_model(model, LoraConfig(task_type=task_type, r=self.config.lora_r,
-                                                lora_alpha=self.config.lora_alpha, target_modules=targets))
+        return apply_lora(model, self.config.lora_r, self.config.lora_alpha, self.config.lora_target_modules)
 
     def citations(self) -> tuple[str, ...]:
         return (*super().citations(),
