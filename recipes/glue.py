@@ -86,9 +86,12 @@ class RecipeArguments:
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
     def __post_init__(self) -> None:
-        # The short name is accepted too: --method frost is dp-frost.
-        if self.method not in registered_methods() and f"dp-{self.method}" in registered_methods():
-            self.method = f"dp-{self.method}"
+        # Short names and underscores are accepted too: --method frost is dp-frost, sparse_lowrank sparse-lowrank.
+        name = self.method.replace("_", "-")
+        for candidate in (name, f"dp-{name}"):
+            if candidate in registered_methods():
+                self.method = candidate
+                break
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -29,10 +29,11 @@ from hf_private.methods import method_class, registered_methods  # noqa: E402
 QUIET = ["--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true"]
 FAST = [*QUIET, "--accountant", "rdp"]  # RDP calibrates in a fraction of PRV's time; the demo tests keep PRV
 SAVED = {"dp-sgd": "model.safetensors", "dp-lora": "adapter_model.safetensors",
-         "dp-bitfit": "private_adapter.safetensors", "dp-frost": "private_adapter.safetensors"}
+         "dp-bitfit": "private_adapter.safetensors", "dp-frost": "private_adapter.safetensors",
+         "sparse-lowrank": "adapter_model.safetensors"}
 
 
-@pytest.mark.parametrize("method", ["dp-sgd", "dp-lora", "dp-bitfit", "dp-frost"])
+@pytest.mark.parametrize("method", sorted(SAVED))
 def test_demo_runs_and_writes_adapter_ledger_and_card(tmp_path, method, caplog):
     with caplog.at_level("INFO"):
         result = glue.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--method", method, *QUIET])
@@ -62,6 +63,9 @@ def test_short_method_names_are_the_registered_ones(tmp_path):
     assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (1593, 6,
                                                                                                         1e-3, 0.1)
     assert glue.parse_args([*common, "--method", "bitfit"])[0].method == "dp-bitfit"
+    recipe, args, _ = glue.parse_args([*common, "--method", "sparse_lowrank", "--variant", "rgp"])
+    assert (recipe.method, recipe.method_fields["variant"], recipe.expected_batch_size, args.num_train_epochs,
+            args.learning_rate, recipe.clip_norm) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, 10.0)
 
 
 @pytest.mark.parametrize("argv, message", [

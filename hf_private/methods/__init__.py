@@ -14,9 +14,9 @@ from .bitfit import BitFitConfig
 from .dpsgd import DPConfig
 from .frost import FrostConfig
 from .lora import DPLoRAConfig
+from .sparse_lowrank import SparseLowRankConfig
 
 __all__ = [
-    "BitFitConfig", "DPConfig", "DPLoRAConfig", "FrostConfig",
-    "DPMethod", "MethodConfig", "RecipeDefaults", "method_class",
-    "register_dp_method", "registered_methods",
+    "BitFitConfig", "DPConfig", "DPLoRAConfig", "DPMethod", "FrostConfig", "MethodConfig", "RecipeDefaults",
+    "SparseLowRankConfig", "method_class", "register_dp_method", "registered_methods",
 ]

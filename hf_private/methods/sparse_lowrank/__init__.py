@@ -1,0 +1,4 @@
+from .config import SparseLowRankConfig
+from .method import SparseLowRankMethod
+
+__all__ = ["SparseLowRankConfig", "SparseLowRankMethod"]
