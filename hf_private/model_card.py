@@ -89,7 +89,6 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     """The `privacy:` YAML block, from a `PrivateTrainer.privacy_report()`."""
     block: dict[str, Any] = {
         "guarantee": report["guarantee"],
-        "epsilon": float(report["epsilon"]),
         "delta": float(report["delta"]),
         "accountant": report["accountant"],
         "unit": "example",
@@ -97,6 +96,8 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "dataset_size": int(report["dataset_size"]),
         "mechanisms": [dict(m) for m in report["mechanisms"]],
     }
+    if "epsilon" in report:  # absent without a guarantee: no number may read as one
+        block["epsilon"] = float(report["epsilon"])
     for optional in ("guarantee_note", "training_epsilon", "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]

@@ -186,8 +186,10 @@ class NoisyOptimizer(torch.optim.Optimizer):
         ]
 
     def add_noise(self, totals: list[torch.Tensor]) -> None:
-        """totals += N(0, (σC)²) per coordinate, from the secret noise source, in place."""
-        self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+        """totals += N(0, (σC)²) per coordinate, from the secret noise source, in place (nothing for σ = 0: a stage
+        that claims no guarantee, whose steps the ledger records as such)."""
+        if self.noise_multiplier > 0:
+            self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
 
     def all_reduce(self, totals: list[torch.Tensor]) -> None:
         all_reduce_sum(totals)

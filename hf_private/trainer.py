@@ -126,7 +126,7 @@ class PrivateTrainer(Trainer):
         self.add_callback(_LogicalBatchBoundaries(self))
         seed = dp_config.noise_seed  # test mode: a stream of its own, apart from the optimizer's
         self._forward_mechanisms = self.dp_method.attach_forward_mechanisms(
-            self.model, GaussianNoise(self.args.device, test_seed=None if seed is None else seed + 104729))
+            self.model, GaussianNoise(self.args.device, test_seed=None if seed is None else seed + 104729), self.plan)
         # Every tensor trained in any stage: what a saved adapter must contain.
         self.trained_parameter_names = self.dp_method.trained_parameter_names(self.model)
         self._step_limit: int | None = None
@@ -185,8 +185,12 @@ class PrivateTrainer(Trainer):
 
     @property
     def noise_multiplier(self) -> float:
-        """σ of the current training stage."""
-        return self.stage.noise_multiplier
+        """σ of the current training stage; 0 for a stage that claims no guarantee and adds no gradient noise (DP-FP in
+        paper mode)."""
+        sigma = self.stage.noise_multiplier
+        if sigma is None and self.stage.stage.no_guarantee is not None:
+            return 0.0
+        return sigma
 
     @property
     def mechanism_name(self) -> str:
@@ -377,6 +381,10 @@ class PrivateTrainer(Trainer):
         self.engine.reset()  # an earlier train() interrupted mid-batch must not release its sums with this one's
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = self.privacy_report()
+        if "epsilon" not in report:
+            logger.warning("Trained WITHOUT a differential privacy guarantee after %d steps: %s", report["steps"],
+                           report["guarantee_note"])
+            return output
         output.metrics.update(epsilon=report["epsilon"], delta=report["delta"])
         logger.info("Trained privately: ε=%.4g, δ=%.3g (%s) after %d steps.", report["epsilon"], report["delta"],
                     report["accountant"], report["steps"])
@@ -400,7 +408,9 @@ class PrivateTrainer(Trainer):
     # ------------------------------------------------------------------ reporting
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.pop("grad_norm", None)  # a norm of un-clipped, un-noised gradients: not private
-        if "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
+        if not self.plan.has_guarantee:
+            pass  # no ε to log: a number here would read as a guarantee
+        elif "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
             logs["epsilon"] = self.ledger.epsilon()
         elif "loss" in logs:  # every logging step: an upper bound a few steps ahead (exact ε costs ~0.1 s)
             logs["epsilon"] = self.ledger.epsilon_upper_bound(max_steps=self._step_limit)
@@ -439,6 +449,8 @@ class PrivateTrainer(Trainer):
         details = self.dp_method.report()
         if details:
             report["method_details"] = details
+        if not self.plan.has_guarantee:
+            report.pop("epsilon")  # ∞: the card and the logs carry no ε at all (the reason is the guarantee_note)
         return compose_audits(report, self._audits, self.ledger.accountant)
 
     def attach_audit(self, result: AuditResult) -> None:
@@ -462,6 +474,9 @@ class PrivateTrainer(Trainer):
         self._audits.append(result)
         report = self.privacy_report()
         target = self.dp_config.target_epsilon
+        if "epsilon" not in report:
+            logger.info("Audit attached (%s); this run has no guarantee, so the card reports no ε.", result.declaration)
+            return
         if result.audit_data == "private" and target is not None and report["epsilon"] > target:
             logger.warning(
                 "The audit ran on the training data, so its run is composed into the guarantee: ε=%.4g (training "

@@ -71,7 +71,7 @@ class _NoisyPoolerMethod(DPMethod):
     def stages(self):
         return [Stage(self.name, sensitivity="pooler output clipped to C, and the gradients")]
 
-    def attach_forward_mechanisms(self, model, noise):
+    def attach_forward_mechanisms(self, model, noise, plan):
         return [ClippedNoisyOutput(CLIP, SIGMA, noise).attach(model.bert.pooler.dense)]
 
 

@@ -26,7 +26,7 @@ from ..engine import PerExampleGradientEngine
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
-from ..privacy.plan import Stage
+from ..privacy.plan import PrivacyPlan, Stage
 
 logger = get_logger(__name__)
 
@@ -187,10 +187,11 @@ class DPMethod:
         (`optimizer.add_gradient_transform`) and step-end hooks (`optimizer.add_step_end_hook`). Nothing by
         default."""
 
-    def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise) -> list[RemovableHandle]:
+    def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise,
+                                  plan: PrivacyPlan) -> list[RemovableHandle]:
         """Forward hooks releasing clipped, noised representations (DP-FP, e.g. `privacy.ClippedNoisyOutput`),
-        drawing from `noise`, the run's secret noise source; their releases must be stages of `stages()`. None by
-        default."""
+        drawing from `noise`, the run's secret noise source, with their noise set from `plan` (the run's q, steps and
+        δ); a release that the ledger must count is a stage of `stages()`. None by default."""
         return []
 
     def before_step(self, run: MethodRun, step: int) -> None:

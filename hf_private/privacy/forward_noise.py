@@ -31,7 +31,18 @@ class ClippedNoisyOutput:
         self.noise = noise
 
     def attach(self, module: nn.Module) -> RemovableHandle:
+        """Clip and noise `module`'s output."""
         return module.register_forward_hook(self._hook)
+
+    def attach_to_input(self, module: nn.Module) -> RemovableHandle:
+        """Clip and noise `module`'s (first) input, e.g. RoBERTa's representation: the input of
+        `classifier.out_proj`, computed by a functional tanh that no module outputs."""
+        return module.register_forward_pre_hook(self._pre_hook)
+
+    def _pre_hook(self, module: nn.Module, args: tuple):
+        if not module.training or not args:
+            return None
+        return (self._hook(module, args, args[0]), *args[1:])
 
     def _hook(self, module: nn.Module, args: tuple, output):
         if not module.training:
@@ -44,6 +55,8 @@ class ClippedNoisyOutput:
         norms = output.detach().float().flatten(1).norm(dim=1) if output.dim() > 1 else output.detach().float().abs()
         factor = (self.clip / norms.clamp_min(_NORM_FLOOR)).clamp(max=1.0)
         clipped = output * factor.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
+        if self.noise_multiplier == 0:
+            return clipped
         noise = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
         self.noise.add_([noise], self.noise_multiplier * self.clip)
         return clipped + noise.to(output.dtype)
