@@ -63,7 +63,7 @@ GLUE_ARGS = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_siz
 class RecipeArguments:
     task: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
     method: str = field(default="dp-sgd", metadata={
-        "help": "DP method: one of hf_private.registered_methods(), or its name without 'dp-' (frost, bitfit, ...)."})
+        "help": "DP method: one of hf_private.registered_methods(), or a short name (frost, bitfit, dpfp, ...)."})
     epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
@@ -86,11 +86,11 @@ class RecipeArguments:
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
     def __post_init__(self) -> None:
-        # Short names and underscores are accepted too: --method frost is dp-frost, sparse_lowrank sparse-lowrank.
-        name = self.method.replace("_", "-")
-        for candidate in (name, f"dp-{name}"):
-            if candidate in registered_methods():
-                self.method = candidate
+        # Short names work too: frost is dp-frost, sparse_lowrank sparse-lowrank, dpfp dp-fp.
+        wanted = self.method.replace("_", "").replace("-", "").lower()
+        for name in registered_methods():
+            if wanted in (name.replace("-", ""), name.replace("-", "").removeprefix("dp")):
+                self.method = name
                 break
 
 
@@ -144,7 +144,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         trainer.save_model()
         trainer.create_model_card(**card_kwargs)
     report = trainer.privacy_report()
-    result = {"epsilon": report["epsilon"], "delta": report["delta"], "steps": report["steps"],
+    result = {"epsilon": report.get("epsilon"), "delta": report["delta"], "steps": report["steps"],
               "metrics": {k[len("eval_"):]: v for k, v in metrics.items() if k.startswith("eval_")},
               "output_dir": os.path.abspath(training_args.output_dir), "seconds": time.time() - started}
     result["accuracy"] = result["metrics"].get("accuracy")
@@ -295,12 +295,13 @@ def _log_result(result: dict[str, Any], report: dict[str, Any], recipe: RecipeAr
                 adapter_format: str) -> None:
     held_out = ", ".join(f"{k} = {v:.4f}" for k, v in result["metrics"].items()
                          if k not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epsilon"))
+    privacy = (f"ε = {report['epsilon']:.3f}, δ = {report['delta']:.2e} ({report['accountant']} accountant"
+               if "epsilon" in report else "NO formal guarantee (")
     logger.info(
-        "%s%s with %s: ε = %.3f, δ = %.2e (%s accountant, %d steps, σ = %.3f, guarantee: %s); held-out %s; "
-        "%.0f s. %s, privacy ledger and card in %s.",
-        "DEMO (generated data, not GLUE) " if demo else "", recipe.task, recipe.method, report["epsilon"],
-        report["delta"], report["accountant"], report["steps"], report["noise_multiplier"], report["guarantee"],
-        held_out or "evaluation not run", result["seconds"], SAVED_AS[adapter_format], result["output_dir"],
+        "%s%s with %s: %s, %d steps, σ = %.3f, guarantee: %s); held-out %s; %.0f s. %s, privacy ledger and card in %s.",
+        "DEMO (generated data, not GLUE) " if demo else "", recipe.task, recipe.method, privacy, report["steps"],
+        report["noise_multiplier"], report["guarantee"], held_out or "evaluation not run", result["seconds"],
+        SAVED_AS[adapter_format], result["output_dir"],
     )
 
 

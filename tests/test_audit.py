@@ -8,6 +8,7 @@ injected by monkeypatching, never by switches in the library) that the same audi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from huggingface_hub import ModelCard
 from scipy import optimize, stats
 from transformers import DataCollatorWithPadding
 
-from hf_private import BitFitConfig, DPConfig, FrostConfig
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, FrostConfig
 from hf_private.audit import (
     AuditResult,
     build_canaries,
@@ -151,9 +152,14 @@ def test_mutation_broken_trainer_fails_the_audit(tmp_path, monkeypatch, bug):
     assert white.correct >= 0.97 * white.guesses
 
 
-@pytest.mark.skip(reason="DP-FP not yet available (its own issue)")
-def test_dpfp_paper_mode_fails_the_audit():
-    """DPFPConfig(mode="paper") trains the encoder below the noise on raw inputs: the audit must give ε_lb > 2."""
+def test_dpfp_paper_mode_fails_the_audit(tmp_path):
+    """DPFPConfig(mode="paper") trains the encoder below the noise on raw inputs: the canaries' embedding rows give
+    ε_lb above the paper's own CLT figure of 2, which the audit refutes."""
+    result = _audit(tmp_path, functools.partial(DPFPConfig, mode="paper"))
+    assert result.claimed_epsilon == pytest.approx(CLAIMED_EPSILON, abs=1e-6)  # the CLT figure: nothing else claimed
+    white = next(b for b in result.bounds if b.score == "white-box")
+    assert result.epsilon_lower_bound > CLAIMED_EPSILON and result.refutes_claim
+    assert white.correct == white.guesses
 
 
 # ---------------------------------------------------------------- one-step distinguishing test (Tier 1)

@@ -30,7 +30,7 @@ QUIET = ["--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no
 FAST = [*QUIET, "--accountant", "rdp"]  # RDP calibrates in a fraction of PRV's time; the demo tests keep PRV
 SAVED = {"dp-sgd": "model.safetensors", "dp-lora": "adapter_model.safetensors",
          "dp-bitfit": "private_adapter.safetensors", "dp-frost": "private_adapter.safetensors",
-         "sparse-lowrank": "adapter_model.safetensors"}
+         "sparse-lowrank": "adapter_model.safetensors", "dp-fp": "private_adapter.safetensors"}
 
 
 @pytest.mark.parametrize("method", sorted(SAVED))
@@ -63,6 +63,9 @@ def test_short_method_names_are_the_registered_ones(tmp_path):
     assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (1593, 6,
                                                                                                         1e-3, 0.1)
     assert glue.parse_args([*common, "--method", "bitfit"])[0].method == "dp-bitfit"
+    recipe, args, _ = glue.parse_args([*common, "--method", "dpfp"])
+    assert (recipe.method, recipe.method_fields["mode"], recipe.expected_batch_size, args.learning_rate,
+            recipe.max_seq_length) == ("dp-fp", "sound", 1, 5e-6, 128)
     recipe, args, _ = glue.parse_args([*common, "--method", "sparse_lowrank", "--variant", "rgp"])
     assert (recipe.method, recipe.method_fields["variant"], recipe.expected_batch_size, args.num_train_epochs,
             args.learning_rate, recipe.clip_norm) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, 10.0)

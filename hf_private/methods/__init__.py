@@ -11,12 +11,13 @@ from .base import (
     registered_methods,
 )
 from .bitfit import BitFitConfig
+from .dpfp import DPFPConfig
 from .dpsgd import DPConfig
 from .frost import FrostConfig
 from .lora import DPLoRAConfig
 from .sparse_lowrank import SparseLowRankConfig
 
 __all__ = [
-    "BitFitConfig", "DPConfig", "DPLoRAConfig", "DPMethod", "FrostConfig", "MethodConfig", "RecipeDefaults",
-    "SparseLowRankConfig", "method_class", "register_dp_method", "registered_methods",
+    "BitFitConfig", "DPConfig", "DPFPConfig", "DPLoRAConfig", "DPMethod", "FrostConfig", "MethodConfig",
+    "RecipeDefaults", "SparseLowRankConfig", "method_class", "register_dp_method", "registered_methods",
 ]
