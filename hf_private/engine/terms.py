@@ -241,7 +241,13 @@ def select_examples(term, start: int, stop: int):
     return type(term)(**{k: (v[start:stop] if torch.is_tensor(v) else v) for k, v in vars(term).items()})
 
 
-def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = 1 << 25) -> torch.Tensor:
+# Per-example gradients instantiated for an L1 norm or an abs sum are formed this many values at a time: a block that
+# stays in cache (4 MiB in fp32) is 4-5x faster than a 128 MiB one (measured: 32 examples, T=36, 1536x384 weight,
+# one thread: 0.028 s against 0.130 s; autograd's own weight gradient takes 0.014 s).
+_INSTANTIATE_BLOCK = 1 << 20
+
+
+def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = _INSTANTIATE_BLOCK) -> torch.Tensor:
     """‖Σ_i g_b^i‖₁ per example over all terms of one parameter, computed in `dtype`.
 
     An L1 norm has no factored (ghost) form: a lone sampled term is read directly, a lone embedding term through
@@ -265,7 +271,7 @@ def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = 1 <<
 
 
 def clipped_abs_sum(terms: list, factors: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                    out: torch.Tensor | None = None, block_elements: int = 1 << 25) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_elements: int = _INSTANTIATE_BLOCK) -> torch.Tensor:
     """Σ_b factors[b]·abs(Σ_i g_b^i) per coordinate over all terms of one parameter, in `dtype`, added into `out`.
 
     The absolute value of each example's gradient has no factored form, so, as in `combined_l1_norm`: a lone sampled
