@@ -26,7 +26,7 @@ from ..engine import PerExampleGradientEngine
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
-from ..privacy.plan import PrivacyPlan, Stage
+from ..privacy.plan import PrivacyPlan, Stage, resolve_delta
 
 logger = get_logger(__name__)
 
@@ -100,14 +100,8 @@ class MethodConfig:
             raise ValueError(f"accountant must be 'prv' or 'rdp', got {self.accountant!r}.")
 
     def resolve_delta(self, dataset_size: int) -> float:
-        """δ for a dataset of this size; a δ ≥ 1/N would allow publishing one record outright."""
-        delta = self.target_delta if self.target_delta is not None else 1.0 / (2 * dataset_size)
-        if delta >= 1.0 / dataset_size:
-            raise ValueError(
-                f"target_delta={delta:g} is not below 1/N = {1.0 / dataset_size:g} for N={dataset_size}: such a δ "
-                "permits leaking whole records. Use a smaller δ or leave it None for 1/(2N)."
-            )
-        return delta
+        """δ for a dataset of this size (None → 1/(2N)); a δ ≥ 1/N would allow publishing one record outright."""
+        return resolve_delta(dataset_size, self.target_delta)
 
     def build_method(self) -> DPMethod:
         """The behaviour registered for this config's method."""

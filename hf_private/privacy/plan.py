@@ -52,10 +52,7 @@ _UNBOUNDED_STEPS = 10**7
 
 
 def resolve_delta(dataset_size: int, delta: float | None = None) -> float:
-    """δ for a dataset of N examples: None → 1/(2N); a δ ≥ 1/N (it would allow publishing one record) is refused.
-
-    The rule of `DPConfig.resolve_delta`.
-    """
+    """δ for a dataset of N examples: None → 1/(2N); a δ ≥ 1/N (it would allow publishing one record) is refused."""
     if int(dataset_size) != dataset_size or dataset_size < 1:
         raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}.")
     resolved = float(delta) if delta is not None else 1.0 / (2 * dataset_size)

@@ -26,7 +26,7 @@ from ...adapters import is_peft_model
 from ...engine import PerExampleGradientEngine
 from ...logs import get_logger
 from ...privacy import GaussianNoise, MechanismGroup
-from ...privacy.accountants import compute_epsilon
+from ...privacy.accountants import epsilon_bound
 from ...privacy.forward_noise import ClippedNoisyOutput
 from ...privacy.plan import PrivacyPlan, Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
@@ -56,7 +56,7 @@ class DPFPMethod(DPMethod):
         self.noise_point = ""
         self.representation_noise_multiplier: float | None = None
         self._plan: PrivacyPlan | None = None
-        self._epsilons: tuple[float, float] | None = None
+        self._epsilons: tuple[float, float, str] | None = None
 
     # ------------------------------------------------------------------ model and plan
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -110,14 +110,15 @@ class DPFPMethod(DPMethod):
         return [attach(module)]
 
     # ------------------------------------------------------------------ report
-    def representation_epsilons(self) -> tuple[float, float]:
-        """(the paper's CLT figure, the exact ε by PRV) of the representation releases alone, as planned."""
+    def representation_epsilons(self) -> tuple[float, float, str]:
+        """(the paper's CLT figure, the exact ε, the accountant that gave it: PRV, or RDP where PRV cannot run) of
+        the representation releases alone, as planned."""
         if self._epsilons is None:
             plan, sigma = self._plan, self.representation_noise_multiplier
             steps = plan[self.name].steps
             release = MechanismGroup("dp-fp-representations", sigma, plan.sample_rate, steps)
             self._epsilons = (clt_epsilon(sigma, plan.sample_rate, steps, plan.delta),
-                              compute_epsilon([release], plan.delta, "prv"))
+                              *epsilon_bound([release], plan.delta, "prv"))
         return self._epsilons
 
     def report(self) -> dict[str, Any]:
@@ -129,15 +130,16 @@ class DPFPMethod(DPMethod):
             "micro_batches": self.config.micro_batches,
         }
         if self.config.mode == "paper" and self._plan is not None:
-            clt, exact = self.representation_epsilons()
+            clt, exact, accountant = self.representation_epsilons()
             details["clt_estimate"] = clt
             details["clt_estimate_note"] = ("The paper's Gaussian-DP central-limit figure for the planned "
                                             "representation releases: an approximation, not a bound, and not a "
                                             "guarantee for this model.")
             details["representation_mechanism_epsilon"] = exact
             details["representation_mechanism_note"] = (
-                "The exact ε (PRV accountant) of the representation releases alone, as planned: information about "
-                "one part of the algorithm, not a guarantee for this model, whose encoder was trained on raw inputs.")
+                f"An upper bound ({accountant} accountant) on the ε of the representation releases alone, as planned: "
+                "information about one part of the algorithm, not a guarantee for this model, whose encoder was "
+                "trained on raw inputs.")
         return details
 
     def citations(self) -> tuple[str, ...]:
