@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
-from benchmarks.memory import peak_bytes, reset_peak
+from benchmarks.alternating import compare, print_arms
 from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks, per_example_loss
 from hf_private import DPFPConfig
 from hf_private.engine import PerExampleGradientEngine
@@ -80,36 +78,19 @@ def main(argv: list[str] | None = None) -> dict:
     model, method = build(args.model)
     arms["hf_private dp-fp sound"] = SoundDPFP(model, method, args.batch_size, 1000)
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
-    peaks = {}
-    for label, arm in arms.items():
-        arm.step(chunks)  # warm-up: optimizer state
-        reset_peak(torch.device("cpu"))
-        arm.step(chunks)
-        peaks[label] = peak_bytes(torch.device("cpu"))
-    times: dict[str, list[float]] = {label: [] for label in arms}
-    for _ in range(args.rounds):
-        for label, arm in arms.items():
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                arm.step(chunks)
-                times[label].append(time.perf_counter() - start)
-    reference = statistics.median(times["non-private head"])
+    results = compare(arms, chunks, "non-private head", args.steps, args.rounds)
     result = {
         "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
-        "arms": {label: {"median_step_s": statistics.median(t), "time_ratio": statistics.median(t) / reference,
-                         "peak_bytes": peaks[label], "memory_ratio": peaks[label] / peaks["non-private head"]}
-                 for label, t in times.items()},
+        "arms": results,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{args.model} T={args.seq_len}, {args.batch_size}x{args.grad_accum} per step, trainable "
           f"{result['trainable']}")
-    for label, arm in result["arms"].items():
-        print(f"  {label:<24} {arm['median_step_s']:.3f} s/step  {arm['time_ratio']:.3f}x time  "
-              f"{arm['memory_ratio']:.3f}x memory")
+    print_arms(results)
     return result
 
 

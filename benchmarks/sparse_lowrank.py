@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
-from benchmarks.memory import peak_bytes, reset_peak
+from benchmarks.alternating import compare, print_arms
 from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks, per_example_loss
 from hf_private import DPLoRAConfig, SparseLowRankConfig
 from hf_private.engine import PerExampleGradientEngine
@@ -86,38 +84,21 @@ def main(argv: list[str] | None = None) -> dict:
     arms["hf_private sparse lora"] = PrivateArm(model, method, args.batch_size)
     reports = method.report()
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
-    peaks = {}
-    for label, arm in arms.items():  # warm-up (optimizer state) and the peak of one steady step
-        arm.step(chunks)
-        reset_peak(torch.device("cpu"))
-        arm.step(chunks)
-        peaks[label] = peak_bytes(torch.device("cpu"))
-    times: dict[str, list[float]] = {label: [] for label in arms}
-    for _ in range(args.rounds):
-        for label, arm in arms.items():
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                arm.step(chunks)
-                times[label].append(time.perf_counter() - start)
-    reference = statistics.median(times["non-private lora"])
+    results = compare(arms, chunks, "non-private lora", args.steps, args.rounds)
     result = {
         "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
         "seq_len": args.seq_len, "rank": args.rank, "sparsity": args.sparsity, "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
         "noised_coordinates": reports["noised_coordinates"],
         "noised_coordinates_without_masks": reports["noised_coordinates_without_masks"],
-        "arms": {label: {"median_step_s": statistics.median(t), "time_ratio": statistics.median(t) / reference,
-                         "peak_bytes": peaks[label], "memory_ratio": peaks[label] / peaks["non-private lora"]}
-                 for label, t in times.items()},
+        "arms": results,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{args.model} T={args.seq_len} rank {args.rank} p={args.sparsity}: noised coordinates "
           f"{result['noised_coordinates']:,} (unmasked LoRA {result['noised_coordinates_without_masks']:,})")
-    for label, arm in result["arms"].items():
-        print(f"  {label:<24} {arm['median_step_s']:.3f} s/step  {arm['time_ratio']:.3f}x time  "
-              f"{arm['memory_ratio']:.3f}x memory")
+    print_arms(results)
     return result
 
 
