@@ -87,6 +87,14 @@ def has_private_adapter(directory: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS_NAME))
 
 
+def private_adapter_names(directory: str | os.PathLike) -> set[str]:
+    """The tensor names a private adapter holds (empty when there is none): what an earlier run trained."""
+    if not has_private_adapter(directory):
+        return set()
+    with safe_open(os.path.join(directory, ADAPTER_WEIGHTS_NAME), framework="pt") as f:
+        return set(f.keys())
+
+
 #: set on a module whose parameters a method added for training only (RGP's gradient carriers): they are not part of
 #: the released model, so a fresh base model does not have them
 AUXILIARY_MARKER = "hf_private_auxiliary"

@@ -22,6 +22,7 @@ from .adapters import (
     auxiliary_parameter_names,
     has_private_adapter,
     load_adapter_weights,
+    private_adapter_names,
     withhold_local_base_path,
 )
 from .artifacts import check_release_settings, has_trainer_weights
@@ -372,6 +373,8 @@ class PrivateTrainer(Trainer):
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
             self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
             self.dp_method.load_state_dict(load_method_state(checkpoint))
+            # what the earlier run trained stays in every adapter saved from here on (a selection made before, say)
+            self.trained_parameter_names |= private_adapter_names(checkpoint)
             resume_from_checkpoint = checkpoint
         allowed = self.plan.max_training_steps(self.ledger.mechanisms)
         self._step_limit = None if allowed is None else self.training_steps() + allowed

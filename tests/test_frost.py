@@ -16,6 +16,7 @@ from huggingface_hub import ModelCard
 from transformers import DataCollatorForLanguageModeling
 
 from hf_private import FrostConfig, PrivateTrainer
+from hf_private.adapters import private_adapter_names
 from hf_private.methods import MethodConfig
 from hf_private.methods.frost.method import SELECTION_STAGE
 from hf_private.methods.frost.partitions import model_partitions
@@ -232,3 +233,15 @@ def test_causal_lms_select_and_train(tmp_path, factory):
     trainer.train()
     selected = trainer.privacy_report()["method_details"]["selected_partitions"]
     assert selected and _changed(before, model) == trainer.trained_parameter_names  # no head: the selection alone
+
+
+def test_a_resume_with_the_budget_spent_still_saves_the_selection(tmp_path):
+    dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0)
+    first = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=3, save_strategy="steps",
+                     save_steps=3)
+    first.train()
+    second = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=3)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))  # no step left: nothing trains
+    assert second.trained_parameter_names == first.trained_parameter_names
+    second.save_model(str(tmp_path / "final"))
+    assert private_adapter_names(tmp_path / "final") == first.trained_parameter_names
