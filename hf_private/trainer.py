@@ -159,6 +159,11 @@ class PrivateTrainer(Trainer):
                              + _SUPPORTED_PARALLELISM)
 
     def _log_plan(self) -> None:
+        if not self.plan.has_guarantee:
+            logger.warning("Training plan WITHOUT a privacy guarantee (%s): N=%d examples, q=%.5g, %d steps. %s",
+                           self.mechanism_name, self.dataset_size, self.sample_rate, self.planned_steps,
+                           self.plan.guarantee[1])
+            return
         target = self.dp_config.target_epsilon
         logger.info(
             "Private training plan (%s): N=%d examples, sampling rate q=%.5g (expected logical batch %d), %d steps, "
