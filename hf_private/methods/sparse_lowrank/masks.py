@@ -38,6 +38,7 @@ class MaskedFactor:
     param: nn.Parameter
     dim: int
     mask: torch.Tensor
+    keep_values: bool = True  # restore masked values after the step (False: RGP's carriers, recomputed anyway)
     _saved: torch.Tensor | None = field(default=None, repr=False)
 
     def coordinate_mask(self) -> torch.Tensor:
@@ -55,7 +56,8 @@ class MaskedFactor:
     def mask_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The noisy gradient with masked coordinates zero; remembers their values for `restore`."""
         where = self.coordinate_mask().expand_as(self.param)
-        self._saved = self.param.detach()[where].clone()
+        if self.keep_values:
+            self._saved = self.param.detach()[where].clone()
         return grad.masked_fill(where, 0.0)
 
     def restore(self) -> None:

@@ -24,7 +24,6 @@ from torch import nn
 
 from ...adapters import AUXILIARY_MARKER, is_peft_model
 from ...engine import PerExampleGradientEngine
-from ...logs import get_logger
 from ...optimizer import NoisyOptimizer
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..bitfit.model import head_parameter_names
@@ -32,8 +31,6 @@ from ..lora.method import apply_lora
 from . import rgp
 from .config import SparseLowRankConfig
 from .masks import MaskedFactor, unit_masks
-
-logger = get_logger(__name__)
 
 # Seed 003 §4.8: B 2000, 20 epochs, lr 1e-3, C = 10 (δ = 1e-5 in the paper; the recipe keeps 1/(2N), smaller here).
 _PAPER_TASKS = ("sst2", "qnli")
@@ -95,7 +92,8 @@ class SparseLowRankMethod(DPMethod):
             layer.left.weight.requires_grad_(True)
             layer.right.weight.requires_grad_(True)
             rows, cols = unit_masks(layer.weight_out_in(), sparsity)
-            self.factors += [MaskedFactor(layer.left.weight, 0, rows), MaskedFactor(layer.right.weight, 1, cols)]
+            self.factors += [MaskedFactor(layer.left.weight, 0, rows, keep_values=False),
+                             MaskedFactor(layer.right.weight, 1, cols, keep_values=False)]
         self._count_other_trainable(model)
 
     def _count_other_trainable(self, model: nn.Module) -> None:
@@ -145,8 +143,6 @@ class SparseLowRankMethod(DPMethod):
             if self.config.resolved_mask_source == "current":
                 rows, cols = unit_masks(layer.weight_out_in(), sparsity)
                 self.factors[2 * index].mask, self.factors[2 * index + 1].mask = rows, cols
-            for factor in self.factors[2 * index: 2 * index + 2]:
-                factor._saved = None  # carriers are recomputed, not restored
 
     # ------------------------------------------------------------------ what trains, report
     def trained_parameter_names(self, model: nn.Module) -> set[str]:
