@@ -3,6 +3,8 @@ hits every arm alike), with each arm's peak memory of one steady step; shared by
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from typing import Any, Protocol
@@ -10,10 +12,47 @@ from typing import Any, Protocol
 import torch
 
 from benchmarks.memory import peak_bytes, reset_peak
+from benchmarks.speed import CLIP, SIGMA, per_example_loss
+from hf_private.engine import PerExampleGradientEngine
+from hf_private.optimizer import NoisyOptimizer
+from hf_private.privacy import PrivacyPlan
+from hf_private.privacy.noise import GaussianNoise
 
 
 class Arm(Protocol):
     def step(self, chunks: list[dict[str, torch.Tensor]]) -> None: ...
+
+
+class PrivateArm:
+    """hf_private's engine and noisy optimizer (σ = SIGMA, C = CLIP) with `method`'s hooks attached: its forward
+    mechanisms (given a plan), term transforms and gradient transforms, as PrivateTrainer attaches them."""
+
+    def __init__(self, model, method, batch_size: int, plan: PrivacyPlan | None = None) -> None:
+        self.model, self.batch_size = model, batch_size
+        device = torch.device("cpu")
+        if plan is not None:
+            method.attach_forward_mechanisms(model, GaussianNoise(device), plan)
+        self.engine = PerExampleGradientEngine(model, CLIP)
+        self.engine.attach()
+        method.attach_engine(self.engine)
+        inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
+        self.optimizer = NoisyOptimizer(inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                        expected_batch_size=batch_size, noise=GaussianNoise(device),
+                                        may_step=lambda: True, on_step=lambda: None)
+        method.attach_optimizer(self.optimizer)
+
+    def step(self, chunks) -> None:
+        for batch in chunks:
+            with self.engine.recording(self.batch_size):
+                per_example_loss(self.model, batch).sum().backward()
+            self.engine.finish_backward()
+        self.optimizer.step()
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def compare(arms: dict[str, Arm], chunks: list[dict[str, torch.Tensor]], reference: str, steps: int,

@@ -12,18 +12,13 @@ process.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
-from benchmarks.alternating import compare, print_arms
-from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks, per_example_loss
+from benchmarks.alternating import PrivateArm, compare, print_arms, write_result
+from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks
 from hf_private import DPFPConfig
-from hf_private.engine import PerExampleGradientEngine
-from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import PrivacyPlan
-from hf_private.privacy.noise import GaussianNoise
 
 
 def build(model_name: str) -> tuple[torch.nn.Module, object]:
@@ -37,29 +32,6 @@ def build(model_name: str) -> tuple[torch.nn.Module, object]:
     method.prepare_model(model)
     return model.train(), method
 
-
-class SoundDPFP:
-    """Forward mechanism at the noise point, the engine on the head, the noisy optimizer."""
-
-    def __init__(self, model, method, batch_size: int, steps: int) -> None:
-        self.model, self.batch_size = model, batch_size
-        device = torch.device("cpu")
-        plan = PrivacyPlan(100_000, batch_size, steps=steps, noise_multiplier=SIGMA, name=method.name,
-                           stages=method.stages())
-        method.attach_forward_mechanisms(model, GaussianNoise(device), plan)
-        self.engine = PerExampleGradientEngine(model, CLIP)
-        self.engine.attach()
-        inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
-        self.optimizer = NoisyOptimizer(inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                        expected_batch_size=batch_size, noise=GaussianNoise(device),
-                                        may_step=lambda: True, on_step=lambda: None)
-
-    def step(self, chunks) -> None:
-        for batch in chunks:
-            with self.engine.recording(self.batch_size):
-                per_example_loss(self.model, batch).sum().backward()
-            self.engine.finish_backward()
-        self.optimizer.step()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -76,7 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, method = build(args.model)
     arms = {"non-private head": NonPrivate(model, args.batch_size)}
     model, method = build(args.model)
-    arms["hf_private dp-fp sound"] = SoundDPFP(model, method, args.batch_size, 1000)
+    plan = PrivacyPlan(100_000, args.batch_size, steps=1000, noise_multiplier=SIGMA, name=method.name,
+                       stages=method.stages())
+    arms["hf_private dp-fp sound"] = PrivateArm(model, method, args.batch_size, plan)
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
     results = compare(arms, chunks, "non-private head", args.steps, args.rounds)
     result = {
@@ -85,9 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
         "arms": results,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, result)
     print(f"{args.model} T={args.seq_len}, {args.batch_size}x{args.grad_accum} per step, trainable "
           f"{result['trainable']}")
     print_arms(results)

@@ -11,17 +11,12 @@ each arm's VmHWM of one step after a reset, in this process (a lower bound on a 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
-from benchmarks.alternating import compare, print_arms
-from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks, per_example_loss
+from benchmarks.alternating import PrivateArm, compare, print_arms, write_result
+from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks
 from hf_private import DPLoRAConfig, SparseLowRankConfig
-from hf_private.engine import PerExampleGradientEngine
-from hf_private.optimizer import NoisyOptimizer
-from hf_private.privacy.noise import GaussianNoise
 
 
 def build(model_name: str, config) -> tuple[torch.nn.Module, object]:
@@ -36,27 +31,6 @@ def build(model_name: str, config) -> tuple[torch.nn.Module, object]:
     method.prepare_model(model)
     return model.train(), method
 
-
-class PrivateArm:
-    """hf_private's engine and noisy optimizer with the method's term and gradient transforms attached."""
-
-    def __init__(self, model, method, batch_size: int) -> None:
-        self.model, self.batch_size = model, batch_size
-        self.engine = PerExampleGradientEngine(model, CLIP)
-        self.engine.attach()
-        method.attach_engine(self.engine)
-        inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
-        self.optimizer = NoisyOptimizer(inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                        expected_batch_size=batch_size, noise=GaussianNoise(torch.device("cpu")),
-                                        may_step=lambda: True, on_step=lambda: None)
-        method.attach_optimizer(self.optimizer)
-
-    def step(self, chunks) -> None:
-        for batch in chunks:
-            with self.engine.recording(self.batch_size):
-                per_example_loss(self.model, batch).sum().backward()
-            self.engine.finish_backward()
-        self.optimizer.step()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,9 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         "noised_coordinates_without_masks": reports["noised_coordinates_without_masks"],
         "arms": results,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, result)
     print(f"{args.model} T={args.seq_len} rank {args.rank} p={args.sparsity}: noised coordinates "
           f"{result['noised_coordinates']:,} (unmasked LoRA {result['noised_coordinates_without_masks']:,})")
     print_arms(results)
