@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ from transformers import DataCollatorWithPadding, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_private import BitFitConfig, DPConfig, PrivateTrainer, card_facts, checkpoints  # noqa: E402
+from hf_private import BitFitConfig, DPConfig, FrostConfig, PrivateTrainer, card_facts, checkpoints  # noqa: E402
+from hf_private.method_run import MethodRun  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests import tiny  # noqa: E402
@@ -39,6 +41,8 @@ def build(method: str):
     model = tiny.roberta()
     if method == "lora":
         return get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0)), DPConfig
+    if method == "frost":  # the selection's sample is sharded over the ranks and its magnitudes summed
+        return model, partial(FrostConfig, unfreeze_ratio=0.3, selection_sample_rate=0.25)
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
@@ -54,6 +58,7 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     )
     calls = {"card": 0, "ledger": 0, "model": 0}
     _count_calls(calls, model)
+    releases = _record_releases()
     if case == "update":
         GaussianNoise.add_ = lambda self, tensors, std: None  # test only: compare the deterministic part
     per_example_loss = _zero_loss if case == "noise" else None
@@ -68,9 +73,21 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     torch.save(
         {"before": before, "after": _trainable(trainer), "report": trainer.privacy_report(), "calls": calls,
          "world_size": trainer.args.world_size, "wrapped": type(trainer.model_wrapped).__name__,
-         "global_step": trainer.state.global_step},
+         "global_step": trainer.state.global_step, "releases": releases},
         out / f"rank{trainer.args.process_index}.pt",
     )
+
+
+def _record_releases() -> list[torch.Tensor]:
+    """Every vector a method releases through MethodRun (DP-FROST's selection rounds), as the method receives it."""
+    releases, release = [], MethodRun.release
+
+    def recorded(self, *a, **kw):
+        releases.append(release(self, *a, **kw).clone())
+        return releases[-1]
+
+    MethodRun.release = recorded
+    return releases
 
 
 def _trainable(trainer: PrivateTrainer) -> dict[str, torch.Tensor]:
@@ -115,7 +132,7 @@ def _count_calls(calls: dict[str, int], model) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--method", choices=["full", "lora", "bitfit"], required=True)
+    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost"], required=True)
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()

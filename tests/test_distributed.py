@@ -20,7 +20,7 @@ from tests import tiny
 from tests.helpers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["full", "lora", "bitfit"]
+METHODS = ["full", "lora", "bitfit", "frost"]
 
 
 def _launch(method: str, case: str, out: Path) -> list[dict]:
@@ -39,11 +39,11 @@ def update_runs(request, tmp_path_factory):
     method = request.param
     ranks = _launch(method, "update", tmp_path_factory.mktemp(f"{method}-2proc"))
     single_dir = tmp_path_factory.mktemp(f"{method}-1proc")
-    add_noise = worker.GaussianNoise.add_
+    add_noise, release = worker.GaussianNoise.add_, worker.MethodRun.release
     try:
         worker.run(method, "update", single_dir, world_size=1)
     finally:
-        worker.GaussianNoise.add_ = add_noise
+        worker.GaussianNoise.add_, worker.MethodRun.release = add_noise, release
     return method, ranks, torch.load(single_dir / "rank0.pt", weights_only=False)
 
 
@@ -58,12 +58,18 @@ def test_ranks_hold_identical_parameters(update_runs):
 
 def test_two_processes_update_like_one(update_runs):
     """Same logical batches (test-mode sampling), no noise: the clipped sums are reduced, not averaged or lost."""
-    _, (rank0, _), single = update_runs
+    method, (rank0, rank1), single = update_runs
     assert single["world_size"] == 1 and rank0["global_step"] == single["global_step"] == 3
     difference = sum((rank0["after"][n] - single["after"][n]).pow(2).sum() for n in single["after"]).sqrt()
     update = sum((single["after"][n] - single["before"][n]).pow(2).sum() for n in single["after"]).sqrt()
     assert update > 0
     assert (difference / update).item() <= 1e-6
+    # A method's own releases (DP-FROST's 5 selection rounds, noise off): each rank measures its shard of the Poisson
+    # sample and the release is their sum, the one-process release (a missing all-reduce would halve it).
+    assert len(rank0["releases"]) == len(single["releases"]) == (5 if method == "frost" else 0)
+    for mine, theirs, reference in zip(rank0["releases"], rank1["releases"], single["releases"]):
+        assert torch.equal(mine, theirs) and reference.abs().sum() > 0
+        torch.testing.assert_close(mine, reference, rtol=1e-9, atol=0)
 
 
 def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
