@@ -25,7 +25,15 @@ from transformers import DataCollatorWithPadding, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_private import BitFitConfig, DPConfig, FrostConfig, PrivateTrainer, card_facts, checkpoints  # noqa: E402
+from hf_private import (  # noqa: E402
+    BitFitConfig,
+    DPConfig,
+    FrostConfig,
+    PrivateTrainer,
+    SparseLowRankConfig,
+    card_facts,
+    checkpoints,
+)
 from hf_private.method_run import MethodRun  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
@@ -43,13 +51,17 @@ def build(method: str):
         return get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0)), DPConfig
     if method == "frost":  # the selection's sample is sharded over the ranks and its magnitudes summed
         return model, partial(FrostConfig, unfreeze_ratio=0.3, selection_sample_rate=0.25)
+    if method in ("rgp", "rgp-entropy"):  # every rank must compute the same carriers from the same weights
+        return model, partial(SparseLowRankConfig, variant="rgp", rank=2, sparsity=0.25)
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
 def run(method: str, case: str, out: Path, world_size: int) -> None:
     model, config_class = build(method)
     model.double()  # the comparison with one process is at 1e-6: keep summation-order error far below it
-    dp = config_class(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=11)
+    # rgp-entropy: no test seed, so the carriers' seed comes from OS entropy on rank 0 and must be broadcast
+    dp = config_class(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP,
+                      noise_seed=None if method == "rgp-entropy" else 11)
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
         gradient_accumulation_steps=GRAD_ACCUM, max_steps=3 if case == "update" else 1, optim="sgd",
@@ -132,7 +144,7 @@ def _count_calls(calls: dict[str, int], model) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost"], required=True)
+    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy"], required=True)
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()

@@ -20,7 +20,9 @@ from tests import tiny
 from tests.helpers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["full", "lora", "bitfit", "frost"]
+METHODS = ["full", "lora", "bitfit", "frost", "rgp"]
+# RGP's update is a projection of the released noise onto its carriers, not the noise itself (test_sparse_lowrank.py)
+NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
 
 def _launch(method: str, case: str, out: Path) -> list[dict]:
@@ -86,7 +88,16 @@ def test_card_ledger_and_weights_written_once(update_runs):
     assert rank1["calls"] == {"card": 0, "ledger": 0, "model": 0}
 
 
-@pytest.mark.parametrize("method", METHODS)
+def test_rgp_carriers_agree_on_every_rank_without_a_test_seed(tmp_path):
+    """The carriers' start vectors come from OS entropy drawn on rank 0 and broadcast: without the broadcast each rank
+    would project the (identical) released gradients onto different carriers and the weights would drift apart."""
+    rank0, rank1 = _launch("rgp-entropy", "update", tmp_path)
+    assert rank0["wrapped"] == "DistributedDataParallel"
+    moved = [n for n in rank0["after"] if not torch.equal(rank0["after"][n], rank0["before"][n])]
+    assert moved and all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+
+
+@pytest.mark.parametrize("method", NOISE_IS_THE_UPDATE)
 def test_noise_is_added_exactly_once(method, tmp_path):
     """Zero loss: the update is the noise alone, so (update·qN)² averages σ²C² — not 2σ²C² (noise on every rank)
     and not 0 (no noise). Tolerance: 5 standard errors of a mean of squared standard normals."""

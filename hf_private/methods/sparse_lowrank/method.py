@@ -35,6 +35,7 @@ from .masks import MaskedFactor, unit_masks
 # Seed 003 §4.8: B 2000, 20 epochs, lr 1e-3, C = 10 (δ = 1e-5 in the paper; the recipe keeps 1/(2N), smaller here).
 _PAPER_TASKS = ("sst2", "qnli")
 _PAPER = "seed 003 §4.8 and Table 1 (methods_spec §4.8)"
+_TEST_CARRIER_OFFSET = 49979687  # test mode: the carriers' stream apart from the noise's and the sampler's
 # Transformer blocks: RGP's default targets are the Linear/Conv1D layers inside them.
 _BLOCK = re.compile(r"\.(layer|layers|h|block|blocks)\.\d+\.")
 
@@ -86,7 +87,7 @@ class SparseLowRankMethod(DPMethod):
         for name, param in model.named_parameters():
             if name in self.head:
                 param.requires_grad_(True)
-        self._generator = _carrier_generator()
+        self._generator = _carrier_generator(self.config.noise_seed)
         for layer in self.rgp_layers.values():
             rgp.set_carriers(layer, self._generator)
             layer.left.weight.requires_grad_(True)
@@ -199,10 +200,12 @@ def _rgp_targets(model: nn.Module, target_modules: str | None) -> list[str]:
     return chosen
 
 
-def _carrier_generator() -> torch.Generator:
+def _carrier_generator(test_seed: int | None) -> torch.Generator:
     """The power iteration's start vectors: not privacy-relevant, but not the secret noise stream either; seeded once
-    from OS entropy (the same seed on every process, so carriers agree), never reseeded per step."""
-    seed = torch.tensor(int.from_bytes(os.urandom(7), "little"), dtype=torch.int64)
+    from OS entropy (broadcast from rank 0, so every process computes the same carriers), never reseeded per step.
+    In test mode (`noise_seed` set, the whole run reproducible) from that seed instead."""
+    entropy = int.from_bytes(os.urandom(7), "little") if test_seed is None else test_seed + _TEST_CARRIER_OFFSET
+    seed = torch.tensor(entropy, dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
         dist.broadcast(seed, src=0)
     return torch.Generator().manual_seed(int(seed))
