@@ -421,7 +421,11 @@ class PrivateTrainer(Trainer):
         elif "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
             logs["epsilon"] = self.ledger.epsilon()
         elif "loss" in logs:  # every logging step: an upper bound a few steps ahead (exact ε costs ~0.1 s)
-            logs["epsilon"] = self.ledger.epsilon_upper_bound(max_steps=self._step_limit)
+            # the look-ahead stops at the budget's step limit, counted in releases like the ledger (a method's own
+            # releases, DP-FROST's selection rounds, are in the ledger but are not training steps)
+            limit = None if self._step_limit is None else (
+                self._step_limit + self.ledger.total_steps - self.training_steps())
+            logs["epsilon"] = self.ledger.epsilon_upper_bound(max_steps=limit)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:

@@ -245,3 +245,12 @@ def test_a_resume_with_the_budget_spent_still_saves_the_selection(tmp_path):
     assert second.trained_parameter_names == first.trained_parameter_names
     second.save_model(str(tmp_path / "final"))
     assert private_adapter_names(tmp_path / "final") == first.trained_parameter_names
+
+
+def test_the_logged_epsilon_never_passes_the_target(tmp_path):
+    """The per-step ε is a look-ahead bound capped at the budget's end, counted in releases (selection included)."""
+    dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0)
+    trainer = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=12)
+    trainer.train()
+    logged = [entry["epsilon"] for entry in trainer.state.log_history if "epsilon" in entry]
+    assert len(logged) >= 12 and max(logged) <= 4.0 + 1e-9
