@@ -449,7 +449,6 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         getattr(model, "get_base_model", lambda: model)().accepts_loss_kwargs = False
         trainer = Trainer(model=model, **common)
     trainer.remove_callback(PrinterCallback)  # with Trainer's bar off it prints every logged loss; ours shows them
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.model.parameters())
     reset_peak(device)
     rss_before = peak_bytes(device)
@@ -462,6 +461,10 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     eval_seconds = time.time() - t1
     peak = peak_bytes(device)
     cpu_seconds = _cpu_seconds() - cpu_before
+    params = dict(trainer.model.named_parameters())
+    trained = getattr(trainer, "trained_parameter_names", None)  # DP: what training changed (DP-FROST: the selection)
+    trainable = (sum(params[n].numel() for n in trained) if trained is not None
+                 else sum(p.numel() for p in params.values() if p.requires_grad))
     record: dict[str, Any] = {
         "run_id": spec.run_id, "method": spec.method, "label": method.label, "private": private,
         "epsilon_target": spec.epsilon, "eval_split": f"train-holdout-{spec.holdout}" if spec.holdout else "dev",
