@@ -261,12 +261,9 @@ def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = _INS
         unique_keys, row_sums = _index_row_sums(terms[0])
         out = row_sums.new_zeros(terms[0].batch_size)
         return out.index_add_(0, unique_keys // terms[0].num_rows, row_sums.abs().sum(1))
-    batch = terms[0].batch_size
-    step = max(1, block_elements // max(max(_numel_per_example(t) for t in terms), 1))
-    out = torch.zeros(batch, dtype=dtype, device=next(vars_tensors(terms)).device)
-    for start in range(0, batch, step):
-        block = [select_examples(t, start, start + step) for t in terms]
-        out[start : start + step] = sum(instantiate(t).flatten(1) for t in block).abs().sum(1)
+    out = torch.zeros(terms[0].batch_size, dtype=dtype, device=next(vars_tensors(terms)).device)
+    for start, dense in _instantiated_blocks(terms, block_elements):
+        out[start : start + dense.shape[0]] = dense.abs().sum(1)
     return out
 
 
@@ -294,13 +291,18 @@ def clipped_abs_sum(terms: list, factors: torch.Tensor, shape: torch.Size, dtype
         scaled = row_sums.abs() * factors[unique_keys // term.num_rows].unsqueeze(1)
         out.view(term.num_rows, -1).index_add_(0, unique_keys % term.num_rows, scaled)
         return out
-    batch = terms[0].batch_size
-    step = max(1, block_elements // max(max(_numel_per_example(t) for t in terms), 1))
-    for start in range(0, batch, step):
-        block = [select_examples(t, start, start + step) for t in terms]
-        dense = sum(instantiate(t).reshape(block[0].batch_size, -1) for t in block)
-        flat.addmv_(dense.abs().t(), factors[start : start + step])
+    for start, dense in _instantiated_blocks(terms, block_elements):
+        flat.addmv_(dense.abs().t(), factors[start : start + dense.shape[0]])
     return out
+
+
+def _instantiated_blocks(terms: list, block_elements: int):
+    """(first example, [examples, values]) blocks of Σ_i g_b^i instantiated, about `block_elements` values each (at
+    least one example)."""
+    step = max(1, block_elements // max(max(_numel_per_example(t) for t in terms), 1))
+    for start in range(0, terms[0].batch_size, step):
+        block = [select_examples(t, start, start + step) for t in terms]
+        yield start, sum(instantiate(t).reshape(block[0].batch_size, -1) for t in block)
 
 
 def vars_tensors(terms: list):
