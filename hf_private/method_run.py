@@ -9,6 +9,7 @@ before the method sees it. A method only chooses what to measure and what to do 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from .engine import PerExampleGradientEngine
 from .engine.reducers import Reducer
-from .optimizer import all_reduce_sum
+from .optimizer import noise_once_then_sum
 from .privacy import GaussianNoise
 from .privacy.plan import PrivacyPlan
 from .sampling import PoissonBatchSampler, sampling_random
@@ -89,13 +90,10 @@ class MethodRun:
         `sensitivity` is the L2 sensitivity of `values` under add/remove of one example (the reducer's). The σ is the
         plan's for `stage`: a method cannot pick its own.
         """
-        if not (sensitivity > 0 and torch.isfinite(torch.tensor(float(sensitivity)))):
+        if not (sensitivity > 0 and math.isfinite(sensitivity)):
             raise ValueError(f"The sensitivity of a release must be finite and > 0, got {sensitivity}.")
         noisy = values.detach().to(dtype=torch.promote_types(values.dtype, torch.float32), copy=True)
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not distributed or torch.distributed.get_rank() == 0:  # exactly once, before the sum over processes
-            self._noise.add_([noisy], self.plan[stage].noise_multiplier * float(sensitivity))
-        if distributed:
-            all_reduce_sum([noisy])
+        std = self.plan[stage].noise_multiplier * float(sensitivity)
+        noise_once_then_sum([noisy], lambda tensors: self._noise.add_(tensors, std))
         self._trainer.record_release(stage)
         return noisy

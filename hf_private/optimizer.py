@@ -54,6 +54,18 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
             size += tensor.numel() * tensor.element_size()
 
 
+def noise_once_then_sum(tensors: list[torch.Tensor], add_noise: Callable[[list[torch.Tensor]], None],
+                        all_reduce: Callable[[list[torch.Tensor]], None] = all_reduce_sum) -> None:
+    """`add_noise` on exactly one process (rank 0, before the reduction), then the sum over processes: the result is
+    Σ of every process's part plus one noise draw, never one per process. The DP-SGD step and a method's own releases
+    (`MethodRun.release`) both go through here."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed or dist.get_rank() == 0:
+        add_noise(tensors)
+    if distributed:
+        all_reduce(tensors)
+
+
 class NoisyOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer; proxies its state so LR schedulers, checkpoints and Accelerate see the real one."""
 
@@ -162,11 +174,7 @@ class NoisyOptimizer(torch.optim.Optimizer):
             return None
         params = [p for _, p in self.engine.parameters]
         totals = self.clipped_sums(params)
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not distributed or dist.get_rank() == 0:  # exactly once, before the reduction
-            self.add_noise(totals)
-        if distributed:
-            self.all_reduce(totals)
+        noise_once_then_sum(totals, self.add_noise, self.all_reduce)
         self.to_gradients(params, totals)
         self.transform_gradients(params)
         for hook in list(self._pre_step_hooks.values()):
