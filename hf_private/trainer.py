@@ -30,6 +30,7 @@ from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
 from .engine import PerExampleGradientEngine
+from .engine.core import trainable_parameters
 from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
 from .example_rows import rows_per_example
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics
@@ -225,9 +226,9 @@ class PrivateTrainer(Trainer):
         """At the start of a logical batch: the method's own releases and re-selection (`DPMethod.before_step`)."""
         if not self._may_step():
             return
-        before = _trainable_names(self.model)
+        before = [name for name, _ in trainable_parameters(self.model)]
         self.dp_method.before_step(self._method_run, self.training_steps())
-        if self._engine_suspended or _trainable_names(self.model) != before:
+        if self._engine_suspended or [name for name, _ in trainable_parameters(self.model)] != before:
             self._rebuild_engine()
 
     def suspend_training_engine(self) -> None:
@@ -525,17 +526,17 @@ class PrivateTrainer(Trainer):
 
     def _trained_fraction(self) -> float:
         """Share of the model's values trained in any phase (what a saved adapter holds)."""
-        auxiliary = auxiliary_parameter_names(self.model)
-        params = {n: p for n, p in self.model.named_parameters() if n not in auxiliary}
-        trained = sum(params[n].numel() for n in self.trained_parameter_names if n in params)
-        return trained / sum(p.numel() for p in params.values())
+        return self._share_of_model(self.trained_parameter_names)
 
     def _trainable_fraction(self) -> float:
         """Share of the model's values the current stage trains."""
+        return round(self._share_of_model(self.dp_method.trained_parameter_names(self.model)), 6)
+
+    def _share_of_model(self, names: set[str]) -> float:
+        """Values of the named tensors over the model's (training scaffolding, `auxiliary_parameter_names`, aside)."""
         auxiliary = auxiliary_parameter_names(self.model)
         params = {n: p for n, p in self.model.named_parameters() if n not in auxiliary}
-        trainable = sum(params[n].numel() for n in self.dp_method.trained_parameter_names(self.model))
-        return round(trainable / sum(p.numel() for p in params.values()), 6)
+        return sum(params[n].numel() for n in names if n in params) / sum(p.numel() for p in params.values())
 
     # ------------------------------------------------------------------ saving and the card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -638,10 +639,6 @@ class _LogicalBatchBoundaries(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.trainer._may_step():
             self.trainer._stop_for_budget()
-
-
-def _trainable_names(model: nn.Module) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _check_model(model: nn.Module) -> None:

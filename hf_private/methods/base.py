@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..method_run import MethodRun
 
 from ..engine import PerExampleGradientEngine
+from ..engine.core import trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
@@ -197,7 +198,7 @@ class DPMethod:
     def trained_parameter_names(self, model: nn.Module) -> set[str]:
         """The tensors the current trainable set actually trains (what a saved adapter must hold): the trainable ones
         by default. A method whose trainable set is a candidate set until a data-dependent selection says otherwise."""
-        return {name for name, p in model.named_parameters() if p.requires_grad}
+        return {name for name, _ in trainable_parameters(model)}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold for a resumed run to go on exactly (DP-FROST: the selections made, which were
