@@ -29,8 +29,7 @@ from .artifacts import check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
-from .engine import PerExampleGradientEngine
-from .engine.core import trainable_parameters
+from .engine import PerExampleGradientEngine, trainable_parameters
 from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
 from .example_rows import rows_per_example
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics

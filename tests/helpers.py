@@ -39,3 +39,13 @@ def eval_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(**batch).logits
+
+
+def trainable_partitions(model) -> list[list[torch.nn.Parameter]]:
+    """DP-FROST's partitions (`methods.frost.partitions.model_partitions`) as the magnitude reducer takes them: the
+    trainable parameters of each, partitions without any dropped."""
+    from hf_private.methods.frost.partitions import model_partitions
+
+    params = dict(model.named_parameters())
+    groups = [[params[n] for n in p.parameter_names if params[n].requires_grad] for p in model_partitions(model)]
+    return [group for group in groups if group]

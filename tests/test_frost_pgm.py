@@ -14,9 +14,10 @@ import itertools
 import pytest
 import torch
 
-from hf_private.engine import PartitionMagnitudeReducer, PerExampleGradientEngine, partitions_by_module
+from hf_private.engine import PartitionMagnitudeReducer, PerExampleGradientEngine
 from hf_private.engine.terms import IndexTerm, OuterTerm, SampleTerm, clipped_abs_sum, instantiate
 from tests import tiny
+from tests.helpers import trainable_partitions
 from tests.test_engine_oracle import BATCH, _batch, _loss
 
 VARIANTS = list(itertools.product(["mg", "mgn", "mgna"], [1, 2]))
@@ -74,8 +75,8 @@ def _reference_gradients() -> tuple[list[dict[str, torch.Tensor]], dict[str, dic
 
 
 def _partitions(model, subset: bool):
-    """All of S (partitions_by_module), or a later PSEL round: every third partition already selected."""
-    partitions = partitions_by_module(model)
+    """All of S (every module with its own parameters), or a later PSEL round: every third one already selected."""
+    partitions = trainable_partitions(model)
     return [g for i, g in enumerate(partitions) if i % 3] if subset else partitions
 
 

@@ -12,13 +12,13 @@ from hf_private.engine import (
     FlatL2ClipReducer,
     PartitionMagnitudeReducer,
     PerExampleGradientEngine,
-    partitions_by_module,
     terms,
 )
 from hf_private.engine.terms import IndexTerm, OuterTerm, SampleTerm, instantiate, zero_columns, zero_rows
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from tests import tiny
+from tests.helpers import trainable_partitions
 from tests.test_engine_oracle import BATCH, _batch, _lora, _loss
 
 
@@ -92,7 +92,7 @@ def test_partition_magnitudes_match_fp64_per_example_loop(name, order):
     model, batch = _model(name)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = _per_example_grads(model, batch, params)
-    partitions = partitions_by_module(model)
+    partitions = trainable_partitions(model)
     assert sum(len(g) for g in partitions) == len(params), "every trainable tensor in exactly one partition"
     # A later PSEL round: a third of the partitions already selected, so outside both the norm and the sum.
     remaining = [g for i, g in enumerate(partitions) if i % 3]
@@ -117,7 +117,7 @@ def test_partition_magnitude_reducer_releases_nothing_to_the_optimizer():
     model, batch = _model("bert")
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
-    engine.reducer = PartitionMagnitudeReducer(partitions_by_module(model), 1e-3)
+    engine.reducer = PartitionMagnitudeReducer(trainable_partitions(model), 1e-3)
     next(_two_chunks(engine, model, batch))
     with pytest.raises(TypeError, match="no clipped gradient"):
         engine.pop_clipped_sums()
@@ -136,7 +136,7 @@ def test_partition_magnitudes_drop_a_non_finite_example():
     batch = {**_batch(False), "labels": torch.linspace(-1.0, 1.0, BATCH, dtype=torch.float64)}
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
-    engine.reducer = PartitionMagnitudeReducer(partitions_by_module(model), 1e-3)
+    engine.reducer = PartitionMagnitudeReducer(trainable_partitions(model), 1e-3)
     results = []
     for poisoned in (False, True):
         labels = batch["labels"].clone()

@@ -2,8 +2,8 @@
 
 from .core import PerExampleGradientEngine, trainable_parameters
 from .layers import UnsupportedLayerError, register_layer, supported_layer_names
-from .reducers import ChunkTerms, FlatL2ClipReducer, PartitionMagnitudeReducer, Reducer, partitions_by_module
+from .reducers import ChunkTerms, FlatL2ClipReducer, PartitionMagnitudeReducer, Reducer
 
 __all__ = ["ChunkTerms", "FlatL2ClipReducer", "PartitionMagnitudeReducer", "PerExampleGradientEngine", "Reducer",
-           "UnsupportedLayerError", "partitions_by_module", "register_layer", "supported_layer_names",
+           "UnsupportedLayerError", "register_layer", "supported_layer_names",
            "trainable_parameters"]

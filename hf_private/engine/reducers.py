@@ -283,21 +283,6 @@ class PartitionMagnitudeReducer(Reducer):
         self._recorded = False
 
 
-def partitions_by_module(model: nn.Module) -> list[list[nn.Parameter]]:
-    """DP-FROST's partitions (methods_spec §2.1): each module's own trainable parameters (a weight with its bias).
-
-    A tensor tied between two modules (input embedding and LM head) belongs to the first module that holds it.
-    """
-    seen: set[nn.Parameter] = set()
-    partitions = []
-    for module in model.modules():
-        group = [p for p in module._parameters.values() if p is not None and p.requires_grad and p not in seen]
-        if group:
-            seen.update(group)
-            partitions.append(group)
-    return partitions
-
-
 def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     widest = torch.float32
     for dtype in dtypes:

@@ -22,8 +22,7 @@ from torch.utils.hooks import RemovableHandle
 if TYPE_CHECKING:
     from ..method_run import MethodRun
 
-from ..engine import PerExampleGradientEngine
-from ..engine.core import trainable_parameters
+from ..engine import PerExampleGradientEngine, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
