@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from benchmarks.memory import peak_bytes, reset_peak
-from benchmarks.speed import CLIP, SIGMA, per_example_loss
+from benchmarks.speed import CLIP, MODELS, SIGMA, per_example_loss
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import PrivacyPlan
@@ -21,6 +21,19 @@ from hf_private.privacy.noise import GaussianNoise
 
 class Arm(Protocol):
     def step(self, chunks: list[dict[str, torch.Tensor]]) -> None: ...
+
+
+def build_with_method(model_name: str, config) -> tuple[torch.nn.Module, Any]:
+    """The seeded model (dropout off: identical work in every arm) wrapped and prepared by `config`'s method."""
+    torch.manual_seed(0)
+    base = MODELS[model_name]()
+    for module in base.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    method = config.build_method()
+    model = method.wrap_model(base)
+    method.prepare_model(model)
+    return model.train(), method
 
 
 class PrivateArm:

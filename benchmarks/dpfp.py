@@ -15,23 +15,10 @@ import argparse
 
 import torch
 
-from benchmarks.alternating import PrivateArm, compare, print_arms, write_result
-from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks
+from benchmarks.alternating import PrivateArm, build_with_method, compare, print_arms, write_result
+from benchmarks.speed import CLIP, SIGMA, NonPrivate, make_chunks
 from hf_private import DPFPConfig
 from hf_private.privacy import PrivacyPlan
-
-
-def build(model_name: str) -> tuple[torch.nn.Module, object]:
-    """The seeded model with DP-FP's sound-mode trainable set (the head above the noise point), dropout off."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    method = DPFPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP).build_method()
-    method.prepare_model(model)
-    return model.train(), method
-
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,9 +32,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="benchmarks/results/dpfp_cpu.json")
     args = parser.parse_args(argv)
 
-    model, method = build(args.model)
+    sound = DPFPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP)  # the head above the noise point trains
+    model, _ = build_with_method(args.model, sound)
     arms = {"non-private head": NonPrivate(model, args.batch_size)}
-    model, method = build(args.model)
+    model, method = build_with_method(args.model, sound)
     plan = PrivacyPlan(100_000, args.batch_size, steps=1000, noise_multiplier=SIGMA, name=method.name,
                        stages=method.stages())
     arms["hf_private dp-fp sound"] = PrivateArm(model, method, args.batch_size, plan)

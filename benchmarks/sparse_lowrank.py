@@ -14,23 +14,9 @@ import argparse
 
 import torch
 
-from benchmarks.alternating import PrivateArm, compare, print_arms, write_result
-from benchmarks.speed import CLIP, MODELS, SIGMA, NonPrivate, make_chunks
+from benchmarks.alternating import PrivateArm, build_with_method, compare, print_arms, write_result
+from benchmarks.speed import CLIP, SIGMA, NonPrivate, make_chunks
 from hf_private import DPLoRAConfig, SparseLowRankConfig
-
-
-def build(model_name: str, config) -> tuple[torch.nn.Module, object]:
-    """The seeded base model wrapped and prepared by `config`'s method, dropout off."""
-    torch.manual_seed(0)
-    base = MODELS[model_name]()
-    for module in base.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    method = config.build_method()
-    model = method.wrap_model(base)
-    method.prepare_model(model)
-    return model.train(), method
-
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -49,12 +35,12 @@ def main(argv: list[str] | None = None) -> dict:
     privacy = {"noise_multiplier": SIGMA, "max_grad_norm": CLIP}
     sparse = SparseLowRankConfig(**privacy, rank=args.rank, sparsity=args.sparsity, lora_alpha=16)
     plain = DPLoRAConfig(**privacy, lora_r=args.rank, lora_alpha=16)
-    arms, reports = {}, {}
-    model, _ = build(args.model, plain)
+    arms = {}
+    model, _ = build_with_method(args.model, plain)
     arms["non-private lora"] = NonPrivate(model, args.batch_size)
-    model, method = build(args.model, plain)
+    model, method = build_with_method(args.model, plain)
     arms["hf_private lora"] = PrivateArm(model, method, args.batch_size)
-    model, method = build(args.model, sparse)
+    model, method = build_with_method(args.model, sparse)
     arms["hf_private sparse lora"] = PrivateArm(model, method, args.batch_size)
     reports = method.report()
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
