@@ -113,6 +113,7 @@ class FrostMethod(DPMethod):
         for t in range(1, rounds + 1):
             if not remaining:
                 break  # everything is selected: no further release (spending less than planned)
+            candidates = len(remaining)
             reducer = self._measure(run, remaining)
             noisy = run.release(SELECTION_STAGE, reducer.pop_magnitudes(), reducer.sensitivity)
             observation = np.full(len(self.partitions), np.nan)
@@ -125,11 +126,11 @@ class FrostMethod(DPMethod):
                                config.gap_coefficient, sigma_v, config.skip_oversized)
             selected += new
             remaining = [i for i in remaining if i not in set(new)]
-            log.append({"round": t, "candidates": len(observation[~np.isnan(observation)]),
+            log.append({"round": t, "candidates": candidates,
                         "sensitivity": reducer.sensitivity, "pgm_std": sigma_v,
                         "selected": [self.partitions[i].name for i in new]})
             logger.info("DP-FROST selection %d, round %d/%d: %d candidates, Δ=%.4g, σ_v=%.4g, %d selected.",
-                        len(self.selections) + 1, t, rounds, log[-1]["candidates"], reducer.sensitivity, sigma_v,
+                        len(self.selections) + 1, t, rounds, candidates, reducer.sensitivity, sigma_v,
                         len(new))
         names = [self.partitions[i].name for i in selected]
         fraction = float(sizes[selected].sum() / total) if selected else 0.0
