@@ -46,6 +46,7 @@ from .sampling import (
     EmptySafeCollator,
     PoissonBatchSampler,
     batch_size_of,
+    example_lengths,
     sampling_random,
 )
 from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
@@ -262,7 +263,7 @@ class PrivateTrainer(Trainer):
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
             rank=self.args.process_index, world_size=self.args.world_size,
-            random=sampling_random(self.dp_config.noise_seed),
+            random=sampling_random(self.dp_config.noise_seed), lengths=self._example_lengths(),
         )
         return DataLoader(
             dataset,
@@ -271,6 +272,13 @@ class PrivateTrainer(Trainer):
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+
+    def _example_lengths(self) -> torch.Tensor | None:
+        """Lengths for length-sorted chunks when TrainingArguments asks to group by length (else None)."""
+        if getattr(self.args, "train_sampling_strategy", "random") != "group_by_length":
+            return None
+        names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+        return example_lengths(self.train_dataset, self.args.length_column_name, names[0])
 
     # ------------------------------------------------------------------ optimisation
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -66,6 +66,14 @@ def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_lo
             "on the forward pass and flip requires_grad while a chunk is recorded, which a compiled graph does not "
             "allow (it fails after compiling, with an unrelated 'modified in place' error). Set torch_compile=False."
         )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "group_by_length"):
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} is not supported: the privacy guarantee assumes every logical "
+            "batch is a Poisson sample (each example kept independently with probability q), which PrivateTrainer "
+            "draws itself. Use 'random' (Poisson batches) or 'group_by_length' (the same Poisson batches, each "
+            "ordered by length before it is split into chunks, so chunks pad less)."
+        )
     if getattr(args, "predict_with_generate", False):
         raise ValueError(
             "predict_with_generate is a Seq2SeqTrainer setting that PrivateTrainer (a Trainer) would ignore: "

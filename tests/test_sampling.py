@@ -268,3 +268,24 @@ def test_dataloader_iterates_every_batch_including_empty(tokenizer):
     sizes = [batch_size_of(batch) for batch in loader]
     assert len(sizes) == 120
     assert 0 in sizes and sum(sizes) > 0
+
+
+def test_lengths_order_each_batch_without_changing_it():
+    """Length-sorted chunks: per step the same examples as unsorted (same secret draw), in order of length."""
+    n, q, steps, k = 60, 0.3, 100, 3
+    lengths = torch.tensor([(7 * i) % 23 for i in range(n)])
+    plain = _logical_batches(PoissonBatchSampler(n, q, steps, num_chunks=k, random=_gen(8)))
+    ordered = PoissonBatchSampler(n, q, steps, num_chunks=k, random=_gen(8), lengths=lengths)
+    batches = list(ordered)
+    for step, logical in enumerate(plain):
+        chunks = batches[step * k : (step + 1) * k]
+        joined = sum(chunks, [])
+        assert sorted(joined) == sorted(logical)
+        assert [int(lengths[i]) for i in joined] == sorted(int(lengths[i]) for i in logical)
+        sizes = [len(c) for c in chunks]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_lengths_must_cover_every_example():
+    with pytest.raises(ValueError, match="lengths has 9 entries for 10 examples"):
+        PoissonBatchSampler(10, 0.5, 5, random=_gen(9), lengths=torch.ones(9))

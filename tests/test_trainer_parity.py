@@ -73,6 +73,37 @@ def test_predict_with_generate_is_refused(tmp_path):
         PrivateTrainer(tiny.gpt2(), args, train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0))
 
 
+@pytest.mark.parametrize("strategy", ["sequential", "batch_rebalance"])
+def test_sampling_strategies_other_than_poisson_are_refused(tmp_path, strategy):
+    with pytest.raises(ValueError, match=f"train_sampling_strategy='{strategy}'.*Poisson.*group_by_length"):
+        make_trainer(tmp_path, train_sampling_strategy=strategy)
+
+
+def test_group_by_length_sorts_each_poisson_batch_into_chunks(tmp_path):
+    """Same Poisson batches (same test seed), each ordered by length before it is cut into chunks: less padding,
+    the same examples, and training runs on them."""
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3)
+
+    def steps(strategy: str) -> list[list[torch.Tensor]]:
+        trainer = make_trainer(tmp_path / strategy, dp=dp, per_device_train_batch_size=4,
+                               gradient_accumulation_steps=4, train_sampling_strategy=strategy)
+        batches = iter(trainer.get_train_dataloader())
+        return [[next(batches)["attention_mask"] for _ in range(4)] for _ in range(6)]
+
+    plain, grouped = steps("random"), steps("group_by_length")
+    padded = {"random": 0, "group_by_length": 0}
+    for plain_chunks, grouped_chunks in zip(plain, grouped):
+        lengths = [int(n) for chunk in grouped_chunks for n in chunk.sum(1)]
+        assert lengths == sorted(lengths)
+        assert lengths == sorted(int(n) for chunk in plain_chunks for n in chunk.sum(1))
+        padded["random"] += sum(c.numel() for c in plain_chunks)
+        padded["group_by_length"] += sum(c.numel() for c in grouped_chunks)
+    assert padded["group_by_length"] < padded["random"]
+    trainer = make_trainer(tmp_path / "train", dp=dp, train_sampling_strategy="group_by_length", max_steps=2)
+    trainer.train()
+    assert trainer.privacy_report()["steps"] == 2
+
+
 # ---------------------------------------------------------------- max_grad_norm: replaced, and said so
 def test_user_max_grad_norm_is_replaced_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=HF_LOGGER):
