@@ -18,7 +18,7 @@ from transformers import BertConfig, BertModel, BertPreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 
-class MeanPooledBertClassifier(BertPreTrainedModel):
+class MeanPooledBertForSequenceClassification(BertPreTrainedModel):
     """Linear classifier on the attention-masked mean of BERT's last hidden states (no pooler)."""
 
     def __init__(self, config: BertConfig) -> None:

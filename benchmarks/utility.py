@@ -120,15 +120,17 @@ def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
 # sentences once (the grid takes ~2 CPU-hours for 24 runs; all of SST-2 for 3 epochs would take ~10x that):
 #   * B = 256 (q = 0.0128, 78 steps, σ = 0.46 / 0.62 / 0.95 at ε = 8 / 3 / 1), AdamW, linear decay, no warm-up,
 #     length 128 (no SST-2 sentence is cut). The non-private twins: batch 32, one epoch (625 steps).
-#   * The head: MeanPooledBertClassifier (benchmarks/mean_pooled.py), a linear layer on the mean of the token
-#     states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's CLS pooler every
-#     private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79 rising; DP-BiTFiT at lr
-#     1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features, while the same probe
-#     on mean-pooled features reached 78% at ε = 8 (non-private: 80%).
+#   * The head: MeanPooledBertForSequenceClassification (benchmarks/mean_pooled.py), a linear layer on the mean
+#     of the token states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's
+#     CLS pooler every private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79;
+#     DP-BiTFiT at lr 1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features,
+#     while the same probe on mean-pooled features reached 78% at ε = 8 (non-private: 80%).
 #   * C ≈ the median per-example gradient norm at initialisation (Abadi et al.'s rule), measured on 64 training
-#     sentences with this head: full 6.0, BiTFiT 3.5, LoRA 0.25 (p10-p90: 4.0-8.5, 2.5-5.0, 0.17-0.40). With Adam the
-#     scale of C cancels; what matters is which examples are clipped: far below the norms every example pushes
-#     equally hard, fitted or not, and a class-imbalanced set (56% positive) drifts to its majority class.
+#     sentences with this head: full 6.0, BiTFiT 3.5, LoRA 3.4, sparse LoRA 3.5 (p10-p90: 4.0-8.5, 2.5-5.0,
+#     2.4-4.6, 2.4-4.8); DP-FROST trains its selection and the head (~3.7 of the norm): 4; DP-FP's head reads the
+#     mean embedding clipped to norm 1 (it is ~5): 1. With Adam the scale of C cancels; what matters is which
+#     examples are clipped: far below the norms every example pushes equally hard, fitted or not, and a
+#     class-imbalanced set (56% positive) drifts to its majority class.
 #   * lr: the papers' DP rates for full (5e-4) and BiTFiT (5e-3); 5e-3 for the methods that train a small set
 #     (LoRA, sparse LoRA, DP-FROST, DP-FP's head), whose new head must move in 78 steps. With Adam every noise-dominated
 #     coordinate moves by ~lr per step, so the full model, which has 22.7M such coordinates, gets the smaller rate.
@@ -150,8 +152,8 @@ METHODS: dict[str, Method] = {
         Method(
             name="lora",
             label="DP-LoRA",
-            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
-            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=3.5),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=3.5),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="DPLoRAConfig",
             source="seed 003 §4.8: r 16 (B, epochs scaled; lr 1e-3 -> 5e-3 for 78 steps; C 10 -> median norm)",
@@ -170,8 +172,8 @@ METHODS: dict[str, Method] = {
         Method(
             name="frost",
             label="DP-FROST",
-            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=2.0),
-            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=2.0),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=4.0),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=4.0),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="FrostConfig",
             source="DP-FROST §2.9: AdamW, γ 0.0625, lr from the grid (B, epochs scaled; C between BiTFiT's and LoRA's)",
@@ -180,8 +182,8 @@ METHODS: dict[str, Method] = {
         Method(
             name="sparse_lora",
             label="Sparse DP-LoRA",
-            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
-            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=3.5),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=3.5),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="SparseLowRankConfig",
             source="seed 003 Table 1 (SST-2, LoRA): rank 32, p 0.1; B, epochs, lr and C as DP-LoRA here",
@@ -190,8 +192,8 @@ METHODS: dict[str, Method] = {
         Method(
             name="dpfp",
             label="DP-FP (sound)",
-            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=0.25),
-            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=0.25),
+            dp=Hyper(batch=256, epochs=1.0, lr=5e-3, clip=1.0),
+            quick=Hyper(batch=128, epochs=1.0, lr=5e-3, clip=1.0),
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="DPFPConfig",
             source="DP-FP sound mode: frozen encoder, DP-SGD on the head over the noised mean embedding; the paper's "
@@ -220,7 +222,7 @@ class RunSpec:
     seed: int = SEED
     holdout: int = 0  # > 0: evaluate on this many held-out train.tsv sentences instead of dev.tsv
     sampling: str = "group_by_length"  # TrainingArguments.train_sampling_strategy (a new id: older runs padded more)
-    head: str = "mean"  # "mean": MeanPooledBertClassifier; "cls": BertForSequenceClassification (the pooler on CLS)
+    head: str = "mean"  # "mean": benchmarks.mean_pooled's head; "cls": BertForSequenceClassification (pooler on CLS)
 
     @property
     def run_id(self) -> str:
@@ -414,7 +416,7 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from benchmarks.mean_pooled import MeanPooledBertClassifier
+    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
     from benchmarks.memory import peak_bytes, reset_peak
     from hf_private import PrivateTrainer
 
@@ -432,7 +434,7 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     train, evaluation = _load_splits(spec, tokenizer, hyper.max_length)
     transformers.logging.set_verbosity_error()  # the load report: the new head is missing, as intended
-    model_class = MeanPooledBertClassifier if spec.head == "mean" else AutoModelForSequenceClassification
+    model_class = MeanPooledBertForSequenceClassification if spec.head == "mean" else AutoModelForSequenceClassification
     model = model_class.from_pretrained(spec.model_dir, num_labels=2)
     transformers.logging.set_verbosity_warning()
     physical, accumulation = _split_batch(hyper.batch, hyper.chunk)

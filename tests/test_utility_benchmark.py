@@ -120,10 +120,10 @@ def test_mean_pooled_head_ignores_padding_and_loads_the_encoder(tiny_setup):
     import torch
     from transformers import AutoModel
 
-    from benchmarks.mean_pooled import MeanPooledBertClassifier
+    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
 
     _, model_dir, _ = tiny_setup
-    model = MeanPooledBertClassifier.from_pretrained(model_dir, num_labels=2).eval()
+    model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2).eval()
     encoder = AutoModel.from_pretrained(model_dir)
     for name, tensor in encoder.state_dict().items():
         if not name.startswith("pooler."):
