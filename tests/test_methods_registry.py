@@ -12,6 +12,8 @@ import pytest
 import torch
 from peft import PeftModel
 from torch import nn
+from transformers import BertModel, BertPreTrainedModel
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
 from hf_private.engine.terms import zero_rows
@@ -55,6 +57,35 @@ def test_dp_lora_wraps_the_model_with_peft_and_trains(tmp_path):
     assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
     trainer.train()
     assert trainer.ledger.total_steps == 2 and trainer.privacy_report()["method"] == "dp-lora"
+
+
+class _MeanPooledScorer(BertPreTrainedModel):
+    """A custom head whose class name PEFT has no task type for."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        states = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1)
+        logits = self.classifier((states * mask).sum(1) / mask.sum(1))
+        return SequenceClassifierOutput(logits=logits)
+
+
+def test_dp_lora_trains_the_new_head_of_a_custom_model(tmp_path):
+    """Without a recognised class name PEFT would freeze the random head; its modules outside the backbone train."""
+    model = _MeanPooledScorer(tiny.bert().config)
+    head_before = model.classifier.weight.detach().clone()
+    dp = DPLoRAConfig(noise_multiplier=1.0, lora_r=2, lora_target_modules="query,value", noise_seed=0)
+    trainer = make_trainer(tmp_path, model=model, dp=dp, max_steps=2)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("classifier" in n for n in trainable) and all("lora_" in n or "classifier" in n for n in trainable)
+    trainer.train()
+    head = trainer.model.base_model.model.classifier.modules_to_save["default"].weight
+    assert not torch.equal(head.detach(), head_before)
 
 
 # ---------------------------------------------------------------- a method from its own folder only
