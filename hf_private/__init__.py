@@ -1,6 +1,7 @@
 """hf_private: differentially private fine-tuning of Hugging Face models, with an honest guarantee."""
 
 from .adapters import load_private_adapter
+from .clip_norm import median_gradient_norm, public_calibration_texts
 from .engine import UnsupportedLayerError
 from .methods import (
     BitFitConfig,
@@ -16,6 +17,7 @@ from .trainer import PrivateTrainer
 
 __all__ = [
     "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig", "PrivateTrainer",
-    "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "registered_methods",
+    "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "median_gradient_norm",
+    "public_calibration_texts", "registered_methods",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ from transformers import (
     DataCollatorWithPadding,
     HfArgumentParser,
     TrainingArguments,
+    set_seed,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ from glue_data import (  # noqa: E402
 )
 from paper_defaults import split_batch  # noqa: E402
 
-from hf_private import PrivateTrainer  # noqa: E402
+from hf_private import PrivateTrainer, median_gradient_norm, public_calibration_texts  # noqa: E402
 from hf_private.methods import MethodConfig, RecipeDefaults, method_class, registered_methods  # noqa: E402
 from hf_private.metrics import load_glue_metric  # noqa: E402
 
@@ -81,11 +82,20 @@ class RecipeArguments:
     expected_batch_size: int | None = field(
         default=None, metadata={"help": "Logical batch B = q·N (paper default); split into physical chunks."}
     )
-    clip_norm: float | None = field(default=None, metadata={"help": "Per-example clip norm C (paper default)."})
+    clip_norm: str | None = field(default=None, metadata={
+        "help": "Per-example clip norm C: a number, or 'auto' (the default with a real model): the median per-example "
+                "gradient norm at initialisation of what the method trains, on generated public sentences."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Truncation length (paper default)."})
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
     def __post_init__(self) -> None:
+        if self.clip_norm not in (None, "auto"):
+            try:
+                valid = float(self.clip_norm) > 0
+            except ValueError:
+                valid = False
+            if not valid:
+                raise SystemExit(f"--clip_norm must be a positive number or 'auto', got {self.clip_norm!r}.")
         # Short names work too: frost is dp-frost, sparse_lowrank sparse-lowrank, dpfp dp-fp.
         wanted = self.method.replace("_", "").replace("-", "").lower()
         for name in registered_methods():
@@ -121,6 +131,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         text_columns, dataset_label = ("sentence",), "generated demo sentiment data (recipes/demo_task.py)"
     else:
         raw, text_columns, dataset_label = _load_data(recipe)
+        set_seed(training_args.seed)  # the new head alike on every process, so is the measured C
         tokenizer, model = _load_model(recipe)
 
     def tokenize(batch):
@@ -129,10 +140,12 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
 
     with training_args.main_process_first(desc="tokenize"):
         data = raw.map(tokenize, batched=True, remove_columns=list(text_columns))
-    dp_config = _dp_config(recipe)
+    collator = DataCollatorWithPadding(tokenizer)
+    clip_norm = _clip_norm(recipe, model, text_columns, tokenize, collator)
+    dp_config = _dp_config(recipe, clip_norm)
     trainer = PrivateTrainer(
         model=model, args=training_args, train_dataset=data["train"], eval_dataset=data.get("validation"),
-        processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer), dp_config=dp_config,
+        processing_class=tokenizer, data_collator=collator, dp_config=dp_config,
         compute_metrics=_metrics(recipe.task),
     )
     trainer.train()
@@ -145,6 +158,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         trainer.create_model_card(**card_kwargs)
     report = trainer.privacy_report()
     result = {"epsilon": report.get("epsilon"), "delta": report["delta"], "steps": report["steps"],
+              "clip_norm": clip_norm,
               "metrics": {k[len("eval_"):]: v for k, v in metrics.items() if k.startswith("eval_")},
               "output_dir": os.path.abspath(training_args.output_dir), "seconds": time.time() - started}
     result["accuracy"] = result["metrics"].get("accuracy")
@@ -165,7 +179,7 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     parser = HfArgumentParser((RecipeArguments, TrainingArguments, method_arguments))
     fixed = DEMO_ARGS if demo else ["--output_dir", f"outputs/{first.task}-{first.method}", *GLUE_ARGS]
     recipe, training_args, method_flags = parser.parse_args_into_dataclasses(
-        args=[*fixed, *_default_args(defaults, method_arguments), *argv])
+        args=[*fixed, *_default_args(defaults, method_arguments, demo), *argv])
     recipe.method_fields = dataclasses.asdict(method_flags)
     for name in ("recipes", "transformers.hf_private"):  # the main process tells the story; the others only warn
         logging.getLogger(name).setLevel(logging.INFO if training_args.should_log else logging.WARNING)
@@ -198,9 +212,12 @@ def _pre_parse(argv: list[str]) -> RecipeArguments:
     return first
 
 
-def _default_args(defaults: RecipeDefaults, method_arguments: type) -> list[str]:
+def _default_args(defaults: RecipeDefaults, method_arguments: type, demo: bool) -> list[str]:
+    # The papers' C (0.1) is far below the per-example norms of most models: every example is then clipped alike and
+    # a run can drift to the majority class with its loss rising (hf_private/clip_norm.py). The demo keeps its 1.0.
+    clip_norm = str(defaults.clip_norm) if demo else "auto"
     args = ["--num_train_epochs", str(defaults.num_train_epochs), "--learning_rate", str(defaults.learning_rate),
-            "--expected_batch_size", str(defaults.expected_batch_size), "--clip_norm", str(defaults.clip_norm),
+            "--expected_batch_size", str(defaults.expected_batch_size), "--clip_norm", clip_norm,
             "--max_seq_length", str(defaults.max_seq_length)]
     own = {f.name for f in dataclasses.fields(method_arguments)}
     for name, value in defaults.method_fields.items():
@@ -267,11 +284,31 @@ def _load_model(recipe: RecipeArguments):
     return tokenizer, model
 
 
-def _dp_config(recipe: RecipeArguments) -> MethodConfig:
+def _dp_config(recipe: RecipeArguments, clip_norm: float) -> MethodConfig:
     """The registered method's config from the shared privacy flags and the method's own flags."""
     return method_class(recipe.method).config_class(
-        target_epsilon=recipe.epsilon, target_delta=recipe.delta, max_grad_norm=recipe.clip_norm,
+        target_epsilon=recipe.epsilon, target_delta=recipe.delta, max_grad_norm=clip_norm,
         accountant=recipe.accountant, **recipe.method_fields)
+
+
+CALIBRATION_EXAMPLES = 32
+
+
+def _clip_norm(recipe: RecipeArguments, model, text_columns: tuple[str, ...], tokenize, collator) -> float:
+    """--clip_norm as a number; 'auto': the median per-example gradient norm of what the method trains, measured at
+    initialisation on generated sentences (public: the training data plays no part, so ε needs no share for it)."""
+    if recipe.clip_norm != "auto":
+        return float(recipe.clip_norm)
+    num_labels = task_spec(recipe.task).num_labels
+    columns = {column: public_calibration_texts(CALIBRATION_EXAMPLES, seed=i) for i, column in enumerate(text_columns)}
+    labels = [float(i % 5) if num_labels == 1 else i % num_labels for i in range(CALIBRATION_EXAMPLES)]
+    encoded = tokenize(columns)
+    examples = [{**{k: v[i] for k, v in encoded.items()}, "labels": labels[i]} for i in range(CALIBRATION_EXAMPLES)]
+    probe = method_class(recipe.method).config_class(noise_multiplier=1.0, **recipe.method_fields)
+    clip_norm = median_gradient_norm(model, probe, examples, collator)
+    logger.info("C = %.4g: the median per-example gradient norm at initialisation over %d generated sentences "
+                "(--clip_norm auto; give a number to set it).", clip_norm, CALIBRATION_EXAMPLES)
+    return clip_norm
 
 
 def _metrics(task: str):

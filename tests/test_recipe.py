@@ -61,14 +61,14 @@ def test_short_method_names_are_the_registered_ones(tmp_path):
     recipe, args, _ = glue.parse_args([*common, "--method", "frost", "--task", "qnli"])
     assert recipe.method == "dp-frost" and recipe.method_fields["unfreeze_ratio"] == 0.25**2
     assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (1593, 6,
-                                                                                                        1e-3, 0.1)
+                                                                                                        1e-3, "auto")
     assert glue.parse_args([*common, "--method", "bitfit"])[0].method == "dp-bitfit"
     recipe, args, _ = glue.parse_args([*common, "--method", "dpfp"])
     assert (recipe.method, recipe.method_fields["mode"], recipe.expected_batch_size, args.learning_rate,
             recipe.max_seq_length) == ("dp-fp", "sound", 1, 5e-6, 128)
     recipe, args, _ = glue.parse_args([*common, "--method", "sparse_lowrank", "--variant", "rgp"])
     assert (recipe.method, recipe.method_fields["variant"], recipe.expected_batch_size, args.num_train_epochs,
-            args.learning_rate, recipe.clip_norm) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, 10.0)
+            args.learning_rate, recipe.clip_norm) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, "auto")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -76,6 +76,7 @@ def test_short_method_names_are_the_registered_ones(tmp_path):
     (["--task", "wnli"], "Unknown --task"),
     (["--task", "mnli"], "offline demo is a sentiment task"),
     (["--train_file", "train.tsv"], "give --model_name_or_path"),
+    (["--clip_norm", "large"], "--clip_norm must be a positive number or 'auto'"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -86,14 +87,14 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message)
 def test_paper_defaults_apply_and_flags_override(tmp_path):
     common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true"]
     recipe, args, demo = glue.parse_args([*common, "--task", "qnli", "--method", "dp-bitfit"])
-    assert not demo and (args.learning_rate, args.num_train_epochs, recipe.clip_norm) == (5e-3, 6, 0.1)
+    assert not demo and (args.learning_rate, args.num_train_epochs, recipe.clip_norm) == (5e-3, 6, "auto")
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 2000 == recipe.expected_batch_size
     assert args.per_device_train_batch_size <= 32 and recipe.max_seq_length == 256
 
     recipe, args, _ = glue.parse_args([*common, "--method", "dp-lora", "--learning_rate", "2e-4", "--lora_r", "4",
-                                       "--per_device_train_batch_size", "100"])
+                                       "--per_device_train_batch_size", "100", "--clip_norm", "10"])
     assert (args.learning_rate, recipe.method_fields["lora_r"], recipe.clip_norm, args.num_train_epochs) == (
-        2e-4, 4, 10.0, 20)
+        2e-4, 4, "10", 20)
     assert recipe.method_fields["lora_alpha"] == 16  # the paper's, declared by the method
     with pytest.raises(ValueError, match="lora_r"):  # a method's own flag belongs to that method only
         glue.parse_args([*common, "--method", "dp-sgd", "--lora_r", "4"])
@@ -209,6 +210,7 @@ def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_pat
                         "--max_steps", "1", "--expected_batch_size", "16", "--max_seq_length", "16",
                         "--output_dir", str(tmp_path / "out"), *FAST])
     assert metric in result["metrics"] and result["steps"] == 1
+    assert result["clip_norm"] > 0  # --clip_norm auto (the default): measured on generated sentences
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert f"eval_{metric}" in card.text
     assert card.data.base_model is None and "path is withheld" in card.text  # a local path, not a Hub id:
