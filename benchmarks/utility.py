@@ -5,6 +5,7 @@
     python -m benchmarks.utility                  # the grid (20,000 sentences); pending runs only: re-run until done
     python -m benchmarks.utility --list           # the plan: hyperparameters and which runs are done
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
+    python -m benchmarks.utility --table          # only print the README's table from the records
 
 Data: `../shared/data/sst2/{train,dev}.tsv` next to the repository (`--data-dir`); training uses a seeded subset of
 train.tsv (`--train-size`), accuracy is measured on dev.tsv only, which no run trains on. Model: the files that the
@@ -600,6 +601,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--quick", action="store_true",
                         help=f"{', '.join(QUICK_METHODS)} at ε = 8 on {QUICK_TRAIN_SIZE} training sentences")
     parser.add_argument("--plots", action="store_true", help="only draw the PNGs from the records")
+    parser.add_argument("--table", action="store_true", help="only print the README's markdown table of the records")
     parser.add_argument("--list", action="store_true", help="print the plan and which runs are done; run nothing")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     parser.add_argument("--epsilons", nargs="+", type=float, default=None)
@@ -645,6 +647,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             json.dump(record, f)
         return [record]
     path = results_path(args)
+    if args.table:
+        from benchmarks.utility_plots import markdown_table
+
+        print(markdown_table(read_records(path)))
+        return []
     if args.plots:
         from benchmarks.utility_plots import draw_all
 

@@ -141,3 +141,33 @@ def _cost(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """The README's table: dev accuracy per method at each ε and non-privately (the latest record of each), whether
+    each private run's loss fell, and the cost of the ε = 8 run against its twin."""
+    chosen = latest(records)
+    epsilons = sorted({eps for _, eps in chosen if eps is not None}, reverse=True)
+    head = ["method", "non-private", *(f"ε = {eps:g}" for eps in epsilons), "loss start → end (ε = 8)",
+            "CPU-min (ε = 8 / non-private)", "peak MiB (ε = 8 / non-private)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, label in _methods(chosen):
+        twin = chosen.get((method, None))
+        cells = [label, "–" if twin is None else f"{twin['accuracy']:.1%}"]
+        for eps in epsilons:
+            run = chosen.get((method, eps))
+            if run is None:
+                cells.append("–")
+                continue
+            gap = "" if twin is None else f" ({100 * (run['accuracy'] - twin['accuracy']):+.1f})"
+            cells.append(f"{run['accuracy']:.1%}{gap}{' loss rose' if run.get('loss_rose') else ''}")
+        at8 = chosen.get((method, 8.0))
+        cells.append("–" if at8 is None else f"{at8['loss_start']:.3f} → {at8['loss_end']:.3f}")
+        cells.append(_pair(at8, twin, lambda r: f"{r['cpu_seconds'] / 60:.1f}"))
+        cells.append(_pair(at8, twin, lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pair(private: dict[str, Any] | None, twin: dict[str, Any] | None, show) -> str:
+    return " / ".join("–" if r is None else show(r) for r in (private, twin))

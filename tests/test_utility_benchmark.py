@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
-from benchmarks import utility
+from benchmarks import utility, utility_plots
 
 WORDS = {1: ["good", "great", "fine", "nice"], 0: ["bad", "awful", "poor", "dull"]}
 FILLER = ["the", "a", "movie", "plot", "was", "it", "and", "very"]
@@ -78,6 +78,11 @@ def test_grid_writes_one_record_per_run_and_resumes(tiny_setup, tmp_path):
     assert len(results.read_text().splitlines()) == 2 * len(utility.METHODS)
     changed = utility.main(_argv(data, model_dir, results, "bitfit.nonprivate.lr=0.02"))
     assert [(r["method"], r["private"], r["hyperparameters"]["lr"]) for r in changed] == [("bitfit", False, 0.02)]
+
+    table = utility_plots.markdown_table([json.loads(line) for line in results.read_text().splitlines()])
+    rows = table.splitlines()[2:]
+    assert len(rows) == len(utility.METHODS) and all(row.count("%") == 2 for row in rows)  # twin and ε = 8
+    assert "| DP-BiTFiT | " in table and ("(+" in table or "(-" in table)
 
     pytest.importorskip("matplotlib")
     plot_dir = tmp_path / "plots"
