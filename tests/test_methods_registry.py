@@ -135,7 +135,7 @@ def test_the_recipe_offers_a_new_method_and_its_flags(tmp_path, head_only_method
     recipe, args, _ = glue.parse_args(["--method", "test-head-only", "--head_name", "bert.pooler",
                                        "--output_dir", str(tmp_path), "--use_cpu", "true"])
     assert recipe.method_fields == {"head_name": "bert.pooler"}
-    assert isinstance(glue._dp_config(recipe), head_only_method)
+    assert isinstance(glue._dp_config(recipe, 1.0), head_only_method)
 
 
 def _padding():
