@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.table:
         from benchmarks.utility_plots import markdown_table
 
-        print(markdown_table(read_records(path)))
+        print(markdown_table(read_records(path), order=list(METHODS)))
         return []
     if args.plots:
         from benchmarks.utility_plots import draw_all

@@ -144,15 +144,16 @@ def _cost(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
     return path
 
 
-def markdown_table(records: list[dict[str, Any]]) -> str:
+def markdown_table(records: list[dict[str, Any]], order: list[str] | None = None) -> str:
     """The README's table: dev accuracy per method at each ε and non-privately (the latest record of each), whether
-    each private run's loss fell, and the cost of the ε = 8 run against its twin."""
+    each private run's loss fell, and the cost of the ε = 8 run against its twin. Methods in `order` come first."""
     chosen = latest(records)
+    rank = {name: i for i, name in enumerate(order or [])}
     epsilons = sorted({eps for _, eps in chosen if eps is not None}, reverse=True)
     head = ["method", "non-private", *(f"ε = {eps:g}" for eps in epsilons), "loss start → end (ε = 8)",
             "CPU-min (ε = 8 / non-private)", "peak MiB (ε = 8 / non-private)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method, label in _methods(chosen):
+    for method, label in sorted(_methods(chosen), key=lambda m: rank.get(m[0], len(rank))):
         twin = chosen.get((method, None))
         cells = [label, "–" if twin is None else f"{twin['accuracy']:.1%}"]
         for eps in epsilons:
