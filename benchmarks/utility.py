@@ -325,7 +325,7 @@ def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> l
 
     def spec(name: str, epsilon: float | None, hyper: Hyper) -> RunSpec:
         return RunSpec(name, epsilon, _normalized(hyper), methods[name].config, methods[name].options, train_size,
-                       str(data_dir), str(model_dir), args.model_name, holdout=args.holdout)
+                       str(data_dir), str(model_dir), args.model_name, holdout=args.holdout, head=args.head)
 
     if args.nonprivate:
         specs += [spec(name, None, methods[name].nonprivate) for name in args.methods]
@@ -620,6 +620,9 @@ def parse_args(argv: list[str] | None):
                         help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3")
     parser.add_argument("--holdout", type=int, default=0, metavar="K",
                         help="evaluate on K held-out train.tsv sentences instead of dev (to tune without dev)")
+    parser.add_argument("--head", choices=("mean", "cls"), default="mean",
+                        help="mean: a linear layer on the mean-pooled token states (default); cls: "
+                             "BertForSequenceClassification's pooler on CLS, on which every private run drifted")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     parser.add_argument("--model", default=None, help=f"model directory (default: the {MODEL_PACKAGE} package's)")
