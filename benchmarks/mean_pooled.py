@@ -1,13 +1,13 @@
 """A BERT sentence classifier on the mean of the token states: the embedding sentence-transformers models are trained
 to produce.
 
-`BertForSequenceClassification` classifies the pooler's tanh(W·h_CLS). all-MiniLM-L6-v2 was trained with mean pooling,
-and its CLS state is a poor sentence feature: a logistic regression on 256 SST-2 dev sentences reaches 63-64% on
-the pooler output and 77% on the mean of the token states (256 others held out). A new head on the pooler starts
-from features whose common component dominates (relative spread 0.66 against 2.0 for the mean), so every example
-pushes the logits the same way and a private run, whose few noisy steps cannot reshape the CLS state, drifts to the
-majority class. The benchmark therefore classifies the mean-pooled embedding, for every method and its non-private
-twin alike.
+`BertForSequenceClassification` classifies the pooler's tanh(W·h_CLS). all-MiniLM-L6-v2 was trained with mean
+pooling, and its CLS state is a poor sentence feature: a logistic regression on 256 SST-2 dev sentences reaches 63%
+on the CLS state, 64% on the pooler output and 77% on the mean of the token states (256 others held out). A new head
+on the pooler starts from features whose common component dominates (relative spread 0.66 against 2.0 for the
+mean), so every example pushes the logits the same way and a private run, whose few noisy steps cannot reshape the
+CLS state, drifts to the majority class. The benchmark therefore classifies the mean-pooled embedding, for every
+method and its non-private twin alike.
 """
 
 from __future__ import annotations
