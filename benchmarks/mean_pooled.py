@@ -23,7 +23,6 @@ class MeanPooledBertForSequenceClassification(BertPreTrainedModel):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
-        self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()

@@ -456,7 +456,9 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         disable_tqdm=True, seed=spec.seed, use_cpu=device.type == "cpu", dataloader_num_workers=0,
         # group_by_length: DP, each Poisson batch sorted by length before it is cut into chunks; non-private,
         # Trainer's length-grouped batches. SST-2 sentences are 13 word pieces on average and up to 66: in random
-        # chunks of 64 the padding doubles the tokens computed (DP-BiTFiT: 28 -> 15 ms per example).
+        # chunks of 64 the padding doubles the tokens computed (44.7 against 21.4 tokens per example). DP-BiTFiT
+        # measured 28 ms per example before (B 512) and 15 ms after (B 256, two runs sharing the machine), not a
+        # controlled comparison.
         train_sampling_strategy=spec.sampling,
     )
     common = dict(args=args, train_dataset=train, processing_class=tokenizer,
