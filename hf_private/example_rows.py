@@ -5,6 +5,11 @@ number must come from the sampler (how many features were collated), never from 
 collator (`DataCollatorWithFlattening`) makes one row of a whole chunk, and clipping that row bounds the chunk,
 not an example. The only layout with several rows per example that the engine groups exactly is a
 multiple-choice head's (one row per choice, consecutive).
+
+Left padding is the other structural way a chunk couples its examples: without `position_ids`, positions count
+from the start of the row, so a left-padded example's positions depend on the longest example of its chunk
+(absolute position embeddings make its gradient depend on its chunk-mates). Every chunk is checked for it here;
+what structure cannot show (wrong `position_ids`, a layer that mixes examples) the independence probe tests.
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ def check_one_row_per_example(batch: Mapping[str, Any], num_examples: int) -> No
     if _positions_restart(batch.get("position_ids"), batch.get("attention_mask")):
         raise ValueError(f"'position_ids' restart inside a row: several examples were packed into one row. "
                          f"{_USE_PADDING}")
+    if "position_ids" not in batch and _left_padded(batch.get("attention_mask")):
+        raise ValueError(
+            "The collated batch is left-padded (an attention_mask row has a 0 before a 1) and carries no "
+            "'position_ids': each example's positions then count from the start of the row, so they depend on the "
+            "longest example of its chunk, and with absolute position embeddings (BERT, GPT-2, ...) so does its "
+            "gradient; clipping would not bound one example's influence. Pad on the right "
+            "(tokenizer.padding_side = 'right'), or add position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) "
+            "in the collator (and, for a causal LM, set the label of each example's first token to -100)."
+        )
 
 
 def _positions_restart(position_ids: Any, attention_mask: Any) -> bool:
@@ -58,6 +72,16 @@ def _positions_restart(position_ids: Any, attention_mask: Any) -> bool:
         attended = attention_mask != 0
         decreasing &= attended[..., 1:] & attended[..., :-1]
     return bool(decreasing.any())
+
+
+def _left_padded(attention_mask: Any) -> bool:
+    """Whether a row of a [B, T] (multiple choice: [B, C, T]) 0/1 padding mask has a 0 before a 1."""
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() not in (2, 3) or attention_mask.shape[-1] < 2:
+        return False
+    attended = attention_mask != 0
+    # a 1 that follows some 0 of its row: the running count of zeros is positive where a token is attended
+    zeros_before = (~attended).cumsum(-1)
+    return bool((attended & (zeros_before > 0)).any())
 
 
 def rows_per_example(model: nn.Module, inputs: Mapping[str, Any]) -> int:

@@ -30,7 +30,13 @@ from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
 from .engine import PerExampleGradientEngine, trainable_parameters
-from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
+from .engine.independence import (
+    PROBE_EXAMPLES,
+    RTOL,
+    RTOL_LOW_PRECISION,
+    check_example_independence,
+    spread_by_length,
+)
 from .example_rows import rows_per_example
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
@@ -133,7 +139,8 @@ class PrivateTrainer(Trainer):
         self.trained_parameter_names = self.dp_method.trained_parameter_names(self.model)
         self._step_limit: int | None = None
         self._budget_exhausted = False
-        self._independence_checked = False  # the example-independence probe runs once, on the first chunk of ≥ 2
+        # the example-independence probe runs on the first chunk of ≥ 2 and again after every trainable-set switch
+        self._independence_checked = False
         self._audits: list[AuditResult] = []  # see attach_audit
         self._set_signature_columns_if_needed()
         self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names)
@@ -244,6 +251,7 @@ class PrivateTrainer(Trainer):
             self.engine.detach()
         self.engine = self._new_engine()
         self._engine_suspended = False
+        self._independence_checked = False  # a new trainable set: probe it again
         self.trained_parameter_names |= self.dp_method.trained_parameter_names(self.model)
         optimizer = noisy_optimizer(self.optimizer)
         if optimizer is not None:
@@ -332,7 +340,8 @@ class PrivateTrainer(Trainer):
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
         """Forward/backward `inputs` in chunks of at most per_device_train_batch_size, each example's terms into
-        `engine`; the summed loss. The first chunk of ≥ 2 examples of the run is probed for example independence."""
+        `engine`; the summed loss. The first chunk of ≥ 2 examples of the run, and the first after every switch of the
+        trainable set, is probed for example independence, together with a probe chunk from the training set."""
         size = batch_size_of(inputs)
         rows = rows_per_example(model, inputs)
         chunk = self.args.per_device_train_batch_size
@@ -349,7 +358,8 @@ class PrivateTrainer(Trainer):
 
     def _check_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int,
                                     engine: PerExampleGradientEngine) -> None:
-        """Once per training: examples recomputed alone must get the norms they had in the chunk."""
+        """Examples recomputed alone must get the norms they had in a chunk: this real chunk, then a probe chunk of
+        training examples spread over their lengths (which a length-sorted or unpadded real chunk may not show)."""
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16)
                                               for _, p in engine.parameters)
 
@@ -357,9 +367,18 @@ class PrivateTrainer(Trainer):
             with self.compute_loss_context_manager():
                 return self._summed_loss(model, batch)[0]
 
-        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows,
-                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL)
+        rtol = RTOL_LOW_PRECISION if low_precision else RTOL
+        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows, rtol)
+        probe, probe_examples = self._length_spread_chunk()
+        check_example_independence(engine, model, probe, summed_loss, probe_examples,
+                                   rows_per_example(model, probe), rtol)
         self._independence_checked = True
+
+    def _length_spread_chunk(self) -> tuple[dict, int]:
+        """A chunk of training examples spread over their lengths, collated as training chunks are."""
+        dataset, collate = self.training_data()
+        indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
+        return self._prepare_inputs(dict(collate([dataset[i] for i in indices]))), len(indices)
 
     def _may_step(self) -> bool:
         return self._step_limit is None or self.training_steps() < self._step_limit

@@ -7,8 +7,11 @@ positions and layers that mix examples, and accepts left padding with positions 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from datasets import Dataset
 from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorForMultipleChoice,
@@ -16,7 +19,7 @@ from transformers import (
     DataCollatorWithPadding,
 )
 
-from hf_private import DPConfig, PrivateTrainer
+from hf_private import BitFitConfig, DPConfig, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.engine.independence import check_example_independence
 from hf_private.example_rows import check_one_row_per_example
@@ -158,38 +161,105 @@ def test_engine_refuses_terms_whose_rows_are_not_the_chunk_examples(examples, ro
 
 # ---------------------------------------------------------------- the first-chunk independence probe
 class _LeftPadded:
-    """Causal-LM collation with padding on the left, optionally with positions counted from the attention mask."""
+    """Causal-LM collation with padding on the left and position_ids: none, counted from the row's start (what
+    GPT-2 does without them: wrong for left padding), or counted from the attention mask (right)."""
 
-    def __init__(self, positions_from_mask: bool) -> None:
+    def __init__(self, positions: str | None) -> None:
         tok = tiny.tokenizer()
         tok.padding_side = "left"
         self.collate = DataCollatorForLanguageModeling(tok, mlm=False)
-        self.positions_from_mask = positions_from_mask
+        self.positions = positions
 
     def __call__(self, features):
         batch = self.collate(features)
-        if self.positions_from_mask:
-            mask = batch["attention_mask"]
+        mask = batch["attention_mask"]
+        if self.positions == "row":
+            batch["position_ids"] = torch.arange(mask.shape[-1]).expand_as(mask).clone()
+        elif self.positions == "mask":
             batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
             # Token 0 is predicted from a padding position only when padded: alone it is never predicted.
             batch["labels"][torch.arange(mask.shape[0]), mask.argmax(-1)] = -100
         return batch
 
 
-def test_left_padding_with_absolute_positions_is_refused(tmp_path):
-    trainer = _trainer(tmp_path, tiny.gpt2(), tiny.lm_dataset(64), _LeftPadded(positions_from_mask=False))
-    before = snapshot(trainer.model)
-    with pytest.raises(ValueError, match="depends on the other examples.*left padding with absolute position"):
+def _mostly_one_length(n: int, seed: int) -> Dataset:
+    """The review's data: 75% of the sequences have one length (6 tokens), the rest 8 to 16."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = 6 if i % 4 else rng.randint(8, 16)
+        rows.append([2] + [rng.randrange(4, tiny.VOCAB_SIZE) for _ in range(length - 1)])
+    return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+
+
+def _clipped_sum(engine: PerExampleGradientEngine, model, batch) -> torch.Tensor:
+    engine.reset()
+    with engine.recording(batch["input_ids"].shape[0]):
+        _summed_loss(model, batch).backward()
+    engine.finish_backward()
+    return torch.cat([engine.clipped_sums[p].flatten() for _, p in engine.parameters])
+
+
+@pytest.mark.parametrize("strategy", ["group_by_length", "random"])
+@pytest.mark.parametrize("positions", [None, "row", "mask"])
+def test_review_item_1_every_run_is_refused_or_moves_the_sum_by_at_most_C(tmp_path, strategy, positions):
+    """Tiny GPT-2 (absolute positions), left padding, 75% of one length, C = 0.01, sorted and random chunks, three
+    seeds. On main before the fix, group_by_length trained in 5 of 5 runs and one example moved the sum by 2.5·C."""
+    clip = 0.01
+    for seed in range(3):
+        model = tiny.gpt2()
+        args = training_args(tmp_path / f"{seed}", max_steps=2, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=4, train_sampling_strategy=strategy)
+        trainer = PrivateTrainer(model=model, args=args, train_dataset=_mostly_one_length(64, seed),
+                                 data_collator=_LeftPadded(positions),
+                                 dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=seed))
+        if positions != "mask":
+            before = snapshot(model)
+            with pytest.raises(ValueError, match="left-padded" if positions is None else "depends on the other"):
+                trainer.train()
+            assert trainer.ledger.total_steps == 0
+            assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
+            continue
         trainer.train()
-    assert trainer.ledger.total_steps == 0
-    after = snapshot(trainer.model)
-    assert all(torch.equal(v, after[k]) for k, v in before.items()), "nothing may change before the refusal"
+        assert trainer.ledger.total_steps == 2 and trainer._independence_checked
+        engine = PerExampleGradientEngine(model.train(), clip)
+        engine.attach()
+        data = _mostly_one_length(64, seed)
+        short = [data[i] for i in (1, 2, 3)]
+        longest = {"input_ids": [2] + list(range(4, 19)), "attention_mask": [1] * 16}
+        moved = (_clipped_sum(engine, model, _LeftPadded("mask")([*short, longest]))
+                 - _clipped_sum(engine, model, _LeftPadded("mask")(short))).norm().item()
+        print(f"{strategy} seed {seed}: one 16-token example moved the clipped sum by {moved / clip:.4f}·C")
+        assert moved <= clip * (1 + 1e-5)
 
 
-def test_left_padding_with_positions_from_the_mask_trains(tmp_path):
-    trainer = _trainer(tmp_path, tiny.gpt2(), tiny.lm_dataset(64), _LeftPadded(positions_from_mask=True))
+def test_left_padding_without_positions_is_refused_on_every_chunk():
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 1],
+                                                                                              [0, 0, 1, 1]])}
+    with pytest.raises(ValueError, match="left-padded.*padding_side = 'right'.*cumsum"):
+        check_one_row_per_example(batch, 2)
+    check_one_row_per_example({**batch, "attention_mask": batch["attention_mask"].flip(-1)}, 2)  # right padding
+    check_one_row_per_example({**batch, "position_ids": (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)}, 2)
+
+
+def test_probe_runs_again_after_the_trainable_set_switches(tmp_path, monkeypatch):
+    """X+BiTFiT: full fine-tuning, then biases only; each trainable set is probed (a real and a spread chunk)."""
+    from hf_private import trainer as trainer_module
+
+    probed = []
+
+    def counting(engine, *args, **kwargs):
+        probed.append(len(engine.parameters))
+        return check_example_independence(engine, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "check_example_independence", counting)
+    dp = BitFitConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, full_finetune_epochs=0.25)
+    trainer = PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path, max_steps=4),
+                             train_dataset=tiny.sentiment_dataset(64), dp_config=dp,
+                             data_collator=DataCollatorWithPadding(tiny.tokenizer()))
     trainer.train()
-    assert trainer.ledger.total_steps == 2 and trainer._independence_checked
+    assert trainer.plan.training_stages[1].start_step == 2
+    assert len(probed) == 4 and probed[0] == probed[1] > probed[2] == probed[3], probed
 
 
 class _AddBatchMean(torch.nn.Module):

@@ -17,7 +17,7 @@ Every term must cover exactly the examples `recording` was told about: one row p
 choice) a fixed number of consecutive rows per example, summed into one term. Anything else is refused, since
 per-example clipping would silently become per-row clipping. A layer once seen without a per-example batch dimension
 (T5's relative_attention_bias, looked up with [query, key] positions) stays refused, as its shape can coincide
-with the chunk's; the trainer's independence probe (examples alone) exposes it on the first chunk.
+with the chunk's; the trainer's independence probe (examples alone) exposes it.
 """
 
 from __future__ import annotations

@@ -3,15 +3,21 @@
 Hooks see which rows a gradient lands in, not what those rows were computed from. With left padding and
 absolute position embeddings an example's positions depend on the longest example in its chunk; a layer with
 batch statistics mixes every example. Clipping then bounds each term but not one example's influence on the
-sum. So, once per training, a few examples of a real chunk are recomputed alone (a batch of one, padding
-columns removed) and their gradient norms compared with the ones they had inside the chunk.
+sum. So a few examples are recomputed alone (a batch of one, padding columns removed) and their gradient norms
+compared with the ones they had inside a chunk: those of a real chunk, and those of a probe chunk collated from
+examples of the training set spread over its lengths (`spread_by_length`). The second matters because a real
+chunk may show nothing: with `group_by_length` the first chunk holds the batch's shortest examples, often all of
+one length, so nothing is padded and the two computations are identical. The trainer probes again after every
+stage or method switch (a new trainable set). Left padding without `position_ids` is refused on every chunk
+before this (`example_rows.check_one_row_per_example`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +29,8 @@ SummedLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
 RTOL = 1e-3  # fp32: recomputing alone changes only summation order
 RTOL_LOW_PRECISION = 5e-2  # bf16 autocast rounds the two computations differently
 MAX_PROBES = 3
+PROBE_EXAMPLES = 5  # a probe chunk from the training set: its shortest, longest and three quantiles of length
+_LENGTH_CANDIDATES = 2048  # evenly spaced examples whose lengths are read to choose them (reading all is O(N))
 
 _CAUSES = (
     "Likely causes: (1) left padding with absolute position embeddings (GPT-2 style), where positions count "
@@ -62,7 +70,7 @@ def check_example_independence(
             inside = float(in_batch[b])
             if abs(alone - inside) > rtol * max(alone, inside) + floor:
                 raise ValueError(
-                    f"Example {b} of the first chunk has gradient norm {inside:.6g} among its {num_examples - 1} "
+                    f"Example {b} of a probed chunk has gradient norm {inside:.6g} among its {num_examples - 1} "
                     f"chunk-mates but {alone:.6g} alone: its gradient depends on the other examples, so clipping "
                     "does not bound one example's influence and the privacy guarantee would not hold. " + _CAUSES
                 )
@@ -111,3 +119,31 @@ def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per
         k: v.index_select(axis, columns) if torch.is_tensor(v) and v.shape[: mask.dim()] == mask.shape else v
         for k, v in single.items()
     }
+
+
+def spread_by_length(dataset: Sequence[Any], count: int = PROBE_EXAMPLES) -> list[int]:
+    """Indices of up to `count` examples spread over the training set's lengths (shortest, quantiles, longest).
+
+    Lengths are attended tokens (the attention_mask's ones, else the input_ids' entries) of evenly spaced
+    candidates; examples without either are taken evenly spaced. Which examples are probed is public (a
+    function of the data's layout, not of the secret sampler), and the probe releases nothing but its verdict.
+    """
+    size = len(dataset)
+    candidates = np.unique(np.linspace(0, size - 1, min(size, _LENGTH_CANDIDATES)).round().astype(int))
+    lengths = [_attended_tokens(dataset[int(i)]) for i in candidates]
+    if any(length is None for length in lengths):
+        return [int(i) for i in np.unique(np.linspace(0, size - 1, min(size, count)).round().astype(int))]
+    by_length = candidates[np.argsort(np.asarray(lengths), kind="stable")]
+    picks = np.linspace(0, len(by_length) - 1, min(len(by_length), count)).round().astype(int)
+    return [int(by_length[i]) for i in dict.fromkeys(picks.tolist())]
+
+
+def _attended_tokens(example: Any) -> int | None:
+    if not isinstance(example, Mapping):
+        return None
+    for key in ("attention_mask", "input_ids"):
+        if key in example:
+            values = np.asarray(example[key])
+            return int(values.sum()) if key == "attention_mask" else int(values.size)
+    return None
+
