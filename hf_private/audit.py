@@ -156,7 +156,9 @@ class AuditResult:
 
     The audit run is itself a DP release of the data it trained on: `mechanisms` (its ledger, at its `delta` and
     `accountant`) are what `PrivateTrainer.attach_audit` composes into the released model's ε when `audit_data`
-    is "private". `guarantee` is the audit run's own ("none" in insecure test mode).
+    is "private". `guarantee` is the audit run's own ("none" in insecure test mode). `claimed_epsilon` is the figure
+    the audit tests: the run's ε, or, without a formal guarantee, the figure named `claim` from the report's
+    `not_a_guarantee` (DP-FP paper mode: the paper's CLT approximation), never written as an ε.
     """
 
     epsilon_lower_bound: float
@@ -175,6 +177,7 @@ class AuditResult:
     accountant: str
     guarantee: str
     dataset_fingerprint: str | None
+    claim: str = "epsilon"
 
     @property
     def refutes_claim(self) -> bool:
@@ -192,8 +195,19 @@ class AuditResult:
         return [replace(g, name=AUDIT_MECHANISM_PREFIX + g.name) for g in self.mechanisms]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
-                "declaration": self.declaration}
+        d = {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
+             "declaration": self.declaration}
+        del d["claimed_epsilon"], d["claim"]
+        return {**d, **self._claim_entry(4)}
+
+    def _claim_entry(self, digits: int) -> dict[str, Any]:
+        """`claimed_epsilon` for a run with a guarantee; otherwise the figure tested, labelled as not being one."""
+        value = round(self.claimed_epsilon, digits)
+        if self.guarantee == "formal":
+            return {"claimed_epsilon": value}
+        return {"tested_figure": {"name": self.claim, "value": value,
+                                  "note": "The audited run has no formal guarantee; this figure is tested as if it "
+                                          "were one, and it is not a bound."}}
 
     def card_entry(self) -> dict[str, Any]:
         """The `privacy.audit` block of a model card; `PrivateTrainer.attach_audit` puts it there."""
@@ -205,7 +219,7 @@ class AuditResult:
             "confidence": self.confidence,
             "canaries": self.canaries,
             "date": self.date,
-            "claimed_epsilon": round(self.claimed_epsilon, 4),
+            **self._claim_entry(4),
             "delta": self.delta,
             "method": self.method,
             "guesses": {"k_plus": self.k_plus, "k_minus": self.k_minus},
@@ -240,6 +254,18 @@ def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accoun
             "DPConfig.noise_seed was set): its noise can be replayed by anyone who knows the seed."
         ))
     return composed
+
+
+def _claimed_figure(report: dict[str, Any]) -> tuple[str, float]:
+    """What the audit tests: ε, or without a guarantee the first figure of `not_a_guarantee` (the method's own claim,
+    e.g. DP-FP's CLT approximation; in insecure test mode the accounting figure)."""
+    if "epsilon" in report:
+        return "epsilon", float(report["epsilon"])
+    figures = report.get("not_a_guarantee") or {}
+    if not figures:
+        raise ValueError(f"The audited run has no guarantee and no figure to test: {report.get('guarantee_note')}")
+    name, figure = next(iter(figures.items()))
+    return name, float(figure["value"])
 
 
 # ---------------------------------------------------------------------- canaries
@@ -423,11 +449,12 @@ def run_audit(
         bounds.append(ScoreBound(score, _SCORE_HELP[score], guesses, correct, per_score_confidence, bound))
         logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f.", score, correct, guesses, bound)
     report = trainer.privacy_report()
+    claim, claimed = _claimed_figure(report)
     return AuditResult(
         epsilon_lower_bound=max(b.epsilon_lower_bound for b in bounds),
         confidence=confidence,
-        # without a guarantee (DP-FP paper mode) what is claimed is the paper's own CLT figure, which the audit tests
-        claimed_epsilon=float(report["epsilon"] if "epsilon" in report else report["method_details"]["clt_estimate"]),
+        claimed_epsilon=claimed,
+        claim=claim,
         delta=float(trainer.delta),
         method=dp_config.method,
         canaries=canaries,
@@ -579,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["composed"] = {key: composed.get(key) for key in ("epsilon", "delta", "accountant", "training_epsilon")}
         sys.stdout.write(f"Composed guarantee of the released model: ε = {composed['epsilon']:.4g} at δ = "
                          f"{composed['delta']:.3g} (its training ledger alone: ε = {ledger.epsilon():.4g}).\n")
-    elif result.audit_data == "private":
+    elif result.audit_data == "private" and result.guarantee == "formal":
         sys.stdout.write(f"This audit run spent ε = {result.claimed_epsilon:.4g} (δ = {result.delta:.3g}) on its data: "
                          "a model released from the same data must count it. Pass --ledger with that model's "
                          "privacy_ledger.json to print the composed ε, or PrivateTrainer.attach_audit(result).\n")
@@ -589,8 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(text + "\n")
     sys.stdout.write(text + "\n")
     verdict = "REFUTES" if result.refutes_claim else "does not refute"
-    logger.info("ε_lb = %.3f at %.0f%% confidence %s the claimed ε = %.3f (an empirical lower bound, not the "
-                "guarantee).", result.epsilon_lower_bound, 100 * result.confidence, verdict, result.claimed_epsilon)
+    logger.info("ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
+                result.epsilon_lower_bound, 100 * result.confidence, verdict,
+                "claimed ε" if result.claim == "epsilon" else f"tested figure {result.claim}", result.claimed_epsilon)
     return 1 if result.refutes_claim else 0
 
 

@@ -55,7 +55,7 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
     training = {
         "method": report["method"],
         "dataset": dataset or "private training data (not published)",
-        "steps taken": f"{report['steps']} (all counted in ε)",
+        "steps taken": f"{report['steps']} (all counted in ε)" if "epsilon" in report else report["steps"],
         "planned steps": facts.planned_steps,
         "expected logical batch size (q·N)": facts.expected_batch_size,
         "learning rate": facts.learning_rate,
@@ -79,7 +79,8 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         library_name="peft" if fmt == "peft" else "transformers",
         tags=tags,
         citations=facts.citations,
-        adapter_note=adapter_note(fmt, facts.trained_tensors, facts.trained_fraction, from_config=not base_model),
+        adapter_note=adapter_note(fmt, facts.trained_tensors, facts.trained_fraction, from_config=not base_model,
+                                  guaranteed=report["guarantee"] == "formal"),
         needs_hf_private=fmt == "private_adapter",
         license=license,
         model_class=type(base).__name__,

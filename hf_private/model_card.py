@@ -37,14 +37,15 @@ def base_kind(base_model: str | None) -> str:
     return HUB if is_hub_model_id(base_model) else LOCAL
 
 
-def default_title(base_model: str | None, method: str, model_class: str) -> str:
+def default_title(base_model: str | None, method: str, model_class: str, guaranteed: bool = True) -> str:
     """A title when no model name or Hub id was given: the base model and the method, never a local folder."""
     kind = base_kind(base_model)
+    privacy = "differential privacy" if guaranteed else "no privacy guarantee"
     if kind == HUB:
-        return f"{base_model} fine-tuned with {method} (differential privacy)"
+        return f"{base_model} fine-tuned with {method} ({privacy})"
     if kind == LOCAL:
-        return f"{model_class} fine-tuned with {method} from a local base model (differential privacy)"
-    return f"{model_class} trained from random initialisation with {method} (differential privacy)"
+        return f"{model_class} fine-tuned with {method} from a local base model ({privacy})"
+    return f"{model_class} trained from random initialisation with {method} ({privacy})"
 
 
 def framework_versions() -> dict[str, str]:
@@ -98,7 +99,8 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("guarantee_note", "training_epsilon", "trainable_fraction", "phases", "method_details"):
+    for optional in ("guarantee_note", "training_epsilon", "not_a_guarantee", "trainable_fraction", "phases",
+                     "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:
@@ -139,7 +141,8 @@ def build_model_card(
     """The card. A local `base_model` path is never written (see `is_hub_model_id`); `best_checkpoint` is
     {"step", "metric", "value" (None when withheld), "steps_taken"} when training reloaded an earlier checkpoint."""
     kind = base_kind(base_model)
-    title = model_title or default_title(base_model, privacy["method"], model_class)
+    guaranteed = privacy["guarantee"] == "formal"
+    title = model_title or default_title(base_model, privacy["method"], model_class, guaranteed)
     results = eval_results_metadata(eval_results, task_type=task_type, dataset_name=eval_dataset_name,
                                     dataset_type=eval_dataset_type)
     relation = {"full": "finetune", "peft": "adapter", "private_adapter": "adapter"}.get(adapter_format or "")
@@ -148,7 +151,8 @@ def build_model_card(
         base_model=base_model if kind == HUB else None,
         license=license or UNKNOWN_LICENSE,
         library_name=library_name,
-        tags=sorted({"differential-privacy", "hf_private", privacy["method"], *(tags or [])}),
+        tags=sorted({*(["differential-privacy"] if guaranteed else []), "hf_private", privacy["method"],
+                     *(tags or [])}),
         model_name=title if results else None,
         eval_results=results or None,
         privacy=privacy,
@@ -162,7 +166,7 @@ def build_model_card(
         base_model=base_model if kind == HUB else None,
         base_kind=kind,
         adapter_note=adapter_note,
-        not_covered=NOT_COVERED,
+        not_covered=NOT_COVERED if guaranteed else (),
         training=training,
         eval_results=eval_results,
         eval_notes=eval_notes,
@@ -206,18 +210,21 @@ def load_snippet(adapter_format: str, model_class: str, base_model: str | None, 
                       f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory'])
 
 
-def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float, from_config: bool = False) -> str:
+def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float, from_config: bool = False,
+                 guaranteed: bool = True) -> str:
     """One sentence on what the repository holds, so a reader knows what the base model must supply."""
+    trained = "trained with differential privacy" if guaranteed else "trained (without a privacy guarantee)"
     if adapter_format == "full":
-        return ("Every weight was trained with differential privacy: the repository holds the full model, plus the "
-                f"method config `{DP_CONFIG_NAME}`.")
+        return (f"Every weight was {trained}: the repository holds the full model, plus the method config "
+                f"`{DP_CONFIG_NAME}`.")
     base = ("The base model's weights (random, from its configuration, and not published) are unchanged" if from_config
             else "The base model's weights are public and unchanged")
     if adapter_format == "peft":
         return (f"The repository holds a PEFT adapter (`{PEFT_WEIGHTS_NAME}`, `{PEFT_CONFIG_NAME}`): only the "
-                f"tensors trained with differential privacy, plus the method config `{DP_CONFIG_NAME}`. {base}.")
+                f"tensors {trained}, plus the method config `{DP_CONFIG_NAME}`. {base}.")
     base = base.replace("weights", "other weights", 1)
-    return (f"The repository holds only what differentially private training changed: {trained_tensors} tensors "
+    training = "differentially private training" if guaranteed else "training"
+    return (f"The repository holds only what {training} changed: {trained_tensors} tensors "
             f"({100 * trained_fraction:.3g}% of the model's parameters) in `{ADAPTER_WEIGHTS_NAME}`, plus the "
             f"method config `{DP_CONFIG_NAME}`. {base}; `hf_private.load_private_adapter` puts the trained tensors "
             "back onto it and checks that the base matches.")

@@ -173,13 +173,22 @@ class PrivateTrainer(Trainer):
                            self.plan.guarantee[1])
             return
         target = self.dp_config.target_epsilon
-        logger.info(
-            "Private training plan (%s): N=%d examples, sampling rate q=%.5g (expected logical batch %d), %d steps, "
-            "noise multiplier σ=%.4g, clip norm C=%g, δ=%.3g, %s accountant%s.",
-            self.mechanism_name, self.dataset_size, self.sample_rate, self.expected_batch_size, self.planned_steps,
-            self.noise_multiplier, self.dp_config.max_grad_norm, self.delta, self.dp_config.accountant,
-            "" if target is None else f", target ε={target:g}",
-        )
+        if self.dp_config.noise_seed is not None:  # calibrated as usual, but the known seed replays the noise
+            logger.warning(
+                "Training plan in insecure test mode, WITHOUT a privacy guarantee (%s): N=%d examples, q=%.5g, %d "
+                "steps, noise multiplier σ=%.4g%s, clip norm C=%g. DPConfig.noise_seed replays the noise and "
+                "sampling: never publish this model as private.", self.mechanism_name, self.dataset_size,
+                self.sample_rate, self.planned_steps, self.noise_multiplier,
+                "" if target is None else f" (calibrated as for target {target:g})", self.dp_config.max_grad_norm,
+            )
+        else:
+            logger.info(
+                "Private training plan (%s): N=%d examples, sampling rate q=%.5g (expected logical batch %d), %d "
+                "steps, noise multiplier σ=%.4g, clip norm C=%g, δ=%.3g, %s accountant%s.",
+                self.mechanism_name, self.dataset_size, self.sample_rate, self.expected_batch_size, self.planned_steps,
+                self.noise_multiplier, self.dp_config.max_grad_norm, self.delta, self.dp_config.accountant,
+                "" if target is None else f", target ε={target:g}",
+            )
         noise_per_batch = self.noise_multiplier / self.expected_batch_size
         if noise_per_batch > NOISY_UPDATE:
             logger.warning(
@@ -387,7 +396,10 @@ class PrivateTrainer(Trainer):
         self.record_release(self.mechanism_name)
 
     def _stop_for_budget(self) -> None:
-        if not self._budget_exhausted:
+        if not self._budget_exhausted and not self.has_formal_guarantee:
+            logger.warning("The planned budget allows no further step after %d steps (insecure test mode: the "
+                           "accounting bounds nothing). Stopping training.", self.training_steps())
+        elif not self._budget_exhausted:
             logger.warning(
                 "Privacy budget reached: ε=%.4g of target %.4g after %d steps. Stopping training so the budget is "
                 "not exceeded.", self.ledger.epsilon(), self.dp_config.target_epsilon, self.training_steps(),
@@ -428,6 +440,13 @@ class PrivateTrainer(Trainer):
     def _budget_already_spent(self, checkpoint: str | None) -> TrainOutput:
         """No step is possible: say so, load the checkpoint's weights (what save/push will publish), train nothing."""
         self._budget_exhausted = True
+        if not self.has_formal_guarantee:
+            logger.warning("The planned budget allows no step after the %d training steps recorded in the ledger%s "
+                           "(insecure test mode), so train() takes no step.", self.training_steps(),
+                           f" of {checkpoint}" if checkpoint else "")
+            if checkpoint:
+                self._load_from_checkpoint(checkpoint)
+            return TrainOutput(self.training_steps(), math.nan, {"steps_taken": 0})
         epsilon = self.ledger.epsilon()
         logger.warning(
             "The privacy budget is already spent: ε=%.4g of target ε=%.4g after the %d training steps recorded in the "
@@ -443,7 +462,7 @@ class PrivateTrainer(Trainer):
     # ------------------------------------------------------------------ reporting
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.pop("grad_norm", None)  # a norm of un-clipped, un-noised gradients: not private
-        if not self.plan.has_guarantee:
+        if not self.has_formal_guarantee:
             pass  # no ε to log: a number here would read as a guarantee
         elif "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
             logs["epsilon"] = self.ledger.epsilon()
@@ -460,13 +479,21 @@ class PrivateTrainer(Trainer):
         count, and it is saved in trainer_state.json and returned as `total_flos`."""
         return 0
 
+    @property
+    def has_formal_guarantee(self) -> bool:
+        """Whether this run's ε is a guarantee: not when a release has none (DP-FP paper mode), nor in insecure test
+        mode (whoever knows `noise_seed` replays the noise). Without one, no ε is logged, reported or carded."""
+        return self.plan.has_guarantee and self.dp_config.noise_seed is None
+
     def privacy_report(self) -> dict[str, Any]:
+        """ε, δ and what they rest on. Without a formal guarantee: no `epsilon` (nor `training_epsilon`), and the
+        numbers that may still be shown, labelled, under `not_a_guarantee`."""
         report = self.ledger.report()
         notes = [note for note in dict.fromkeys([self.ledger.guarantee()[1], self.plan.guarantee[1]]) if note]
         if self.dp_config.noise_seed is not None:
             notes.append(
                 "Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be "
-                "replayed by anyone who knows the seed, so the ε below holds only against those who do not."
+                "replayed by anyone who knows the seed, so no privacy loss is bounded."
             )
         report.pop("guarantee_note", None)
         report["guarantee"] = "none" if notes else "formal"
@@ -488,9 +515,26 @@ class PrivateTrainer(Trainer):
         details = self.dp_method.report()
         if details:
             report["method_details"] = details
-        if not self.plan.has_guarantee:
-            report.pop("epsilon")  # ∞: the card and the logs carry no ε at all (the reason is the guarantee_note)
-        return compose_audits(report, self._audits, self.ledger.accountant)
+        report = compose_audits(report, self._audits, self.ledger.accountant)
+        if report["guarantee"] == "formal":
+            return report
+        return self._without_guarantee(report)
+
+    def _without_guarantee(self, report: dict[str, Any]) -> dict[str, Any]:
+        """The report of a run without a formal guarantee: no number labelled ε; what may be shown, labelled."""
+        figures = dict(self.dp_method.figures_without_guarantee())
+        epsilon = report.pop("epsilon", None)
+        report.pop("training_epsilon", None)
+        if self.dp_config.noise_seed is not None and epsilon is not None and math.isfinite(epsilon):
+            figures["accounting_with_a_secret_seed"] = {
+                "value": epsilon,
+                "what": f"What the {report['accountant']} accountant gives for these mechanisms at δ: it would bound "
+                        "the privacy loss had the noise and sampling come from a secret key. They came from the "
+                        "test seed, which replays them, so it bounds nothing.",
+            }
+        if figures:
+            report["not_a_guarantee"] = figures
+        return report
 
     def attach_audit(self, result: AuditResult) -> None:
         """Put an audit on the card; one run on the training data (the default) is composed into ε from now on.

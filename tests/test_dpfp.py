@@ -95,15 +95,15 @@ def test_paper_mode_reports_no_epsilon_anywhere(tmp_path, caplog):
     report = trainer.privacy_report()
     assert "epsilon" not in report and report["guarantee"] == "none" and "paper mode" in report["guarantee_note"]
     assert all(m["mechanism"] == NO_GUARANTEE for m in report["mechanisms"])
-    details = report["method_details"]
-    assert details["clt_estimate"] == pytest.approx(3.0, abs=1e-6)  # the paper's calibration, reproduced
-    assert details["representation_mechanism_epsilon"] > details["clt_estimate"]  # the CLT under-states
+    figures = report["not_a_guarantee"]
+    assert figures["clt_approximation"]["value"] == pytest.approx(3.0, abs=1e-6)  # the paper's calibration
+    assert figures["representation_releases_alone"]["value"] > figures["clt_approximation"]["value"]  # CLT under-states
     assert not any("epsilon" in entry for entry in trainer.state.log_history)
     trainer.save_model()
     card = ModelCard.load(tmp_path / "README.md")
     privacy = card.data.to_dict()["privacy"]
     assert "epsilon" not in privacy and privacy["guarantee"] == "none"
-    assert privacy["method_details"]["clt_estimate"] == details["clt_estimate"]
+    assert privacy["not_a_guarantee"]["clt_approximation"]["value"] == figures["clt_approximation"]["value"]
     assert "No formal differential privacy guarantee holds for this model" in card.text
 
 

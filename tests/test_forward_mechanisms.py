@@ -100,4 +100,4 @@ def test_a_method_registers_a_forward_mechanism_through_the_trainer(tmp_path, no
     noise = noisy - clipped
     assert abs(noise.std().item() / (SIGMA * CLIP) - 1) < 0.35 and abs(noise.mean().item()) < 0.3 * SIGMA * CLIP
     trainer.train()  # trains with the mechanism in place
-    assert trainer.ledger.total_steps == 1 and math.isfinite(trainer.privacy_report()["epsilon"])
+    assert trainer.ledger.total_steps == 1 and math.isfinite(trainer.ledger.epsilon())

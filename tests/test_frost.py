@@ -109,7 +109,9 @@ def test_plan_is_compute_sigma_with_the_selection_rounds(tmp_path, accountant):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("frost")
-    trainer = _trainer(out, per_device_train_batch_size=16, max_steps=4)
+    # a secure run (no noise_seed): its card carries the ε the tests recompute
+    trainer = _trainer(out, dp=dataclasses.replace(FROST, noise_seed=None), per_device_train_batch_size=16,
+                       max_steps=4)
     before = snapshot(trainer.model)
     trainer.train()
     trainer.save_model()
@@ -249,7 +251,7 @@ def test_a_resume_with_the_budget_spent_still_saves_the_selection(tmp_path):
 
 def test_the_logged_epsilon_never_passes_the_target(tmp_path):
     """The per-step ε is a look-ahead bound capped at the budget's end, counted in releases (selection included)."""
-    dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0)
+    dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0, noise_seed=None)  # a run that logs ε
     trainer = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=12)
     trainer.train()
     logged = [entry["epsilon"] for entry in trainer.state.log_history if "epsilon" in entry]

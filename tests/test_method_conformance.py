@@ -39,8 +39,8 @@ ROWS = {
     "dp-lora": (DPLoRAConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, lora_r=2,
                              lora_target_modules="query,value"), tiny.bert),
     "dp-bitfit": (BitFitConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.roberta),
-    "dp-frost": (FrostConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, unfreeze_ratio=0.3, selection_sample_rate=0.25,
-                             noise_seed=5), tiny.bert),
+    "dp-frost": (FrostConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, unfreeze_ratio=0.3,
+                             selection_sample_rate=0.25), tiny.bert),
     "dp-fp": (DPFPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.bert),  # sound mode; paper mode has no
     # guarantee to check (test_dpfp.py shows its leak, test_audit.py refutes its CLT figure)
     "sparse-lowrank": (SparseLowRankConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, rank=4, sparsity=0.25),

@@ -163,7 +163,7 @@ def select_then_train():
 
 
 def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tmp_path, select_then_train):
-    trainer = make_trainer(tmp_path, dp=select_then_train(target_epsilon=3.0, noise_seed=0), max_steps=4)
+    trainer = make_trainer(tmp_path, dp=select_then_train(target_epsilon=3.0), max_steps=4)
     selection, training = trainer.plan["test-selection"], trainer.plan[select_then_train.method]
     assert selection.noise_multiplier == pytest.approx(2 * training.noise_multiplier)  # one scale, two ratios
     assert trainer.plan.epsilon() <= 3.0

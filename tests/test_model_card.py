@@ -4,6 +4,7 @@ offline (license, base_model, model-index, tags), the body names versions and wh
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -14,8 +15,9 @@ from huggingface_hub.repocard_data import eval_results_to_model_index, model_ind
 from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorWithPadding, RobertaForSequenceClassification
 
-from hf_private import BitFitConfig, DPConfig, PrivateTrainer
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer
 from hf_private.adapters import is_hub_model_id
+from hf_private.audit import AuditResult
 from hf_private.model_card import (
     BASE_PLACEHOLDER,
     FRAMEWORKS,
@@ -25,7 +27,7 @@ from hf_private.model_card import (
     privacy_metadata,
 )
 from tests import tiny
-from tests.helpers import training_args
+from tests.helpers import make_trainer, training_args
 
 REPORT = {"guarantee": "formal", "epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 1000,
           "mechanisms": [{"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 100,
@@ -260,3 +262,57 @@ def test_recipe_result_line_names_what_was_written(caplog, fmt, written):
     with caplog.at_level(logging.INFO, logger="recipes"):
         glue._log_result(result, report, recipe, False, fmt)
     assert f"s. {written}" in caplog.text and "privacy ledger and card in out." in caplog.text
+
+
+# ---------------------------------------------------------------- a run without a guarantee promises nothing
+_NO_GUARANTEE_RUNS = {
+    "dp-fp paper mode": lambda: DPFPConfig(mode="paper", target_epsilon=3.0, max_grad_norm=1.0),
+    "test seed": lambda: DPConfig(target_epsilon=3.0, max_grad_norm=1.0, noise_seed=0),
+}
+# Sentences and labels that promise protection or present a number as ε.
+_PROMISES = ("What is protected:", "and not protected", "satisfies", "counted in ε", "ε covers", "composed into the ε",
+             "with **differential privacy**", "(differential privacy)", "trained with differential privacy")
+_EPSILON_NUMBER = re.compile(r"(ε|epsilon)\s*[:=≤≥]?\s*[0-9]", re.IGNORECASE)
+
+
+def _epsilon_keys(value, path=()) -> list[tuple]:
+    """Every key containing 'epsilon' in a nested dict/list (target_epsilon, a setting, aside)."""
+    if isinstance(value, dict):
+        return [found for key, item in value.items()
+                for found in ([(*path, key)] if "epsilon" in str(key) and key != "target_epsilon" else [])
+                + _epsilon_keys(item, (*path, key))]
+    if isinstance(value, list):
+        return [found for i, item in enumerate(value) for found in _epsilon_keys(item, (*path, i))]
+    return []
+
+
+@pytest.mark.parametrize("run", sorted(_NO_GUARANTEE_RUNS))
+def test_a_run_without_a_guarantee_promises_nothing(tmp_path, caplog, run):
+    """Invariant 10: card, report, logs and audit record have no protection sentence and no number labelled ε."""
+    trainer = make_trainer(tmp_path, dp=_NO_GUARANTEE_RUNS[run](), max_steps=3)
+    with caplog.at_level(logging.INFO):
+        trainer.train()
+        trainer.save_model()
+    report = trainer.privacy_report()
+    assert report["guarantee"] == "none" and not _epsilon_keys(report), _epsilon_keys(report)
+    assert report["not_a_guarantee"] and all(f["what"] for f in report["not_a_guarantee"].values())
+    assert not any("epsilon" in entry for entry in trainer.state.log_history)
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("transformers.hf_private")]
+    assert logged and not [m for m in logged if _EPSILON_NUMBER.search(m)], logged
+
+    card = ModelCard.load(tmp_path / "README.md")
+    privacy = card.data.to_dict()["privacy"]
+    assert not _epsilon_keys(privacy) and "differential-privacy" not in card.data.tags
+    body = card.text
+    assert "No formal differential privacy guarantee holds for this model" in body
+    assert "### Figures that are not a guarantee" in body
+    assert not [p for p in _PROMISES if p in body], [p for p in _PROMISES if p in body]
+    outside_figures = body.split("### Figures that are not a guarantee")[0] + body.split("**What is public")[1]
+    assert not _EPSILON_NUMBER.search(outside_figures)
+
+    result = AuditResult(
+        epsilon_lower_bound=0.5, confidence=0.95, claimed_epsilon=1.0, claim=next(iter(report["not_a_guarantee"])),
+        delta=1e-5, method=report["method"], canaries=10, included=5, k_plus=1, k_minus=1, bounds=(), date="today",
+        audit_data="public", mechanisms=(), accountant="prv", guarantee=report["guarantee"], dataset_fingerprint=None)
+    for record in (result.to_dict(), result.card_entry()):
+        assert "claimed_epsilon" not in record and record["tested_figure"]["name"] == result.claim

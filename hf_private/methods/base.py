@@ -214,6 +214,12 @@ class DPMethod:
         released (post-processed) values belong here. Nothing by default."""
         return {}
 
+    def figures_without_guarantee(self) -> dict[str, dict[str, Any]]:
+        """Numbers a run without a formal guarantee may still show, each {"value", "what"}: what it is, and why it is
+        not a bound on this model's privacy loss (DP-FP paper mode: the paper's CLT figure). The first is what the
+        method's paper claims, which an audit tests. Nothing by default."""
+        return {}
+
     def start_stage(self, index: int, model: nn.Module) -> None:
         """Called between logical batches when stage `index` (≥ 1) begins: re-select what trains."""
         raise NotImplementedError(f"{type(self).__name__} has a single stage.")

@@ -10,8 +10,8 @@ calibration (Eq. 11 from the GDP-CLT μ of the target, `clt.clt_noise_multiplier
 * "paper": the whole model trains with the plain optimizer (no per-example clip, no gradient noise) on the noisy
   representation, as published. The gradient of every parameter below the noise reads the raw input and the label,
   so the released model has no finite guarantee: each step is a ledger event without one, the report and the card
-  carry no ε, only the paper's CLT figure (`clt_estimate`) and the exact ε of the representation releases alone
-  (`representation_mechanism_epsilon`), both labelled as what they are.
+  carry no ε, only, under "not a guarantee", the paper's CLT figure (`clt_approximation`) and the accountant's
+  figure for the representation releases alone (`representation_releases_alone`), each labelled as what it is.
 """
 
 from __future__ import annotations
@@ -122,25 +122,31 @@ class DPFPMethod(DPMethod):
         return self._epsilons
 
     def report(self) -> dict[str, Any]:
-        details: dict[str, Any] = {
+        return {
             "mode": self.config.mode,
             "noise_point": self.noise_point,
             "representation_clip": self.config.representation_clip,
             "representation_noise_multiplier": self.representation_noise_multiplier,
-            "micro_batches": self.config.micro_batches,
         }
-        if self.config.mode == "paper" and self._plan is not None:
-            clt, exact, accountant = self.representation_epsilons()
-            details["clt_estimate"] = clt
-            details["clt_estimate_note"] = ("The paper's Gaussian-DP central-limit figure for the planned "
-                                            "representation releases: an approximation, not a bound, and not a "
-                                            "guarantee for this model.")
-            details["representation_mechanism_epsilon"] = exact
-            details["representation_mechanism_note"] = (
-                f"An upper bound ({accountant} accountant) on the ε of the representation releases alone, as planned: "
-                "information about one part of the algorithm, not a guarantee for this model, whose encoder was "
-                "trained on raw inputs.")
-        return details
+
+    def figures_without_guarantee(self) -> dict[str, dict[str, Any]]:
+        if self.config.mode != "paper" or self._plan is None:
+            return {}
+        clt, exact, accountant = self.representation_epsilons()
+        return {
+            "clt_approximation": {
+                "value": clt,
+                "what": "The paper's Gaussian-DP central-limit figure for the planned representation releases: an "
+                        "approximation (it under-states their privacy loss 2-3×), not a bound, and not about this "
+                        "model, whose encoder was trained on raw inputs.",
+            },
+            "representation_releases_alone": {
+                "value": exact,
+                "what": f"The {accountant} accountant's upper bound for the representation releases alone, as "
+                        "planned: one part of the algorithm, not this model, whose encoder and labels were used "
+                        "without noise.",
+            },
+        }
 
     def citations(self) -> tuple[str, ...]:
         return (*super().citations(),
