@@ -32,7 +32,7 @@ from .checkpoints import load_ledger, load_method_state, save_privacy_record, sa
 from .engine import PerExampleGradientEngine, trainable_parameters
 from .engine.independence import RTOL, RTOL_LOW_PRECISION, check_example_independence
 from .example_rows import rows_per_example
-from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics
+from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
 from .logs import get_logger
@@ -136,7 +136,8 @@ class PrivateTrainer(Trainer):
         self._independence_checked = False  # the example-independence probe runs once, on the first chunk of ≥ 2
         self._audits: list[AuditResult] = []  # see attach_audit
         self._set_signature_columns_if_needed()
-        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names)
+        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
+                                          pad_token_id(self.processing_class))
         # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
         self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
         for prefix, dataset in eval_sets(self.eval_dataset):
