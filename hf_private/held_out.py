@@ -1,41 +1,52 @@
 """Is an evaluation set held out? Checked against the training set before its metrics are called held-out.
 
-Metrics on training examples are un-noised functions of the private data: the card must
-never present them as a held-out result. An evaluation set overlaps the training set when it is the same object,
-has the same `datasets` fingerprint, or shares a row: a 128-bit blake2b hash of each row's model-input columns.
-Label columns are left out of the hash, since the same input under another label still shows what the model
-learnt from that training example.
+Metrics on training examples are un-noised functions of the private data: the card must never present them as a
+held-out result. An evaluation set overlaps the training set when it is the same object, has the same `datasets`
+fingerprint, or has a row that repeats a training example (`row_identity`): the same unpadded tokens, the same text,
+or, for sets stored at different max_length, the same first tokens (at least MIN_PREFIX) up to where the shorter set
+stops. Labels are left out: the same input under another label still shows what the model learnt from that example.
+
+Memory: a 16-byte blake2b key per training row for tokens and one for text (about 100 bytes each in a Python set),
+one more set when a truncation comparison is needed, and a key per evaluation row it must test that way; time is
+one pass over each set, plus one over the training set per truncation length compared.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
-
-import numpy as np
-import torch
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from .logs import get_logger
+from .row_identity import MIN_PREFIX, Identity, examples, identity, prefix_key, text_key, token_key
 
 logger = get_logger(__name__)
 
 HELD_OUT = "held-out"
 OVERLAPS = "overlaps the training data"
+# What a shared row repeats; the card's held-out heading says the same ("checked to repeat no ...").
+COMPARED = "training example's tokens, padding ignored, or text"
 
 _LABEL_COLUMNS = ("label", "labels", "label_ids")
 _TIMING_METRICS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
-_BATCH = 4096
+
+
+class _Keys(NamedTuple):
+    tokens: set[bytes]
+    texts: set[bytes]
+    longest: int  # the longest token row: the training set's truncation length, if it was truncated
 
 
 class TrainingRows:
-    """The training set's row hashes, computed once (on first need) per set of hashed columns."""
+    """The training set's row keys, computed once (on first need) per way of comparing."""
 
-    def __init__(self, train_dataset, input_columns: Sequence[str], label_columns: Sequence[str] = ()) -> None:
+    def __init__(self, train_dataset, input_columns: Sequence[str], label_columns: Sequence[str] = (),
+                 pad_token_id: int | None = None) -> None:
         self.train_dataset = train_dataset
         self.input_columns = list(input_columns)  # what the model accepts; other columns never reach it
         self.label_columns = {*_LABEL_COLUMNS, *label_columns}
-        self._hashes: dict[tuple[str, ...] | None, set[bytes]] = {}
+        self.pad_token_id = pad_token_id
+        self._keys: dict[Identity, _Keys] = {}
+        self._prefixes: dict[tuple[Identity, int], set[bytes]] = {}
         self._checked: dict[int, tuple[Any, int]] = {}  # id → (dataset, overlap); holding it keeps its id unique
 
     def overlap(self, eval_dataset, name: str) -> int:
@@ -47,9 +58,9 @@ class TrainingRows:
         self._checked[id(eval_dataset)] = (eval_dataset, count)
         if count:
             logger.warning(
-                "Evaluation set %r shares %d of its %d rows with the training data: its metrics are un-noised "
-                "functions of the private training data, not a held-out result, and the model card will not "
-                "publish them.", name, count, size,
+                "Evaluation set %r shares %d of its %d rows with the training data (each repeats a %s): its metrics "
+                "are un-noised functions of the private training data, not a held-out result, and the model card "
+                "will not publish them.", name, count, size, COMPARED,
             )
         return count
 
@@ -59,69 +70,48 @@ class TrainingRows:
         fingerprint = getattr(eval_dataset, "_fingerprint", None)
         if eval_dataset is train or (fingerprint is not None and fingerprint == getattr(train, "_fingerprint", None)):
             return len(eval_dataset), len(eval_dataset)
-        columns = self._hashed_columns(eval_dataset)
-        if columns == ():
+        how = identity(train, eval_dataset, self.input_columns, self.label_columns, self.pad_token_id)
+        if how is None:
             return 0, 0  # no column in common: no row can be shared
-        if columns not in self._hashes:
-            self._hashes[columns] = set(row_hashes(train, columns))
-        known = self._hashes[columns]
-        shared = size = 0
-        for digest in row_hashes(eval_dataset, columns):
-            shared += digest in known
+        known = self._training_keys(how)
+        shared = size = longest = 0
+        untested: list[tuple[int, bytes]] = []  # (cut, prefix key) per unmatched row; the cut applying shows at the end
+        for example in examples(eval_dataset, how):
             size += 1
+            longest = max(longest, example.length)
+            if token_key(example) in known.tokens or text_key(example) in known.texts:
+                shared += 1
+            elif (cut := min(known.longest, example.length)) > MIN_PREFIX:
+                untested.append((cut, prefix_key(example, cut)))
+        cut = min(known.longest, longest)
+        if untested and longest != known.longest and cut > MIN_PREFIX:
+            truncated = self._training_prefixes(how, cut)
+            shared += sum(row_cut == cut and key in truncated for row_cut, key in untested)
         return shared, size
 
-    def _hashed_columns(self, eval_dataset) -> tuple[str, ...] | None:
-        """Model-input columns both sets have; all shared non-label columns if none; None for rows without columns."""
-        train_columns, eval_columns = _columns(self.train_dataset), _columns(eval_dataset)
-        if train_columns is None or eval_columns is None:
-            return None if train_columns is None and eval_columns is None else ()
-        shared = [c for c in train_columns if c in eval_columns and c not in self.label_columns]
-        inputs = tuple(c for c in shared if c in self.input_columns)
-        return inputs or tuple(shared)
+    def _training_keys(self, how: Identity) -> _Keys:
+        if how not in self._keys:
+            tokens, texts, longest = set(), set(), 0
+            for example in examples(self.train_dataset, how):
+                tokens.add(token_key(example))
+                if (text := text_key(example)) is not None:
+                    texts.add(text)
+                longest = max(longest, example.length)
+            self._keys[how] = _Keys(tokens, texts, longest)
+        return self._keys[how]
+
+    def _training_prefixes(self, how: Identity, cut: int) -> set[bytes]:
+        """Prefix keys at `cut` of the training rows at least `cut` long (`row_identity.prefix_key`)."""
+        if (how, cut) not in self._prefixes:
+            self._prefixes[how, cut] = {prefix_key(example, cut) for example in examples(self.train_dataset, how)
+                                        if example.length >= cut}
+        return self._prefixes[how, cut]
 
 
-def row_hashes(dataset, columns: tuple[str, ...] | None) -> Iterator[bytes]:
-    """blake2b-128 of each row's `columns` (the whole row for None), over a canonical repr of plain Python values."""
-    for values in _rows(dataset, columns):
-        yield hashlib.blake2b(repr(values).encode(), digest_size=16).digest()
-
-
-def _rows(dataset, columns: tuple[str, ...] | None) -> Iterable[Any]:
-    if hasattr(dataset, "select_columns") and columns is not None:  # datasets.Dataset: Arrow batches, plain values
-        for batch in dataset.select_columns(list(columns)).with_format(None).iter(batch_size=_BATCH):
-            yield from zip(*(batch[c] for c in columns))
-        return
-    for row in _iterate(dataset):
-        yield _plain(row) if columns is None else tuple(_plain(row[c]) for c in columns)
-
-
-def _iterate(dataset) -> Iterable[Any]:
-    """Rows by index for map-style sets (their __iter__ may not exist), else by iteration (streaming sets)."""
-    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        return (dataset[index] for index in range(len(dataset)))
-    return iter(dataset)
-
-
-def _plain(value: Any) -> Any:
-    """Tensors, arrays and numpy scalars as the lists and numbers a `datasets.Dataset` row holds."""
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return tuple((key, _plain(value[key])) for key in sorted(value))
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _columns(dataset) -> list[str] | None:
-    names = getattr(dataset, "column_names", None)
-    if names is not None:
-        return list(names)
-    first = next(iter(_iterate(dataset)), None)
-    return list(first) if isinstance(first, Mapping) else None
+def pad_token_id(processing_class) -> int | None:
+    """The tokenizer's pad id, also behind a processor; without one, only an attention_mask shows padding."""
+    pad = getattr(getattr(processing_class, "tokenizer", processing_class), "pad_token_id", None)
+    return pad if isinstance(pad, int) else None
 
 
 def eval_sets(eval_dataset, prefix: str = "eval") -> Iterator[tuple[str, Any]]:

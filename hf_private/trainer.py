@@ -38,7 +38,7 @@ from .engine.independence import (
     spread_by_length,
 )
 from .example_rows import rows_per_example
-from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, published_metrics
+from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
 from .logs import get_logger
@@ -143,7 +143,8 @@ class PrivateTrainer(Trainer):
         self._independence_checked = False
         self._audits: list[AuditResult] = []  # see attach_audit
         self._set_signature_columns_if_needed()
-        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names)
+        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
+                                          pad_token_id(self.processing_class))
         # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
         self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
         for prefix, dataset in eval_sets(self.eval_dataset):

@@ -1,27 +1,31 @@
 """Evaluation on the training data is never published as held-out.
 
-The card publishes an evaluation set's metrics as held-out only when the set shares no row with the training data:
-the training set itself, a copy under another fingerprint and a set with a few training rows are all refused.
+The card publishes an evaluation set's metrics as held-out only when no row repeats a training example: the training
+set itself, a copy under another fingerprint, a re-padded copy and a set with a few training rows are all refused
+(other ways of storing a training example: tests/test_row_identity.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from datasets import concatenate_datasets
+from datasets import Dataset, concatenate_datasets
 from huggingface_hub import ModelCard
 from transformers import DataCollatorWithPadding
 
-from hf_private import DPConfig, PrivateTrainer
-from hf_private.held_out import TrainingRows
+from hf_private import DPConfig, PrivateTrainer, demo, model_card
+from hf_private.held_out import COMPARED, TrainingRows
 from tests import tiny
 from tests.helpers import training_args
 
 OVERLAP_WARNING = "shares"
 HELD_OUT_HEADING = "On held-out data"
+CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[1] / "model_cards"
 NOT_HELD_OUT = "overlapping the training data"
 
 
@@ -39,6 +43,12 @@ def _card(trainer) -> ModelCard:
     return ModelCard.load(os.path.join(trainer.args.output_dir, "README.md"))
 
 
+@pytest.fixture
+def checkout_template(monkeypatch):
+    """Cards from this checkout's template: an editable install may read another checkout's."""
+    monkeypatch.setattr(model_card, "resources", SimpleNamespace(files=lambda package: CHECKOUT_TEMPLATES))
+
+
 def _with_training_rows(train, rows: int):
     """Ten training rows among fresh ones: another fingerprint, shared rows."""
     return concatenate_datasets([train.select(range(rows)), tiny.sentiment_dataset(22, seed=9)])
@@ -50,14 +60,22 @@ def _assert_withheld(card: ModelCard, prefix: str, metrics: dict[str, float]) ->
     assert not any(key in card.text for key in metrics if key.startswith(prefix)), "the values must not be published"
 
 
-@pytest.mark.parametrize("evaluated", ["training set", "training rows under another fingerprint"])
+def _padded_copy(n: int):
+    """The training split tokenised again with padding="max_length": other rows as stored, the same examples."""
+    texts, labels = demo.sentiment_texts(n)
+    enc = tiny.tokenizer()(texts, truncation=True, padding="max_length", max_length=tiny.SEQ_LEN)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
+
+
+@pytest.mark.parametrize("evaluated", ["training set", "training rows under another fingerprint", "padded copy"])
 def test_evaluation_on_training_data_is_not_published_as_held_out(tmp_path, caplog, evaluated):
     train = tiny.sentiment_dataset(96)
-    eval_dataset = train if evaluated == "training set" else _with_training_rows(train, 10)
+    eval_dataset = {"training set": train, "training rows under another fingerprint": _with_training_rows(train, 10),
+                    "padded copy": _padded_copy(96)}[evaluated]
     assert evaluated == "training set" or eval_dataset._fingerprint != train._fingerprint
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, eval_dataset)
-    shared = len(train) if evaluated == "training set" else 10
+    shared = 10 if evaluated == "training rows under another fingerprint" else len(train)
     assert f"{OVERLAP_WARNING} {shared} of its {len(eval_dataset)} rows" in caplog.text
     assert "input_ids" not in caplog.text  # a count, never row contents
     metrics = trainer.evaluate()
@@ -74,14 +92,15 @@ def test_training_set_passed_to_evaluate_later_is_caught(tmp_path, caplog):
     _assert_withheld(_card(trainer), "eval", metrics)
 
 
-def test_disjoint_evaluation_is_published_as_held_out(tmp_path, caplog):
+def test_disjoint_evaluation_is_published_as_held_out(tmp_path, caplog, checkout_template):
     train, dev = tiny.sentiment_dataset(96), tiny.sentiment_dataset(32, seed=9)
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, dev)
         loss = trainer.evaluate()["eval_loss"]
     assert OVERLAP_WARNING not in caplog.text
     card = _card(trainer)
-    assert HELD_OUT_HEADING in card.text and NOT_HELD_OUT not in card.text
+    assert f"{HELD_OUT_HEADING} (checked to repeat no {COMPARED}):" in card.text, "it says what was compared"
+    assert NOT_HELD_OUT not in card.text
     assert f"| eval_loss | {round(loss, 4)} |" in card.text
     assert "eval_runtime" not in card.text
 
