@@ -99,8 +99,8 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("guarantee_note", "training_epsilon", "not_a_guarantee", "trainable_fraction", "phases",
-                     "method_details"):
+    for optional in ("guarantee_note", "training_epsilon", "forks", "epsilon_with_forks", "not_a_guarantee",
+                     "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:

@@ -38,6 +38,7 @@ from .engine.independence import (
     spread_by_length,
 )
 from .example_rows import rows_per_example
+from .forks import find_fork
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
@@ -47,7 +48,7 @@ from .method_run import MethodRun
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
-from .privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
+from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
 from .sampling import (
     EmptySafeCollator,
     PoissonBatchSampler,
@@ -417,6 +418,7 @@ class PrivateTrainer(Trainer):
             if checkpoint is None:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
             self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
+            self._note_fork(checkpoint)
             self.dp_method.load_state_dict(load_method_state(checkpoint))
             # what the earlier run trained stays in every adapter saved from here on (a selection made before, say)
             self.trained_parameter_names |= private_adapter_names(checkpoint)
@@ -437,6 +439,20 @@ class PrivateTrainer(Trainer):
         logger.info("Trained privately: ε=%.4g, δ=%.3g (%s) after %d steps.", report["epsilon"], report["delta"],
                     report["accountant"], report["steps"])
         return output
+
+    def _note_fork(self, checkpoint: str) -> None:
+        """Resuming behind the newest checkpoint starts a second line of training on the same data: warn, record it."""
+        fork = find_fork(self.args.output_dir, checkpoint, self.ledger)
+        if fork is None:
+            return
+        self.ledger.record_fork(fork)
+        logger.warning(
+            "Resuming from %s although %s is newer: this starts a second line of training on the same data. Anything "
+            "released from the later checkpoints (hub_strategy='every_save' pushes each one) stays public, and its "
+            "privacy loss composes with this run's; the report and the card of this run say so%s.",
+            fork["resumed_from"], fork["newer_checkpoint"],
+            " and count both lines in epsilon_with_forks" if self.has_formal_guarantee else "",
+        )
 
     def _budget_already_spent(self, checkpoint: str | None) -> TrainOutput:
         """No step is possible: say so, load the checkpoint's weights (what save/push will publish), train nothing."""
@@ -517,6 +533,12 @@ class PrivateTrainer(Trainer):
         if details:
             report["method_details"] = details
         report = compose_audits(report, self._audits, self.ledger.accountant)
+        if self.ledger.forks:
+            report["forks"] = self.ledger.forks
+            if report["guarantee"] == "formal" and all(fork["newer_ledger_found"] for fork in self.ledger.forks):
+                both = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + [
+                    MechanismGroup.from_dict(m) for fork in self.ledger.forks for m in fork["newer_releases"]]
+                report["epsilon_with_forks"] = compute_epsilon(both, report["delta"], self.ledger.accountant)
         if report["guarantee"] == "formal":
             return report
         return self._without_guarantee(report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -142,6 +143,33 @@ def test_kill_and_resume_continues_the_ledger(tmp_path):
     resumed.train(resume_from_checkpoint=True)
     assert resumed.ledger.total_steps == 8
     assert resumed.ledger.epsilon() == pytest.approx(full.ledger.epsilon(), rel=1e-12)
+
+
+def test_resuming_behind_the_newest_checkpoint_records_the_fork(tmp_path, caplog):
+    """Review item 6: checkpoint-4 may have been pushed (hub_strategy='every_save'); a run resumed from checkpoint-2
+    is a second line on the same data. It warns, and its report and card count both lines."""
+    dp = DPConfig(noise_multiplier=1.0)
+    first = make_trainer(tmp_path, dp=dp, max_steps=4, save_strategy="steps", save_steps=2)
+    first.train()
+    again = make_trainer(tmp_path, dp=dp, max_steps=4, save_strategy="steps", save_steps=2)
+    with caplog.at_level(logging.WARNING):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert "Resuming from checkpoint-2 although checkpoint-4 is newer" in caplog.text
+    report = again.privacy_report()
+    (fork,) = report["forks"]
+    assert fork["resumed_from"] == "checkpoint-2" and fork["newer_checkpoint"] == "checkpoint-4"
+    assert sum(m["steps"] for m in fork["newer_releases"]) == 2  # the other line's steps 3 and 4
+    six_steps = compute_epsilon([MechanismGroup("dp-sgd", 1.0, again.sample_rate, 6, 1.0)], again.delta, "prv")
+    assert report["epsilon_with_forks"] == pytest.approx(six_steps, rel=1e-9)
+    assert report["epsilon_with_forks"] > report["epsilon"]
+    again.save_model()
+    card = ModelCard.load(os.path.join(tmp_path, "README.md"))
+    assert "A second line of training" in card.text and "`checkpoint-4`" in card.text
+    assert card.data.to_dict()["privacy"]["epsilon_with_forks"] == report["epsilon_with_forks"]
+    # the fork stays on record when this line is resumed again from its own newest checkpoint
+    third = make_trainer(tmp_path, dp=dp, max_steps=6, save_strategy="steps", save_steps=2)
+    third.train(resume_from_checkpoint=True)
+    assert third.privacy_report()["forks"] == report["forks"]
 
 
 def test_resume_from_checkpoint_without_ledger_is_refused(tmp_path):

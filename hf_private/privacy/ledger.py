@@ -167,6 +167,8 @@ class PrivacyLedger:
     def __init__(self, dataset_size: int, delta: float, accountant: str = "prv") -> None:
         self._configure(dataset_size, delta, accountant)
         self.mechanisms: list[MechanismGroup] = []
+        # Lines of training this run's line split from (`hf_private.forks`): released from the same data, never ours.
+        self.forks: list[dict[str, Any]] = []
         self._bound: tuple[float, str] | None = None
         # epsilon_upper_bound's last evaluation: (history key, steps of the last group it assumed, its bound).
         self._ahead: tuple[tuple, int, tuple[float, str]] | None = None
@@ -300,14 +302,21 @@ class PrivacyLedger:
         event = self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps)
         return compute_epsilon(_appended(self.mechanisms, event), self.delta, self.accountant)
 
+    def record_fork(self, fork: dict[str, Any]) -> None:
+        """Note a line of training this one split from (`hf_private.forks.find_fork`); it survives checkpoints."""
+        self.forks.append(fork)
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "format_version": FORMAT_VERSION,
             "dataset_size": self.dataset_size,
             "delta": self.delta,
             "accountant": self.accountant,
             "mechanisms": [group.to_dict() for group in self.mechanisms],
         }
+        if self.forks:
+            state["forks"] = self.forks
+        return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace this ledger's contents with a saved state (resuming continues the same ledger)."""
@@ -322,6 +331,7 @@ class PrivacyLedger:
         mechanisms = [MechanismGroup.from_dict(group) for group in d["mechanisms"]]
         self._configure(d["dataset_size"], d["delta"], d["accountant"])
         self.mechanisms = mechanisms
+        self.forks = list(d.get("forks", []))
         self._bound = None
 
     def save(self, path: str | os.PathLike[str]) -> None:
