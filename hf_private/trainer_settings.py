@@ -20,6 +20,8 @@ PER_EXAMPLE_LOSS_HINT = (
     "Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) returning one loss per example "
     "(shape [B]); see 'Custom losses' in the README."
 )
+# report_to integrations that write only to this machine; every other one may send the logs elsewhere.
+_LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
 # Trainer methods whose override would change what is clipped; PrivateTrainer's own versions must run.
 _LOSS_PATH_METHODS = ("compute_loss", "training_step")
 
@@ -87,6 +89,18 @@ def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_lo
             "label_smoothing=...)) and leave label_smoothing_factor at 0."
         )
     _replace_trainer_clipping(args, max_grad_norm)
+    _warn_remote_logging(args)
+
+
+def _warn_remote_logging(args: TrainingArguments) -> None:
+    """The training loss is an un-noised function of the private data; an integration may carry it off the machine."""
+    remote = [name for name in (args.report_to or []) if name not in _LOCAL_LOGGERS]
+    if remote:
+        logger.warning(
+            "report_to=%s receives every log line, including the training loss, which is computed on the private "
+            "data without noise and is not covered by the privacy guarantee; a hosted service keeps it outside this "
+            "machine. Use report_to='tensorboard' or 'none', or keep those runs private.", remote,
+        )
 
 
 def _replace_trainer_clipping(args: TrainingArguments, max_grad_norm: float) -> None:

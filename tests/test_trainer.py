@@ -294,3 +294,16 @@ def test_bf16_trains_under_autocast_and_fp16_is_refused(tmp_path):
     assert all(not torch.equal(before[f"param:{n}"], p) for n, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="fp16 with a GradScaler.*bf16=True"):
         make_trainer(tmp_path, fp16=True)
+
+
+def test_a_logging_integration_that_may_leave_the_machine_is_named(tmp_path, caplog):
+    from hf_private.trainer_settings import _warn_remote_logging
+
+    with caplog.at_level(logging.WARNING):
+        _warn_remote_logging(training_args(tmp_path, report_to=["tensorboard"]))
+    assert "report_to" not in caplog.text
+    args = training_args(tmp_path)
+    args.report_to = ["wandb", "tensorboard"]  # set after construction: wandb is not installed here
+    with caplog.at_level(logging.WARNING):
+        _warn_remote_logging(args)
+    assert "report_to=['wandb']" in caplog.text and "without noise" in caplog.text
