@@ -7,7 +7,9 @@ stays the user's own `PreTrainedModel`/`PeftModel`, so saving, evaluation and `p
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from functools import partial
 from typing import Any
 
@@ -25,7 +27,7 @@ from .adapters import (
     private_adapter_names,
     withhold_local_base_path,
 )
-from .artifacts import check_release_settings, has_trainer_weights
+from .artifacts import DP_CONFIG_NAME, check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
@@ -140,6 +142,7 @@ class PrivateTrainer(Trainer):
         self.trained_parameter_names = self.dp_method.trained_parameter_names(self.model)
         self._step_limit: int | None = None
         self._budget_exhausted = False
+        self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
         # the example-independence probe runs on the first chunk of ≥ 2 and again after every trainable-set switch
         self._independence_checked = False
         self._audits: list[AuditResult] = []  # see attach_audit
@@ -398,16 +401,62 @@ class PrivateTrainer(Trainer):
         self.record_release(self.mechanism_name)
 
     def _stop_for_budget(self) -> None:
-        if not self._budget_exhausted and not self.has_formal_guarantee:
-            logger.warning("The planned budget allows no further step after %d steps (insecure test mode: the "
-                           "accounting bounds nothing). Stopping training.", self.training_steps())
-        elif not self._budget_exhausted:
+        """Stop once the target allows no further step. At the planned end that is the normal end (train() logs ε at
+        INFO); before it, a WARNING says why (`_warn_if_budget_ends_early` said so at the start too)."""
+        asked = self._requested_steps()
+        early = self.training_steps() < asked
+        if not self._budget_exhausted and early and not self.has_formal_guarantee:
+            logger.warning("The planned budget allows no further step after %d of %d steps (insecure test mode: the "
+                           "accounting bounds nothing). Stopping training.", self.training_steps(), asked)
+        elif not self._budget_exhausted and early:
             logger.warning(
-                "Privacy budget reached: ε=%.4g of target %.4g after %d steps. Stopping training so the budget is "
-                "not exceeded.", self.ledger.epsilon(), self.dp_config.target_epsilon, self.training_steps(),
+                "Privacy budget reached after %d of the %d steps asked for: ε=%.4g of target %.4g. Stopping training "
+                "so the budget is not exceeded (%s).", self.training_steps(), asked, self.ledger.epsilon(),
+                self.dp_config.target_epsilon, self._early_stop_reason or "the schedule changed after calibration",
             )
         self._budget_exhausted = True
         self.control.should_training_stop = True
+
+    def _warn_if_budget_ends_early(self, resumed: PrivacyLedger | None) -> None:
+        """Say before the first step when the target will stop training short of the plan, and why."""
+        self._early_stop_reason = None
+        asked = self._requested_steps()
+        if self._step_limit is None or self._step_limit >= asked:
+            return
+        if resumed is not None and resumed.total_steps:
+            self._early_stop_reason = (
+                f"the checkpoint's ledger already holds {self.training_steps()} training steps taken at its own σ "
+                f"(ε={resumed.epsilon():.4g} spent), while this run's σ={self.noise_multiplier:.4g} was calibrated "
+                f"for all {self.planned_steps} planned steps from the start: to train them all, resume with the "
+                "max_steps / num_train_epochs and target the checkpoint was planned with"
+            )
+        else:
+            self._early_stop_reason = (f"σ={self.noise_multiplier:.4g} was calibrated for the {self.planned_steps} "
+                                       f"steps planned at construction; TrainingArguments now asks for {asked}")
+        logger.warning("The target ε=%g allows %d training steps in all, fewer than the %d asked for, so training will "
+                       "stop at step %d: %s.", self.dp_config.target_epsilon, self._step_limit, asked,
+                       self._step_limit, self._early_stop_reason)
+
+    def _requested_steps(self) -> int:
+        """The training steps TrainingArguments asks for now (the plan's count unless max_steps says otherwise)."""
+        return self.args.max_steps if self.args.max_steps > 0 else self.planned_steps
+
+    def _warn_if_config_changed(self, checkpoint: str) -> None:
+        """A resume with another dp_config keeps the accounting honest (one ledger), but say what changed."""
+        path = os.path.join(checkpoint, DP_CONFIG_NAME)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        current = self.dp_config.to_dict()
+        changed = {k: (saved.get(k), v) for k, v in current.items() if k != "format_version" and saved.get(k) != v}
+        if changed:
+            logger.warning(
+                "Resuming from %s with a different dp_config: %s. The ledger carries on (ε already spent: %.4g over "
+                "%d releases) and this run's steps add to it under the new settings.", checkpoint,
+                ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changed.items()), self.ledger.epsilon(),
+                self.ledger.total_steps,
+            )
 
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
@@ -418,6 +467,7 @@ class PrivateTrainer(Trainer):
             if checkpoint is None:
                 raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
             self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.dp_config.accountant)
+            self._warn_if_config_changed(checkpoint)
             self._note_fork(checkpoint)
             self.dp_method.load_state_dict(load_method_state(checkpoint))
             # what the earlier run trained stays in every adapter saved from here on (a selection made before, say)
@@ -427,6 +477,7 @@ class PrivateTrainer(Trainer):
         self._step_limit = None if allowed is None else self.training_steps() + allowed
         if not self._may_step():
             return self._budget_already_spent(resume_from_checkpoint)
+        self._warn_if_budget_ends_early(self.ledger if resume_from_checkpoint else None)
         self._budget_exhausted = False
         self.engine.reset()  # an earlier train() interrupted mid-batch must not release its sums with this one's
         output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -436,8 +487,10 @@ class PrivateTrainer(Trainer):
                            report["guarantee_note"])
             return output
         output.metrics.update(epsilon=report["epsilon"], delta=report["delta"])
-        logger.info("Trained privately: ε=%.4g, δ=%.3g (%s) after %d steps.", report["epsilon"], report["delta"],
-                    report["accountant"], report["steps"])
+        target = self.dp_config.target_epsilon
+        logger.info("Trained privately: ε=%.4g%s, δ=%.3g (%s) after %d of %d planned steps.", report["epsilon"],
+                    "" if target is None else f" of target {target:g}", report["delta"], report["accountant"],
+                    report["steps"], self.planned_steps)
         return output
 
     def _note_fork(self, checkpoint: str) -> None:

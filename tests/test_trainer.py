@@ -115,7 +115,44 @@ def test_training_stops_before_the_budget_is_exceeded(tmp_path, caplog):
     assert trainer.ledger.epsilon() <= 2.0
     assert 4 <= trainer.ledger.total_steps < 40
     assert trainer.state.global_step == trainer.ledger.total_steps  # no empty step after the stop
-    assert caplog.text.count("Privacy budget reached") == 1
+    assert "allows 4 training steps in all, fewer than the 40 asked for" in caplog.text  # said before step 1
+    assert "calibrated for the 4 steps planned at construction; TrainingArguments now asks for 40" in caplog.text
+    assert caplog.text.count("Privacy budget reached after 4 of the 40 steps asked for") == 1
+
+
+def test_a_run_that_reaches_its_planned_steps_ends_with_one_info_line(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, dp=DPConfig(target_epsilon=2.0), max_steps=4)
+    with caplog.at_level(logging.INFO, logger="transformers.hf_private"):
+        trainer.train()
+    assert trainer.ledger.total_steps == 4
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "budget" in r.getMessage()]
+    (end,) = [r for r in caplog.records if r.getMessage().startswith("Trained privately")]
+    assert end.levelno == logging.INFO and "of target 2, " in end.getMessage()
+    assert "after 4 of 4 planned steps" in end.getMessage()
+
+
+def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_path, caplog):
+    first = make_trainer(tmp_path, dp=DPConfig(target_epsilon=8.0, max_grad_norm=1.0), max_steps=8,
+                         save_strategy="steps", save_steps=4)
+    first.add_callback(_Kill(at_step=5))
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    resumed = make_trainer(tmp_path, dp=DPConfig(target_epsilon=20.0, max_grad_norm=5.0), max_steps=8)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert "target_epsilon 8.0 → 20.0" in caplog.text and "max_grad_norm 1.0 → 5.0" in caplog.text
+    assert "ε already spent" in caplog.text
+    caplog.clear()
+    longer = make_trainer(tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=8, save_strategy="steps",
+                          save_steps=4)
+    longer.add_callback(_Kill(at_step=5))
+    with pytest.raises(KeyboardInterrupt):
+        longer.train()
+    more = make_trainer(tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=16)
+    with caplog.at_level(logging.WARNING):
+        more.train(resume_from_checkpoint=True)
+    assert "fewer than the 16 asked for" in caplog.text and "already holds 4 training steps" in caplog.text
+    assert more.ledger.epsilon() <= 8.0 and more.ledger.total_steps < 16
 
 
 class _Kill(TrainerCallback):
