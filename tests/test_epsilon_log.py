@@ -150,17 +150,26 @@ class _Clock:
         return self.now
 
 
-def _simulate(monkeypatch, cost: float, steps: int = 300, every: int = 1) -> tuple[list[float], list[float], int]:
-    """A run of one mechanism, one second per step, the accountant taking `cost` seconds on the clock: (logged,
-    exact ε at each logged step and at the end, accountant evaluations)."""
-    clock, calls = _Clock(), _accountant_calls(monkeypatch)
+def _costly_accountant(monkeypatch, clock: _Clock, seconds: float) -> list[int]:
+    """The ledger's accountant taking `seconds` × √(steps composed) on `clock`, about as PRV's does; returns the
+    list of the steps of each evaluation."""
+    calls = _accountant_calls(monkeypatch)
     counting = ledger_module.epsilon_bound
 
     def costly(mechanisms, delta, accountant):
-        clock.now += cost
+        clock.now += seconds * math.sqrt(sum(group.steps for group in mechanisms))
         return counting(mechanisms, delta, accountant)
 
     monkeypatch.setattr(ledger_module, "epsilon_bound", costly)
+    return calls
+
+
+def _simulate(monkeypatch, cost: float, steps: int = 300, every: int = 1) -> tuple[list[float], list[float], int,
+                                                                                  EpsilonLog]:
+    """A run of one mechanism, one second per step, a log line every `every` steps: (logged, exact ε at each logged
+    step and at the end, accountant evaluations, the EpsilonLog)."""
+    clock = _Clock()
+    calls = _costly_accountant(monkeypatch, clock, cost)
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     log = EpsilonLog(ledger, 0, clock=clock)
     logged, exact = [], []
@@ -172,42 +181,42 @@ def _simulate(monkeypatch, cost: float, steps: int = 300, every: int = 1) -> tup
             exact.append(compute_epsilon(ledger.mechanisms, DELTA, "rdp"))
     logged.append(log.final())
     exact.append(compute_epsilon(ledger.mechanisms, DELTA, "rdp"))
-    return logged, exact, len(calls)
+    return logged, exact, len(calls), log
 
 
 @pytest.mark.parametrize("every", [1, 7])
-def test_an_expensive_accountant_is_called_a_few_times_and_the_column_holds(monkeypatch, every):
-    logged, exact, evaluations = _simulate(monkeypatch, cost=1.5, every=every)  # 2% of 300 s: four evaluations
+def test_an_expensive_accountant_is_called_a_few_times_within_budget_and_the_column_holds(monkeypatch, every):
+    # 0.1 s × √steps: the exact ε on every line would take ~350 s (every=1), the budget is 2% of 300 s
+    logged, exact, evaluations, log = _simulate(monkeypatch, cost=0.1, every=every)
     assert logged == sorted(logged) and logged[-1] == exact[-1]
     assert all(value >= spent for value, spent in zip(logged, exact))
-    assert evaluations <= 5
+    assert evaluations <= 10 and log.accountant_seconds <= 0.02 * log.training_seconds()
 
 
-def test_a_cheap_accountant_gives_the_exact_epsilon_on_every_line(monkeypatch):
-    logged, exact, evaluations = _simulate(monkeypatch, cost=1e-4)
-    assert logged == exact and evaluations == 300
+@pytest.mark.parametrize("every", [1, 7])
+def test_a_cheap_accountant_gives_the_exact_epsilon_on_every_line(monkeypatch, every):
+    logged, exact, evaluations, _ = _simulate(monkeypatch, cost=1e-4, every=every)
+    assert logged == exact and evaluations == math.ceil(300 / every)  # every line, and the final one off a line
 
 
-@pytest.mark.parametrize(("cost", "cap", "affordable"), [(0.0625, 1000, 319), (6.5, 1000, 2), (6.5, 50, 2),
-                                                         (16.0, 1000, 0), (16.0, 500, 0)])
-def test_a_look_ahead_spaces_the_affordable_evaluations_to_reach_the_end(monkeypatch, cost, cap, affordable):
-    """After t steps of `limit`, with n evaluations left in 2% of the projected training time, the horizon is
-    ⌈t·(limit/t)^(1/n)⌉ (the end when n ≤ 1), never past the cap."""
-    clock, calls = _Clock(), _accountant_calls(monkeypatch)
-    counting = ledger_module.epsilon_bound
-
-    def costly(mechanisms, delta, accountant):
-        clock.now += cost
-        return counting(mechanisms, delta, accountant)
-
-    monkeypatch.setattr(ledger_module, "epsilon_bound", costly)
+@pytest.mark.parametrize(("cost", "cap", "horizon"), [
+    (1e-4, 1000, 11),  # ~2e5 units: the exact ε on all 990 lines left (~2.1e4) is affordable
+    (0.01, 1000, 12),  # ~2000 units: 157 evaluations at 11·(1000/11)^(k/157), the first at 11.3
+    (0.1, 1000, 16), (0.1, 15, 15),  # ~197 units: 14 evaluations, the first at 15.2 (or the cap)
+    (1.0, 1000, 1000), (1.0, 500, 500),  # ~17 units: not even 2 evaluations, so straight to the end (or the cap)
+])
+def test_a_look_ahead_spaces_the_affordable_evaluations_to_reach_the_end(monkeypatch, cost, cap, horizon):
+    """After 11 steps of 1000 at one second each, the first line (at 10 steps) having cost `cost`·√10 s, 2% leaves
+    (20 − cost·√10) s, in units of an evaluation at one step 20/cost − √10: the most evaluations at t·r, t·r², …,
+    1000 (costing Σ √(t·r^k) units) within it."""
+    clock = _Clock()
+    calls = _costly_accountant(monkeypatch, clock, cost)
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     log = EpsilonLog(ledger, 0, clock=clock)
     ledger.record("dp-sgd", 1.0, 0.01, steps=10)
     clock.now = 10.0
     log.at_step(10, cap, 1000)  # the first line is exact and measures the cost
     ledger.record("dp-sgd", 1.0, 0.01)
-    clock.now += 1.0  # one second per step: 1000 s projected, 20 s to spend, `cost` spent already
+    clock.now += 1.0
     log.at_step(11, cap, 1000)
-    expected = 1000 if affordable <= 1 else math.ceil(11 * (1000 / 11) ** (1 / affordable))
-    assert calls == [10, min(cap, expected)]
+    assert calls == [10, horizon]
