@@ -51,6 +51,7 @@ from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
+from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .sampling import (
     EmptySafeCollator,
     PoissonBatchSampler,
@@ -141,6 +142,7 @@ class PrivateTrainer(Trainer):
         # Every tensor trained in any stage: what a saved adapter must contain.
         self.trained_parameter_names = self.dp_method.trained_parameter_names(self.model)
         self._step_limit: int | None = None
+        self._epsilon_log = EpsilonLog(self.ledger, 0)  # the ε of the log lines; train() starts a new one
         self._budget_exhausted = False
         self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
         # the example-independence probe runs on the first chunk of ≥ 2 and again after every trainable-set switch
@@ -479,6 +481,7 @@ class PrivateTrainer(Trainer):
             return self._budget_already_spent(resume_from_checkpoint)
         self._warn_if_budget_ends_early(self.ledger if resume_from_checkpoint else None)
         self._budget_exhausted = False
+        self._epsilon_log = EpsilonLog(self.ledger, self.training_steps())
         self.engine.reset()  # an earlier train() interrupted mid-batch must not release its sums with this one's
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         report = self.privacy_report()
@@ -535,13 +538,14 @@ class PrivateTrainer(Trainer):
         if not self.has_formal_guarantee:
             pass  # no ε to log: a number here would read as a guarantee
         elif "train_loss" in logs:  # the end of training: the exact ε, as in privacy_report() and the card
-            logs["epsilon"] = self.ledger.epsilon()
-        elif "loss" in logs:  # every logging step: an upper bound a few steps ahead (exact ε costs ~0.1 s)
-            # the look-ahead stops at the budget's step limit, counted in releases like the ledger (a method's own
-            # releases, DP-FROST's selection rounds, are in the ledger but are not training steps)
-            limit = None if self._step_limit is None else (
-                self._step_limit + self.ledger.total_steps - self.training_steps())
-            logs["epsilon"] = self.ledger.epsilon_upper_bound(max_steps=limit)
+            logs["epsilon"] = self._epsilon_log.final()
+        elif "loss" in logs:  # every logging step: ε spent so far, or a bound a few steps ahead (see EpsilonLog)
+            steps = self.training_steps()
+            end = self.state.max_steps  # Trainer's own stop (the planned steps unless args changed since)
+            limit = end if self._step_limit is None else min(self._step_limit, end)
+            cap = horizon_cap(self.plan, self.ledger.mechanisms, steps, limit,
+                              self.dp_method.next_own_release(steps, self.plan))
+            logs["epsilon"] = self._epsilon_log.at_step(steps, cap, limit)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:

@@ -250,7 +250,7 @@ def test_a_resume_with_the_budget_spent_still_saves_the_selection(tmp_path):
 
 
 def test_the_logged_epsilon_never_passes_the_target(tmp_path):
-    """The per-step ε is a look-ahead bound capped at the budget's end, counted in releases (selection included)."""
+    """The per-step ε never looks past the budget's end (selection rounds included in the budget)."""
     dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0, noise_seed=None)  # a run that logs ε
     trainer = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=12)
     trainer.train()

@@ -165,7 +165,7 @@ def test_a_release_without_guarantee_makes_epsilon_infinite_and_the_report_say_n
     assert "no finite privacy guarantee" in caplog.text
     kind, reason = ledger.guarantee()
     assert kind == "none" and REASON in reason
-    assert ledger.epsilon() == math.inf and ledger.epsilon_upper_bound() == math.inf
+    assert ledger.epsilon() == math.inf and ledger.epsilon_ahead(5) == math.inf
     report = ledger.report()
     assert report["guarantee"] == "none" and REASON in report["guarantee_note"] and report["epsilon"] == math.inf
     assert report["mechanisms"][1] == {"name": "dp-fp-paper", "noise_multiplier": 0.0, "sample_rate": 1.0,
@@ -231,8 +231,16 @@ def test_validation():
     assert ledger.mechanisms == []
 
 
-def _simulate(monkeypatch, accountant, phases, max_steps=None):
-    """Record one step at a time as training does; (bounds logged, exact ε, accountant evaluations for the logs)."""
+SINGLE = [("dp-sgd", 1.0, 0.01, 300)]
+# Then a costlier mechanism (twice the rate): a look-ahead that still assumed the first would fall below ε.
+SWITCH = [("dp-sgd", 1.0, 0.01, 200), ("bitfit", 1.0, 0.02, 100)]
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+@pytest.mark.parametrize("phases", [SINGLE, SWITCH], ids=["single", "phase-switch"])
+def test_epsilon_ahead_bounds_every_step_until_it_is_reached_and_is_then_free(monkeypatch, accountant, phases):
+    """After the first step of each mechanism, ε of its last step bounds ε at every step before (ε never decreases
+    with releases: the accountants' numbers must not either), and `epsilon()` reuses it when training gets there."""
     calls = []
 
     def counting(mechanisms, delta, accountant):
@@ -241,37 +249,20 @@ def _simulate(monkeypatch, accountant, phases, max_steps=None):
 
     monkeypatch.setattr(ledger_module, "epsilon_bound", counting)
     ledger = PrivacyLedger(N, DELTA, accountant=accountant)
-    bounds, exact, evaluations = [], [], 0
+    exact = []
     for name, sigma, q, steps in phases:
-        for _ in range(steps):
-            ledger.record(name, sigma, q, max_grad_norm=1.0)
-            before = len(calls)
-            bounds.append(ledger.epsilon_upper_bound(max_steps=max_steps))
-            evaluations += len(calls) - before
-            exact.append(ledger.epsilon())
-    return bounds, exact, evaluations
-
-
-SINGLE = [("dp-sgd", 1.0, 0.01, 300)]
-# Then a costlier mechanism (twice the rate): a look-ahead that still assumed the first would fall below ε.
-SWITCH = [("dp-sgd", 1.0, 0.01, 200), ("bitfit", 1.0, 0.02, 100)]
-
-
-@pytest.mark.parametrize("accountant", ["prv", "rdp"])
-@pytest.mark.parametrize("phases", [SINGLE, SWITCH], ids=["single", "phase-switch"])
-def test_epsilon_upper_bound_is_an_upper_bound_that_tracks_progress(monkeypatch, accountant, phases):
-    bounds, exact, evaluations = _simulate(monkeypatch, accountant, phases)
-    assert all(bound >= eps for bound, eps in zip(bounds, exact))  # at every step
-    assert evaluations <= 20  # not one accountant call per logged step
-    # It follows the steps taken (never above the exact ε of 1.5x as many steps), not the planned total.
-    for t in range(1, len(exact) * 2 // 3 + 1):
-        assert bounds[t - 1] <= exact[math.ceil(1.5 * t) - 1]
-    assert bounds[0] < bounds[-1]
-
-
-def test_epsilon_upper_bound_stays_within_max_steps_and_keeps_the_exact_epsilon_exact(monkeypatch):
-    bounds, exact, _ = _simulate(monkeypatch, "rdp", [("dp-sgd", 1.0, 0.01, 100)], max_steps=100)
-    assert all(eps <= bound <= exact[-1] for bound, eps in zip(bounds, exact))
-    ledger = PrivacyLedger(N, DELTA, accountant="rdp")
-    ledger.record("dp-sgd", 1.0, 0.01, steps=100)
-    assert exact[-1] == ledger.epsilon() == ledger.report()["epsilon"]
+        ledger.record(name, sigma, q, max_grad_norm=1.0)
+        ahead = ledger.epsilon_ahead(steps - 1)
+        for step in range(steps):
+            if step:
+                ledger.record(name, sigma, q, max_grad_norm=1.0)
+            if step < steps - 1:
+                exact.append(compute_epsilon(ledger.mechanisms, DELTA, accountant))
+                assert exact[-1] <= ahead
+        evaluations = len(calls)
+        assert ledger.epsilon() == ahead and len(calls) == evaluations  # reused, not evaluated again
+        exact.append(ahead)
+    assert exact == sorted(exact)
+    assert ledger.epsilon_ahead(0) == ledger.epsilon() and len(calls) == evaluations
+    with pytest.raises(ValueError, match="steps"):
+        ledger.epsilon_ahead(-1)

@@ -34,8 +34,6 @@ READABLE_FORMAT_VERSIONS = (1, 2)  # 1: before typed events, every group a Poiss
 POISSON_GAUSSIAN = "poisson_gaussian"
 NO_GUARANTEE = "no_guarantee"
 EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE)
-# epsilon_upper_bound evaluates ε this factor ahead of the steps taken: O(log steps) evaluations per mechanism.
-LOOK_AHEAD = 1.5
 
 
 @dataclass
@@ -170,7 +168,7 @@ class PrivacyLedger:
         # Lines of training this run's line split from (`hf_private.forks`): released from the same data, never ours.
         self.forks: list[dict[str, Any]] = []
         self._bound: tuple[float, str] | None = None
-        # epsilon_upper_bound's last evaluation: (history key, steps of the last group it assumed, its bound).
+        # epsilon_ahead's last evaluation: (history key, steps of the last group it assumed, its bound).
         self._ahead: tuple[tuple, int, tuple[float, str]] | None = None
 
     def _configure(self, dataset_size: int, delta: float, accountant: str) -> None:
@@ -247,13 +245,13 @@ class PrivacyLedger:
             ahead = self._ahead
             if ahead is not None and self.mechanisms and ahead[1] == self.mechanisms[-1].steps \
                     and ahead[0] == self._ahead_key():
-                self._bound = ahead[2]  # epsilon_upper_bound evaluated exactly this history
+                self._bound = ahead[2]  # epsilon_ahead evaluated exactly this history
             else:
                 self._bound = epsilon_bound(self.mechanisms, self.delta, self.accountant)
         return self._bound
 
     def _ahead_key(self) -> tuple:
-        """What epsilon_upper_bound's look-ahead assumed: the earlier groups and the current mechanism."""
+        """What epsilon_ahead's look-ahead assumed: the earlier groups and the current mechanism."""
         *prefix, current = self.mechanisms
         return (
             self.delta, self.accountant,
@@ -261,34 +259,24 @@ class PrivacyLedger:
             current._identity(),
         )
 
-    def epsilon_upper_bound(self, max_steps: int | None = None) -> float:
-        """An upper bound on `epsilon()` cheap enough to log every step: the exact ε a few steps ahead.
+    def epsilon_ahead(self, steps: int) -> float:
+        """ε of the history with the current (last) mechanism run on for `steps` more releases.
 
-        Why it is valid: adding releases never lowers ε (whoever sees more outputs can ignore the extra ones),
-        so ε of the same history with the current mechanism run on to g ≥ t steps bounds ε after t steps: the
-        accountant's number at g (PRV's rigorous upper bound, or RDP's) bounds the true ε at g, hence at t. RDP's
-        number is itself non-decreasing in steps; PRV's is in practice (tests check every step), and both bound
-        the same true ε. g is ⌈LOOK_AHEAD·t⌉ total steps, capped at `max_steps` (e.g. the budget's step limit,
-        so the bound does not run past the budget) when that is still ahead; the value is reused until the
-        current mechanism passes g or anything else changes (an earlier group, a new mechanism, δ, accountant):
-        under two accountant evaluations per doubling of the steps instead of one per step. It tracks the steps
-        taken (never the planned total from the first step), but it is not the exact ε: reports, the card and
-        the final training log use `epsilon()` (free when t = g: the evaluation is reused).
+        Why: adding releases never lowers ε (whoever sees more outputs can ignore the extra ones), so this bounds
+        `epsilon()` at every point until the current mechanism has run those releases, provided nothing else is
+        released meanwhile; `EpsilonLog` logs it to spend few evaluations. The evaluation is kept, so `epsilon()` is
+        free once the ledger reaches it.
         """
-        if not self.mechanisms:
+        if int(steps) != steps or steps < 0:
+            raise ValueError(f"steps must be a non-negative integer, got {steps}.")
+        if not self.mechanisms or steps == 0:
             return self.epsilon()
         *prefix, current = self.mechanisms
-        key = self._ahead_key()
-        if self._ahead is not None and self._ahead[0] == key and current.steps <= self._ahead[1]:
-            return self._ahead[2][0]
-        steps = self.total_steps
-        horizon = math.ceil(LOOK_AHEAD * steps)
-        if max_steps is not None and max_steps >= steps:
-            horizon = min(horizon, int(max_steps))
-        extended = current.steps + horizon - steps
-        bound = epsilon_bound([*prefix, replace(current, steps=extended)], self.delta, self.accountant)
-        self._ahead = (key, extended, bound)
-        return bound[0]
+        key, extended = self._ahead_key(), current.steps + int(steps)
+        if self._ahead is None or self._ahead[:2] != (key, extended):
+            bound = epsilon_bound([*prefix, replace(current, steps=extended)], self.delta, self.accountant)
+            self._ahead = (key, extended, bound)
+        return self._ahead[2][0]
 
     def epsilon_if(
         self,

@@ -19,7 +19,7 @@ from ...adapters import is_peft_model
 from ...engine.reducers import PartitionMagnitudeReducer
 from ...logs import get_logger
 from ...method_run import MethodRun
-from ...privacy.plan import Stage
+from ...privacy.plan import PrivacyPlan, Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..bitfit.model import head_parameter_names
 from .config import FrostConfig
@@ -100,6 +100,13 @@ class FrostMethod(DPMethod):
             self.selections.append(self._select(run, step))
         if self.selections:
             self._train_selected(run.model)
+
+    def next_own_release(self, step: int, plan: PrivacyPlan) -> int | None:
+        """The next selection's step (`before_step` makes it before that training step), None after the last."""
+        made = len(self.selections)
+        if made >= self.config.num_selections:
+            return None
+        return max(step, self.selection_step(made, plan.planned_steps))
 
     def _select(self, run: MethodRun, step: int) -> dict[str, Any]:
         """PSEL (Algorithm 4): T rounds of noisy magnitudes on the remaining partitions, PGM-EST, gap-tested picks."""
