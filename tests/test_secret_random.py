@@ -115,6 +115,38 @@ def test_requests_and_streams_never_repeat():
     assert SecretRandom(key=bytes(32)).random_bytes(64) != random.substream(1).random_bytes(64)
 
 
+def _blocks(random: SecretRandom, requests: int = 4) -> set[bytes]:
+    """The 64-byte keystream blocks of a few requests of three blocks each."""
+    drawn = [random.random_bytes(3 * 64) for _ in range(requests)]
+    return {data[i : i + 64] for data in drawn for i in range(0, len(data), 64)}
+
+
+def test_substreams_never_reuse_keystream():
+    parent = SecretRandom(key=bytes(range(32)), stream=5)
+    streams = [parent, parent.substream(5), parent.substream(1), parent.substream(1), parent.substream(0)]
+    streams.append(streams[2].substream(1))  # a grandchild, under the child's own id
+    seen: set[bytes] = set()
+    for random in streams:
+        blocks = _blocks(random)
+        assert len(blocks) == 12 and not blocks & seen, f"{random} repeats keystream"
+        seen |= blocks
+
+
+def test_substreams_of_a_test_seed_are_reproducible_and_insecure():
+    def children(seed: int) -> list[bytes]:
+        parent = SecretRandom(test_seed=seed)
+        return [parent.substream(stream).random_bytes(64) for stream in (1, 1, 2)]
+
+    assert children(7) == children(7) and children(7) != children(8)
+    assert SecretRandom(test_seed=7).substream(1).insecure and not SecretRandom().substream(1).insecure
+    child = SecretRandom().substream(3)
+    assert child._key.hex() not in repr(child)
+    with pytest.raises(TypeError, match="secret key"):
+        pickle.dumps(child)
+    with pytest.raises(ValueError, match="32-bit"):
+        child.substream(1 << 32)
+
+
 def test_test_seed_is_reproducible_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private.privacy.rng"):
         first = SecretRandom(test_seed=1234).normal(16)

@@ -10,8 +10,9 @@ from random to anyone without the key, and the key never leaves this object: it 
 
 Every request (one call of `uniform`, `normal`, ...) uses its own 96-bit nonce — a 64-bit request counter and
 a 32-bit stream id — with the block counter starting at 0, so no keystream block is ever used twice and a
-request may be as large as 2^32 blocks (256 GiB). Streams with different ids (one per noise worker thread, one
-per rank) are independent under one key.
+request may be as large as 2^32 blocks (256 GiB). A `substream` (one per worker thread, say) gets a key of its
+own, derived from this one and a counter never reused, so it cannot repeat this stream's blocks or another
+substream's, whatever ids they are given.
 
 `test_seed` makes the key a hash of the seed: the draws are then reproducible for tests, and the guarantee
 holds only against someone who does not know the seed.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import math
 import os
 import threading
@@ -72,6 +74,7 @@ class SecretRandom:
         self._key = key
         self._stream = stream
         self._requests = 0
+        self._children = 0
         self._lock = threading.Lock()
         self.insecure = test_seed is not None
 
@@ -82,10 +85,21 @@ class SecretRandom:
         raise TypeError("SecretRandom holds a secret key and must not be pickled or saved.")
 
     def substream(self, stream: int) -> SecretRandom:
-        """An independent stream under the same key (different nonces), e.g. one per worker thread."""
-        child = SecretRandom.__new__(SecretRandom)
-        child._key, child._stream, child._requests = self._key, stream, 0
-        child._lock, child.insecure = threading.Lock(), self.insecure
+        """An independent stream with its own key, e.g. one per worker thread; `stream` is only its label.
+
+        The child key is HMAC-SHA256(this key, child index ‖ stream), the index counting this object's substreams
+        under its lock: two calls, even with the same id or this stream's own id, never get the same key, so no
+        child repeats a keystream block of this stream or of another child. In test-seed mode the children are
+        reproducible for the same sequence of calls, and as insecure as their parent.
+        """
+        if not 0 <= stream < 1 << 32:
+            raise ValueError(f"stream must be a 32-bit id, got {stream}.")
+        with self._lock:
+            index = self._children
+            self._children += 1
+        label = b"hf_private substream\0" + index.to_bytes(8, "little") + stream.to_bytes(4, "little")
+        child = SecretRandom(stream=stream, key=hmac.digest(self._key, label, "sha256"))
+        child.insecure = self.insecure
         return child
 
     def fill_(self, buffer: bytearray | memoryview) -> None:
