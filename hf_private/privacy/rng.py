@@ -225,7 +225,8 @@ def tail_mass(noise_multiplier: float, coordinates: int = MAX_RELEASE_COORDINATE
       all up to c·√m/σ with m ≤ `coordinates`: 1.0e-11/σ at 2³² (the most a release may noise, which
       `GaussianNoise` enforces), 1.6e-12/σ at 10⁸.
 
-    Σ_j f(a_j) ≤ f(1/σ) + c·√m/σ because (f(a) − c·a)/a² is non-decreasing (checked numerically in the tests).
+    Σ_j f(a_j) ≤ f(1/σ) + c·√m/σ because (f(a) − c·a)/a² is non-decreasing (checked numerically in the tests for
+    shifts up to 8 std, i.e. σ ≥ 0.125; plans refuse far larger σ long before).
 
     Why δ covers it (a sketch, not a proof): both datasets' truncated densities are the Gaussian's restricted to
     the discs with one normaliser Z (the discs' mass), so for each sampled batch the two outputs compare as the
