@@ -36,7 +36,7 @@ from torch import nn
 from .adapters import unwrap_peft
 from .logs import get_logger
 from .privacy import MechanismGroup, PrivacyLedger
-from .privacy.accountants import epsilon_bound
+from .privacy.accountants import epsilon_bound, sampler_tail_delta
 
 logger = get_logger(__name__)
 
@@ -247,6 +247,7 @@ def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accoun
     groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + added
     epsilon, used = _composed_bound(tuple(tuple(g.to_dict().values()) for g in groups), report["delta"], accountant)
     composed = {**report, "epsilon": epsilon, "accountant": used, "training_epsilon": report["epsilon"],
+                "sampler_tail_delta": sampler_tail_delta(groups, report["delta"]),
                 "mechanisms": [g.to_dict() for g in groups]}
     if report.get("guarantee") == "formal" and any(a.guarantee != "formal" for a in audits if a.composed_mechanisms()):
         composed.update(guarantee="none", guarantee_note=(

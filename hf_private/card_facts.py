@@ -15,7 +15,14 @@ from torch import nn
 
 from .adapters import unwrap_peft
 from .held_out import card_evaluation
-from .model_card import adapter_note, build_model_card, load_snippet, privacy_metadata, write_model_card
+from .model_card import (
+    adapter_note,
+    build_model_card,
+    load_snippet,
+    privacy_metadata,
+    sampler_tail_line,
+    write_model_card,
+)
 from .optimizer import noisy_optimizer
 
 # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
@@ -63,6 +70,9 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
     }
     training.update(_method_lines(report.get("method_details", {})))
+    tail = sampler_tail_line(report)
+    if tail is not None:
+        training["noise sampler's tail in δ"] = tail
     held_out, eval_notes = card_evaluation(facts.evaluations)
     best = _released_checkpoint(facts, report["steps"], held_out)
     if best is not None:

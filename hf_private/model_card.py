@@ -16,6 +16,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .adapters import is_hub_model_id
 from .artifacts import ADAPTER_WEIGHTS_NAME, CARD_NAME, DP_CONFIG_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from .audit import AUDIT_MECHANISM_PREFIX
+from .privacy.rng import Z_MAX
 
 TEMPLATE = "private_model.md"
 
@@ -86,6 +87,17 @@ NOT_COVERED = (
     "Data-dependent preprocessing (e.g. a vocabulary or normalisation statistics computed from the private data).",
 )
 
+
+def sampler_tail_line(report: dict[str, Any]) -> str | None:
+    """The card's line on the part of δ the noise sampler's finite tail takes (`rng.tail_mass`), when ε is given."""
+    tail = report.get("sampler_tail_delta")
+    if "epsilon" not in report or tail is None:
+        return None
+    return (f"δ = {report['delta']:.3g} includes {tail:.2g} for the noise sampler's finite tail (no draw beyond "
+            f"{Z_MAX:.2f} std): ε is the accountant's at δ − {tail:.2g}. That analysis is for real numbers; the "
+            "float32 rounding of the noise is not covered, as in other DP-SGD libraries.")
+
+
 def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `privacy:` YAML block, from a `PrivateTrainer.privacy_report()`."""
     block: dict[str, Any] = {
@@ -99,8 +111,8 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("guarantee_note", "training_epsilon", "forks", "epsilon_with_forks", "not_a_guarantee",
-                     "trainable_fraction", "phases", "method_details"):
+    for optional in ("sampler_tail_delta", "guarantee_note", "training_epsilon", "forks", "epsilon_with_forks",
+                     "not_a_guarantee", "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:

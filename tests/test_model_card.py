@@ -181,6 +181,7 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
         assert (privacy["epsilon"], privacy["delta"]) == (report["epsilon"], report["delta"])
         assert privacy["accountant"] == report["accountant"] and privacy["guarantee"] == "formal"
         assert privacy["unit"] == "example" and sum(m["steps"] for m in privacy["mechanisms"]) == 3
+        assert privacy["sampler_tail_delta"] == report["sampler_tail_delta"] > 0
         _, results = model_index_to_eval_results(data["model-index"])
         assert {r.metric_name: r.metric_value for r in results} == {
             k: round(v, 4) for k, v in released.items() if k in ("eval_loss", "eval_marker")}
@@ -192,6 +193,8 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
         assert f'from_pretrained("{BASE_PLACEHOLDER}", num_labels=2)' in text
         assert "these are the weights of step 1, the best checkpoint by\n`eval_marker` (1 on held-out data)" in text
         assert "ε covers all 3 steps\ntaken" in text and "- steps taken: 3 (all counted in ε)" in text
+        assert (f"- noise sampler's tail in δ: δ = {report['delta']:.3g} includes {report['sampler_tail_delta']:.2g} "
+                "for the noise sampler's finite tail") in text
         versions = text.split("## Framework versions")[1]
         for framework in FRAMEWORKS:
             assert f"- {framework} {metadata.version(framework)}\n" in versions

@@ -88,7 +88,8 @@ def test_compute_epsilon_equals_opacus_stepped_by_hand():
         for group in groups:
             for _ in range(group.steps):
                 reference.step(noise_multiplier=group.noise_multiplier, sample_rate=group.sample_rate)
-        assert compute_epsilon(groups, 1e-5, accountant) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+        at = 1e-5 - accountants.sampler_tail_delta(groups, 1e-5)  # what the sampler's finite tail leaves
+        assert compute_epsilon(groups, 1e-5, accountant) == pytest.approx(reference.get_epsilon(at), rel=1e-9)
 
 
 # (σ, q, steps) histories: one mechanism, small σ, one step, and heterogeneous ones (two (σ, q) groups).
@@ -107,10 +108,11 @@ def test_cached_accounting_equals_opacus(history):
     """The cached RDP curves and our PRV domain rule give opacus' own numbers (same grid, same ε)."""
     delta = 1e-5
     groups = [MechanismGroup("dp-sgd", sigma, q, steps) for sigma, q, steps in history]
+    at = delta - accountants.sampler_tail_delta(groups, delta)  # the accountant's δ: the sampler tail taken out
     rdp, prv = RDPAccountant(), PRVAccountant()
     rdp.history, prv.history = list(history), list(history)
-    assert compute_epsilon(groups, delta, "rdp") == pytest.approx(rdp.get_epsilon(delta), rel=1e-12, abs=0)
-    reference = prv.get_epsilon(delta, eps_error=0.01, delta_error=delta / 1000)
+    assert compute_epsilon(groups, delta, "rdp") == pytest.approx(rdp.get_epsilon(at), rel=1e-12, abs=0)
+    reference = prv.get_epsilon(at, eps_error=0.01, delta_error=at / 1000)
     assert compute_epsilon(groups, delta, "prv") == pytest.approx(reference, rel=1e-12, abs=0)
     prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
     steps = [k for _, _, k in history]
@@ -158,18 +160,21 @@ def test_prv_reports_the_upper_bound_not_the_estimate():
     history = [(1.0, 0.01, 1000)]
     reference = PRVAccountant()
     reference.history = history
-    dprv = reference._get_dprv(eps_error=0.01, delta_error=1e-8)
-    lower, estimate, upper = dprv.compute_epsilon(1e-5, 1e-8, 0.01)
+    at = 1e-5 - accountants.sampler_tail_delta([MechanismGroup("dp-sgd", 1.0, 0.01, 1000)], 1e-5)
+    dprv = reference._get_dprv(eps_error=0.01, delta_error=at / 1000)
+    lower, estimate, upper = dprv.compute_epsilon(at, at / 1000, 0.01)
     ours = _eps(1.0, 0.01, 1000, 1e-5, "prv")
     assert ours == pytest.approx(upper, rel=1e-12)
     assert lower < estimate < ours < _eps(1.0, 0.01, 1000, 1e-5, "rdp")
 
 
 def test_prv_falls_back_to_rdp_when_its_grid_explodes(caplog):
-    # σ=0.1, q=0.01, 1000 steps: opacus' PRV would discretise on ~2e8 points (minutes, gigabytes).
+    # σ=0.5, q=0.3, 1000 steps: opacus' PRV would discretise on ~1.1e7 points, past the cap (at σ=0.1, q=0.01 it
+    # would be ~2e8: minutes, gigabytes; the sampler's finite tail now makes ε infinite there).
+    assert accountants._prv_grid_size([(0.5, 0.3, 1000)], 1e-5) > accountants._PRV_MAX_GRID
     with caplog.at_level(logging.INFO, logger="transformers.hf_private.privacy.accountants"):
-        eps = _eps(0.1, 0.01, 1000, 1e-5, "prv")
-    assert eps == _eps(0.1, 0.01, 1000, 1e-5, "rdp")
+        eps = _eps(0.5, 0.3, 1000, 1e-5, "prv")
+    assert eps == _eps(0.5, 0.3, 1000, 1e-5, "rdp")
     assert "RDP bound" in caplog.text
 
 
@@ -178,7 +183,7 @@ def test_report_names_the_accountant_that_produced_epsilon():
     ledger = PrivacyLedger(dataset_size=10_000, delta=1e-5, accountant="prv")
     ledger.record("dp-sgd", noise_multiplier=1.0, sample_rate=0.01, steps=100)
     assert ledger.report()["accountant"] == "prv"
-    ledger.record("dp-sgd", noise_multiplier=0.1, sample_rate=0.01, steps=1000)  # PRV's grid explodes
+    ledger.record("dp-sgd", noise_multiplier=0.5, sample_rate=0.3, steps=1000)  # PRV's grid explodes
     report = ledger.report()
     assert report["accountant"] == "rdp"
     mechanisms = [MechanismGroup.from_dict(group) for group in report["mechanisms"]]

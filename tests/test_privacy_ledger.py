@@ -9,6 +9,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 import hf_private.privacy.ledger as ledger_module
 from hf_private.privacy import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, PrivacyLedger, compute_epsilon
 from hf_private.privacy.accountants import epsilon_bound
+from hf_private.privacy.rng import tail_mass
 
 N = 10_000
 DELTA = 1 / (2 * N)
@@ -113,8 +114,10 @@ def test_report():
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=1.0, steps=10)
     report = ledger.report()
-    assert set(report) == {"epsilon", "delta", "accountant", "dataset_size", "steps", "mechanisms", "guarantee"}
+    assert set(report) == {"epsilon", "delta", "sampler_tail_delta", "accountant", "dataset_size", "steps",
+                           "mechanisms", "guarantee"}
     assert report["steps"] == 10 and report["accountant"] == "rdp" and report["epsilon"] == ledger.epsilon()
+    assert 0 < report["sampler_tail_delta"] < 1e-4 * DELTA
     assert report["guarantee"] == "formal"
     assert report["mechanisms"] == [
         {"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 10, "max_grad_norm": 1.0,
@@ -192,7 +195,8 @@ def test_an_unnoised_gaussian_release_has_no_guarantee_either():
 @pytest.mark.filterwarnings("ignore:Optimal order")
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_reported_epsilon_is_recomputable_with_opacus_from_the_serialised_events(accountant):
-    """The card's `mechanisms` alone, as JSON, give opacus' own ε: (σ, q, steps) per event, composed."""
+    """The card's `mechanisms`, as JSON, give opacus' own ε: (σ, q, steps) per event, composed at the card's δ
+    minus its `sampler_tail_delta`."""
     ledger = PrivacyLedger(N, DELTA, accountant=accountant)
     released = [("psel", 2.5, 0.02, 5), *[("dp-sgd", 1.1, 0.01, 40)] * 3, ("dp-sgd", 1.3, 0.01, 10),
                 ("dp-bitfit", 1.1, 0.01, 30)]
@@ -200,7 +204,8 @@ def test_reported_epsilon_is_recomputable_with_opacus_from_the_serialised_events
         ledger.record(name, sigma, q, max_grad_norm=1.0, steps=steps)
     card = json.loads(json.dumps(ledger.report()))
     assert card["accountant"] == accountant and card["guarantee"] == "formal"
-    kwargs = {"eps_error": 0.01, "delta_error": card["delta"] / 1000} if accountant == "prv" else {}
+    at = card["delta"] - card["sampler_tail_delta"]
+    kwargs = {"eps_error": 0.01, "delta_error": at / 1000} if accountant == "prv" else {}
     from_card, as_released = ({"prv": PRVAccountant, "rdp": RDPAccountant}[card["accountant"]]() for _ in range(2))
     for event in card["mechanisms"]:
         assert event["mechanism"] == POISSON_GAUSSIAN
@@ -209,8 +214,31 @@ def test_reported_epsilon_is_recomputable_with_opacus_from_the_serialised_events
     for _, sigma, q, steps in released:
         for _ in range(steps):
             as_released.step(noise_multiplier=sigma, sample_rate=q)
-    assert card["epsilon"] == pytest.approx(from_card.get_epsilon(card["delta"], **kwargs), rel=1e-9)
-    assert card["epsilon"] == pytest.approx(as_released.get_epsilon(card["delta"], **kwargs), rel=1e-9)
+    assert card["epsilon"] == pytest.approx(from_card.get_epsilon(at, **kwargs), rel=1e-9)
+    assert card["epsilon"] == pytest.approx(as_released.get_epsilon(at, **kwargs), rel=1e-9)
+
+
+def test_epsilon_is_the_accountants_at_delta_minus_the_sampler_tail():
+    """At σ = 0.3 the sampler's finite tail takes half of δ over 300 steps: ε is RDP's at what is left."""
+    ledger = PrivacyLedger(N, DELTA, accountant="rdp")
+    ledger.record("dp-sgd", 0.3, 0.01, steps=300)
+    report = ledger.report()
+    tail = report["sampler_tail_delta"]
+    assert tail == pytest.approx(300 * tail_mass(0.3), rel=1e-3) and 0.4 * DELTA < tail < 0.6 * DELTA
+    opacus = RDPAccountant()
+    opacus.history = [(0.3, 0.01, 300)]
+    assert report["epsilon"] == pytest.approx(opacus.get_epsilon(DELTA - tail), rel=1e-12)
+    assert report["epsilon"] > opacus.get_epsilon(DELTA) + 0.1
+
+
+def test_a_release_whose_sampler_tail_reaches_delta_is_kept_and_refused():
+    ledger = PrivacyLedger(N, DELTA, accountant="rdp")
+    ledger.record("dp-sgd", 0.3, 0.01, steps=300)
+    with pytest.raises(ValueError, match="finite tail alone spends"):
+        ledger.record("dp-sgd", 0.3, 0.01, steps=300)
+    assert ledger.total_steps == 600 and ledger.epsilon() == math.inf  # the release happened: it stays recorded
+    kind, reason = ledger.guarantee()
+    assert kind == "none" and "finite tail" in reason and ledger.report()["guarantee"] == "none"
 
 
 def test_validation():

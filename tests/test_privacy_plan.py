@@ -3,9 +3,11 @@
 
 import json
 import math
+import re
 
 import pytest
 
+import hf_private.privacy.accountants as accountants
 from hf_private.privacy import (
     NO_GUARANTEE,
     BudgetError,
@@ -139,8 +141,13 @@ FROST_REFERENCE = [  # (N, δ, T_SGD, ε, σ_SGD, σ_ps)
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
 @pytest.mark.parametrize(("size", "delta", "steps", "target", "sigma_sgd", "sigma_ps"), FROST_REFERENCE)
-def test_frost_reference_noise_multipliers(size, delta, steps, target, sigma_sgd, sigma_ps):
-    """ComputeSigma (Algorithm 3) through the plan: σ_SGD for 0.9·ε alone, then σ_ps for ε on top of it."""
+def test_frost_reference_noise_multipliers(size, delta, steps, target, sigma_sgd, sigma_ps, monkeypatch):
+    """ComputeSigma (Algorithm 3) through the plan: σ_SGD for 0.9·ε alone, then σ_ps for ε on top of it.
+
+    The table assumes exact Gaussian noise: the sampler's finite tail is left out of δ here (a δ a fraction of a
+    percent smaller can move a bisection end point by a whole step).
+    """
+    monkeypatch.setattr(accountants, "sampler_tail_delta", lambda mechanisms, delta: 0.0)
     cifar = size == 50_000
     plan = PrivacyPlan(size, 1000 if cifar else round(Q_FROST * size), steps=steps, delta=delta, accountant="rdp",
                        target_epsilon=target, stages=_frost_stages(None if cifar else Q_FROST))
@@ -293,3 +300,29 @@ def test_description_and_dict_name_every_stage():
     d = json.loads(json.dumps(plan.to_dict()))
     assert [s["name"] for s in d["stages"]] == ["psel", "dp-frost"]
     assert d["stages"][0]["start_step"] is None and d["stages"][1]["calibration"] == "share"
+
+
+def test_plan_calibrates_at_delta_minus_the_sampler_tail():
+    """q = 0.002, ε = 8: σ ≈ 0.43, where the sampler's finite tail takes about 1% of δ; σ is calibrated for ε at
+    δ − δ_tail, so it is at least the σ calibrated as if the noise were exactly Gaussian."""
+    plan = PrivacyPlan(50_000, 100, epochs=1, target_epsilon=8.0, accountant="rdp")
+    (event,) = plan.planned_events()
+    tail = accountants.sampler_tail_delta([event], plan.delta)
+    assert 1e-3 * plan.delta < tail < 0.1 * plan.delta
+    history = [(event.noise_multiplier, event.sample_rate, event.steps)]
+    assert plan.epsilon() == accountants._rdp_epsilon(history, plan.delta - tail)
+    assert accountants._rdp_epsilon(history, plan.delta) < 8.0 - 0.01 <= plan.epsilon() <= 8.0  # δ alone: too low
+    exact_gaussian = calibrate_noise_multiplier(8.0, plan.delta - tail, event.sample_rate, event.steps,
+                                                accountant="rdp")
+    assert event.noise_multiplier >= exact_gaussian - 0.01
+
+
+def test_plan_refuses_a_sigma_below_the_sampler_tail_floor():
+    with pytest.raises(BudgetError, match=r"finite tail.*smaller target ε") as refused:
+        PrivacyPlan(50_000, 100, epochs=1, target_epsilon=30.0, accountant="rdp")  # σ ≈ 0.33
+    floor = float(re.search(r"every σ ≥ ([0-9.]+)", str(refused.value), re.IGNORECASE).group(1))
+    PrivacyPlan(50_000, 100, epochs=1, noise_multiplier=floor * 1.001, accountant="rdp")  # the floor suffices
+    with pytest.raises(BudgetError, match="raise noise_multiplier"):
+        PrivacyPlan(50_000, 100, epochs=1, noise_multiplier=floor * 0.99, accountant="rdp")
+    with pytest.raises(BudgetError, match="No σ would do"):  # the restriction to the discs, over 5e5 releases
+        PrivacyPlan(10**6, 1, steps=500_000, noise_multiplier=100.0, accountant="rdp")

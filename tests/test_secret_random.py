@@ -8,15 +8,17 @@ proves nothing.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import struct
 
+import numpy as np
 import pytest
 import torch
-from scipy import stats
+from scipy import integrate, stats
 
-from hf_private.privacy import GaussianNoise, SecretRandom
-from hf_private.privacy.rng import KEY_BYTES
+from hf_private.privacy import GaussianNoise, GaussianSampler, SecretRandom
+from hf_private.privacy.rng import KEY_BYTES, MAX_RELEASE_COORDINATES, Z_MAX, tail_mass
 
 # ---------------------------------------------------------------- ChaCha20 as RFC 8439 specifies it
 _MASK32 = 0xFFFFFFFF
@@ -115,6 +117,38 @@ def test_requests_and_streams_never_repeat():
     assert SecretRandom(key=bytes(32)).random_bytes(64) != random.substream(1).random_bytes(64)
 
 
+def _blocks(random: SecretRandom, requests: int = 4) -> set[bytes]:
+    """The 64-byte keystream blocks of a few requests of three blocks each."""
+    drawn = [random.random_bytes(3 * 64) for _ in range(requests)]
+    return {data[i : i + 64] for data in drawn for i in range(0, len(data), 64)}
+
+
+def test_substreams_never_reuse_keystream():
+    parent = SecretRandom(key=bytes(range(32)), stream=5)
+    streams = [parent, parent.substream(5), parent.substream(1), parent.substream(1), parent.substream(0)]
+    streams.append(streams[2].substream(1))  # a grandchild, under the child's own id
+    seen: set[bytes] = set()
+    for random in streams:
+        blocks = _blocks(random)
+        assert len(blocks) == 12 and not blocks & seen, f"{random} repeats keystream"
+        seen |= blocks
+
+
+def test_substreams_of_a_test_seed_are_reproducible_and_insecure():
+    def children(seed: int) -> list[bytes]:
+        parent = SecretRandom(test_seed=seed)
+        return [parent.substream(stream).random_bytes(64) for stream in (1, 1, 2)]
+
+    assert children(7) == children(7) and children(7) != children(8)
+    assert SecretRandom(test_seed=7).substream(1).insecure and not SecretRandom().substream(1).insecure
+    child = SecretRandom().substream(3)
+    assert child._key.hex() not in repr(child)
+    with pytest.raises(TypeError, match="secret key"):
+        pickle.dumps(child)
+    with pytest.raises(ValueError, match="32-bit"):
+        child.substream(1 << 32)
+
+
 def test_test_seed_is_reproducible_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private.privacy.rng"):
         first = SecretRandom(test_seed=1234).normal(16)
@@ -172,3 +206,71 @@ def test_uniforms_are_float64_inside_the_unit_interval_on_a_fine_grid():
     assert stats.kstest(u.numpy(), "uniform").pvalue > ALPHA
     off_float32_grid = ((u * 2**24) % 1 != 0).double().mean()
     assert off_float32_grid > 0.99, "uniforms on a 2^-24 grid over-include at small q"
+
+
+# ---------------------------------------------------------------- the finite tail
+class _ConstantBytes:
+    """A stand-in stream whose every byte is `value`: it pins the radius and angle bits of every pair."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def fill_(self, buffer: memoryview) -> None:
+        buffer[:] = bytes([self.value]) * buffer.nbytes
+
+
+def test_z_max_is_the_largest_draw_the_bit_layout_allows():
+    # The radius uniform is (k + ½)·2⁻⁵³ for the 53 low bits k: k = 0 gives the smallest, 2⁻⁵⁴, the largest radius.
+    assert Z_MAX == math.sqrt(-2 * math.log(2.0**-54))
+    extremes = torch.zeros(8)
+    GaussianSampler(_ConstantBytes(0), pairs_per_chunk=4).add_(extremes, 1.0)  # angle 0: cos = 1, sin = 0
+    assert extremes[0].item() == torch.tensor(Z_MAX, dtype=torch.float32).item()
+    assert abs(extremes[0].item() - Z_MAX) <= 2**-24 * Z_MAX  # float32 rounding only
+    smallest = torch.zeros(8)
+    GaussianSampler(_ConstantBytes(0xFF), pairs_per_chunk=4).add_(smallest, 1.0)  # k = 2⁵³ − 1
+    assert smallest.abs().max() < 1e-7
+
+
+def _outside_disc(shift: float) -> float:
+    """P(‖Z + a‖ > Z_MAX, ‖Z‖ ≤ Z_MAX) for a standard 2-D Gaussian Z, a = `shift`: the mass a pair shifted by
+    `shift` std puts where the unshifted pair cannot be, by polar integration (independent of the library)."""
+    def excess(theta: float) -> float:  # e^((Z_MAX² − ρ₀²)/2) − 1 where ρ₀ is the radius that just gets out
+        u = math.cos(theta)
+        rho = -shift * u + math.sqrt(Z_MAX**2 - shift**2 * (1 - u * u))
+        return math.expm1((Z_MAX**2 - rho**2) / 2) if rho < Z_MAX else 0.0
+
+    inside = integrate.quad(excess, 0, math.pi, epsabs=0, epsrel=1e-10, limit=400)[0]
+    return 2.0**-54 / math.pi * inside
+
+
+def test_tail_mass_counts_the_disc_not_the_one_coordinate_figure():
+    # The review's figure, P(N(0,1) > Z_MAX − 1/σ), has the whole shift on one coordinate of a square support...
+    assert stats.norm.sf(Z_MAX - 1 / 0.5) == pytest.approx(1.4e-11, rel=0.1)
+    assert stats.norm.sf(Z_MAX - 1 / 0.7) == pytest.approx(2.5e-13, rel=0.1)
+    # ...but a pair's support is a disc, which a shift leaves 1.6-2.5 times more often.
+    for sigma, one_pair in ((0.5, 3.05e-11), (0.7, 6.34e-13), (0.4, 7.21e-10), (0.3, 8.53e-8)):
+        exact = _outside_disc(1 / sigma)
+        assert exact == pytest.approx(one_pair, rel=2e-3) and exact > 1.6 * stats.norm.sf(Z_MAX - 1 / sigma)
+        assert exact <= tail_mass(sigma, coordinates=1) <= exact * (1 + 1e-3) + 1.6e-16 / sigma
+    assert tail_mass(0.5) == pytest.approx(5.05e-11, rel=0.01)  # with 2³² coordinates: + 1.0e-11/σ spread thin
+    assert tail_mass(0.7) == pytest.approx(1.49e-11, rel=0.01)
+
+
+def test_tail_mass_bounds_a_shift_spread_over_many_pairs():
+    slope = Z_MAX * 2.0**-54 / math.pi  # d/da of the mass outside at a = 0
+    assert _outside_disc(1e-6) == pytest.approx(slope * 1e-6, rel=1e-4)
+    # The bound's lemma: (f(a) − c·a)/a² is non-decreasing, so the shares of a shift cost at most f(1/σ) + c·√m/σ.
+    shifts = np.linspace(0.01, 8.0, 400)
+    excess = [(_outside_disc(a) - slope * a) / a**2 for a in shifts]
+    assert all(later >= earlier for earlier, later in zip(excess, excess[1:]))
+    for sigma in (0.4, 0.7, 1.5):
+        for pairs in (1, 2, 10, 10**4, 10**8, MAX_RELEASE_COORDINATES):
+            spread = pairs * _outside_disc(1 / sigma / math.sqrt(pairs))  # equal shares: Σ a_j² = 1/σ²
+            assert spread <= tail_mass(sigma, coordinates=pairs)
+    assert 2**16 * slope / 0.5 > 0.5 * _outside_disc(2.0)  # at 2³² coordinates the thin spread matters
+
+
+def test_a_release_larger_than_the_tail_accounting_assumes_is_refused():
+    with pytest.raises(ValueError, match="LoRA or BiTFiT"):
+        GaussianNoise("cpu").add_([torch.empty(MAX_RELEASE_COORDINATES, device="meta"),
+                                   torch.empty(1, device="meta")], 1.0)

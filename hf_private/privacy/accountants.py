@@ -7,6 +7,10 @@ typical DP-SGD settings its ε is 10-20% below RDP's, which loses slack in the R
 conversion; for the same target that is 5-10% less noise. RDP is the cheap, well-known alternative.
 The Gaussian-DP central-limit approximation (opacus' "gdp") is not an upper bound and is never used
 for the guarantee.
+
+The noise is not exactly Gaussian: the sampler never draws beyond `rng.Z_MAX` std. `compute_epsilon` and
+`epsilon_bound` take what that costs (`sampler_tail_delta`) out of δ first, so their ε at δ is the accountant's
+at δ − δ_tail, for the releases as this library draws them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.prv import Domain, PoissonSubsampledGaussianPRV
 
 from ..logs import get_logger
+from .rng import DISC_MISS, MAX_RELEASE_COORDINATES, tail_mass
 
 if TYPE_CHECKING:
     from .ledger import MechanismGroup
@@ -166,10 +171,29 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> tuple
         return _rdp_epsilon(history, delta), "rdp"
 
 
-def compute_epsilon(mechanisms: Sequence[MechanismGroup], delta: float, accountant: str) -> float:
-    """ε at `delta` of the composition of every group (σ, q, steps), an upper bound from `accountant`.
+def sampler_tail_delta(mechanisms: Sequence[MechanismGroup], delta: float) -> float:
+    """The part of `delta` the noise sampler's finite tail takes (see `rng.tail_mass`); ε is the accountant's at
+    `delta` minus this.
 
-    Empty history → 0.0; any group with σ = 0 and steps > 0 releases a clipped sum unnoised → inf.
+    Two terms over the k noised releases: Σ steps · tail_mass(σ) (union bound; Poisson sampling would lower it by
+    q, which is not claimed), then the disc restriction, which multiplies the accountant's δ by at most Z^(−k),
+    Z = (1 − 2⁻⁵⁴)^MAX_RELEASE_COORDINATES: the accountant gets (δ − Σ)·Z^k. At least `delta` when Σ alone
+    reaches it: no finite ε then.
+    """
+    noised = [(sigma, steps) for sigma, _, steps in _history(mechanisms) if sigma > 0]
+    tail = math.fsum(steps * tail_mass(sigma) for sigma, steps in noised)
+    if tail >= delta:
+        return tail
+    pairs = sum(steps for _, steps in noised) * MAX_RELEASE_COORDINATES
+    return tail + (delta - tail) * -math.expm1(pairs * math.log1p(-DISC_MISS))
+
+
+def compute_epsilon(mechanisms: Sequence[MechanismGroup], delta: float, accountant: str) -> float:
+    """ε at `delta` of the composition of every group (σ, q, steps), an upper bound from `accountant` at δ minus
+    `sampler_tail_delta`.
+
+    Empty history → 0.0; any group with σ = 0 and steps > 0 releases a clipped sum unnoised → inf; so does a
+    history whose sampler tail alone spends `delta`.
     """
     return epsilon_bound(mechanisms, delta, accountant)[0]
 
@@ -188,6 +212,9 @@ def epsilon_bound(mechanisms: Sequence[MechanismGroup], delta: float, accountant
         return 0.0, accountant
     if any(sigma == 0 for sigma, _, _ in history):
         return math.inf, accountant
+    accountant_delta = delta - sampler_tail_delta(mechanisms, delta)
+    if accountant_delta <= 0:
+        return math.inf, accountant
     if accountant == "rdp":
-        return _rdp_epsilon(history, delta), "rdp"
-    return _prv_epsilon(history, delta)
+        return _rdp_epsilon(history, accountant_delta), "rdp"
+    return _prv_epsilon(history, accountant_delta)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..logs import get_logger
-from .accountants import check_accountant, compute_epsilon, epsilon_bound
+from .accountants import check_accountant, compute_epsilon, epsilon_bound, sampler_tail_delta
 
 logger = get_logger(__name__)
 
@@ -223,6 +223,18 @@ class PrivacyLedger:
             logger.warning("Recorded a release with no finite privacy guarantee: %s", event.why_no_guarantee())
         self.mechanisms = _appended(self.mechanisms, event)
         self._bound = None
+        reason = self._tail_spends_delta()
+        if reason is not None:  # recorded first: the release happened, and the ledger must hold it
+            raise ValueError(f"Recorded {event.steps} release(s) of {event.name!r}, but {reason} Release nothing "
+                             "more under this δ; a plan (PrivacyPlan) refuses such a σ before training.")
+
+    def _tail_spends_delta(self) -> str | None:
+        """Why ε is infinite because of the sampler's finite tail (`rng.tail_mass`), or None when it is not."""
+        tail = sampler_tail_delta(self.mechanisms, self.delta)
+        if tail < self.delta:
+            return None
+        return (f"the noise sampler's finite tail alone spends δ_tail={tail:.3g} ≥ δ={self.delta:.3g} (the noise "
+                "multiplier is too small for this many releases), so there is no finite ε at this δ.")
 
     def guarantee(self) -> tuple[str, str | None]:
         """("formal", None), or ("none", reason) when a recorded release has no finite guarantee (ε = ∞).
@@ -230,7 +242,9 @@ class PrivacyLedger:
         Only what the ledger knows: a run in insecure test mode (a noise seed) has no guarantee either, which the
         trainer adds.
         """
-        return guarantee_of(self.mechanisms)
+        guarantee = guarantee_of(self.mechanisms)
+        tail = self._tail_spends_delta() if guarantee[0] == "formal" else None
+        return guarantee if tail is None else ("none", "No finite (ε, δ) guarantee: " + tail)
 
     @property
     def total_steps(self) -> int:
@@ -341,13 +355,15 @@ class PrivacyLedger:
         """ε and what it rests on; `accountant` is the one that produced ε (RDP where PRV could not run).
 
         `guarantee` is "formal", or "none" with `guarantee_note` saying why (ε is then ∞). Each entry of
-        `mechanisms` is a typed event that opacus' accountants recompute ε from: history (σ, q, steps).
+        `mechanisms` is a typed event that opacus' accountants recompute ε from: history (σ, q, steps), at δ minus
+        `sampler_tail_delta` (the part of δ the noise sampler's finite tail takes, `rng.tail_mass`).
         """
         epsilon, accountant = self._epsilon_bound()
         guarantee, reason = self.guarantee()
         report = {
             "epsilon": epsilon,
             "delta": self.delta,
+            "sampler_tail_delta": sampler_tail_delta(self.mechanisms, self.delta),
             "accountant": accountant,
             "dataset_size": self.dataset_size,
             "steps": self.total_steps,

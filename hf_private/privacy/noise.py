@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .rng import GaussianSampler, SecretRandom
+from .rng import MAX_RELEASE_COORDINATES, GaussianSampler, SecretRandom
 
 
 class GaussianNoise:
@@ -20,6 +20,17 @@ class GaussianNoise:
         self.sampler = GaussianSampler(self.random, device=self.device)
 
     def add_(self, tensors: list[torch.Tensor], std: float) -> None:
-        """tensors[i] += N(0, std²) elementwise, drawn in fp32, in place."""
+        """tensors[i] += N(0, std²) elementwise, drawn in fp32, in place: one release.
+
+        At most `MAX_RELEASE_COORDINATES` in all: the δ the ledger sets aside for the sampler's finite tail
+        (`rng.tail_mass`) assumes no release noises more.
+        """
+        coordinates = sum(tensor.numel() for tensor in tensors)
+        if coordinates > MAX_RELEASE_COORDINATES:
+            raise ValueError(
+                f"This release would noise {coordinates} coordinates, more than the {MAX_RELEASE_COORDINATES} the "
+                "privacy accounting of the noise sampler's finite tail assumes (rng.tail_mass): train fewer "
+                "parameters at once (e.g. LoRA or BiTFiT)."
+            )
         for tensor in tensors:
             self.sampler.add_(tensor, std)  # the optimizer's own fresh (contiguous) buffers

@@ -19,6 +19,13 @@ numbers before training starts:
 
   Without a target (a fixed `noise_multiplier` for the run), σ_i = ρ_i · noise_multiplier and ε is what it is.
 
+Every ε here is the accountant's at δ − δ_tail, where δ_tail is what the noise sampler's finite tail costs
+(`accountants.sampler_tail_delta`, `rng.tail_mass`). δ_tail depends on σ, so each σ the calibration tries is
+checked at its own δ − δ_tail(σ): ε still falls as σ grows (δ_tail shrinks with σ), so the searches stay valid,
+and the σ returned meets the target at the δ_tail of the planned run. Compared with calibrating at δ, σ can only
+grow. A plan whose δ_tail would exceed δ/10 is refused: that is the floor on σ, below which the tail grows fast
+(7e-10 per release at σ = 0.4, 9e-8 at σ = 0.3).
+
 A stage may be marked `no_guarantee` with a reason (DP-FP in paper mode): it is never calibrated, the plan's ε is
 ∞, its `guarantee` is ("none", reason), the budget stop does not apply, and its ledger events are
 `"no_guarantee"` events, so the report says `guarantee: none` for that reason.
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..logs import get_logger
-from .accountants import check_accountant, compute_epsilon
+from .accountants import check_accountant, compute_epsilon, sampler_tail_delta
 from .calibration import (
     BudgetError,
     JointMechanism,
@@ -44,11 +51,14 @@ from .calibration import (
     max_steps_within,
 )
 from .ledger import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup
+from .rng import Z_MAX
 
 logger = get_logger(__name__)
 
 # The budget stop searches this far past the planned steps (as calibration.max_steps_within's default).
 _UNBOUNDED_STEPS = 10**7
+# The most of δ a plan lets the noise sampler's finite tail take: the floor on σ.
+TAIL_SHARE = 0.1
 
 
 def resolve_delta(dataset_size: int, delta: float | None = None) -> float:
@@ -64,6 +74,21 @@ def resolve_delta(dataset_size: int, delta: float | None = None) -> float:
             "permits leaking whole records. Use a smaller δ or leave it None for 1/(2N)."
         )
     return resolved
+
+
+def _sigma_floor(releases: int, delta: float) -> float | None:
+    """The smallest σ (within 0.1%) at which `releases` releases leave the sampler tail at most TAIL_SHARE·δ, or
+    None when no σ up to 10⁶ does (part of the tail does not shrink with 1/σ)."""
+    def fits(sigma: float) -> bool:
+        return sampler_tail_delta([MechanismGroup("floor", sigma, 1.0, releases)], delta) <= TAIL_SHARE * delta
+
+    low, high = 1e-2, 1e6
+    if not fits(high):
+        return None
+    while high / low > 1.001:  # bisection in log σ: the tail decreases as σ grows
+        middle = math.sqrt(low * high)
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -280,6 +305,8 @@ class PrivacyPlan:
         )
         self.scale = self._scale  # the jointly calibrated s of the ratio stages (None when there are none)
         self._epsilon: float | None = None
+        if self.has_guarantee:
+            self._check_sampler_tail()
 
     # ------------------------------------------------------------------ construction
     def _check_stages(self) -> None:
@@ -387,6 +414,31 @@ class PrivacyPlan:
                     "give them more noise, fewer steps or smaller rates, or allow a larger ε."
                 )
         return sigmas
+
+    def _check_sampler_tail(self) -> None:
+        """Refuse a plan whose noise sampler tail would take more than TAIL_SHARE of δ (the floor on σ)."""
+        events = self.planned_events()
+        tail = sampler_tail_delta(events, self.delta)
+        if tail <= TAIL_SHARE * self.delta:
+            return
+        releases = sum(event.steps for event in events)
+        sigmas = ", ".join(f"{e.name}: σ={e.noise_multiplier:.4g}, {e.steps} releases" for e in events)
+        floor = _sigma_floor(releases, self.delta)
+        if floor is None:
+            fix = ("No σ would do: over this many releases the part that does not shrink with σ (the restriction "
+                   "to the discs, for up to 2³² coordinates per release) is too large alone. Plan fewer steps (a "
+                   "larger batch, fewer epochs)")
+        elif self.target_epsilon is None:
+            fix = f"Every σ ≥ {floor:.3g} would do: raise noise_multiplier, or plan fewer steps"
+        else:
+            fix = (f"Every σ ≥ {floor:.3g} would do. To raise σ: a smaller target ε, a larger expected batch (a "
+                   "larger q) or more epochs (a larger target ε or a smaller batch lowers σ and makes this worse)")
+        raise BudgetError(
+            f"The noise sampler's finite tail would take δ_tail={tail:.3g} of δ={self.delta:.3g}, more than "
+            f"{TAIL_SHARE:g}·δ ({sigmas}): the sampler never draws beyond {Z_MAX:.3f} std, so at small σ a "
+            f"neighbouring dataset's output can land where this one's cannot (rng.tail_mass). {fix}; a larger δ "
+            "(still below 1/N) also leaves more room."
+        )
 
     # ------------------------------------------------------------------ what the trainer reads
     @property

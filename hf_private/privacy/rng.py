@@ -10,23 +10,29 @@ from random to anyone without the key, and the key never leaves this object: it 
 
 Every request (one call of `uniform`, `normal`, ...) uses its own 96-bit nonce — a 64-bit request counter and
 a 32-bit stream id — with the block counter starting at 0, so no keystream block is ever used twice and a
-request may be as large as 2^32 blocks (256 GiB). Streams with different ids (one per noise worker thread, one
-per rank) are independent under one key.
+request may be as large as 2^32 blocks (256 GiB). A `substream` (one per worker thread, say) gets a key of its
+own, derived from this one and a counter never reused, so it cannot repeat this stream's blocks or another
+substream's, whatever ids they are given.
 
 `test_seed` makes the key a hash of the seed: the draws are then reproducible for tests, and the guarantee
 holds only against someone who does not know the seed.
+
+The Gaussian sampler's finite tail (no draw beyond `Z_MAX` std) leaves a little mass where a neighbouring
+dataset's output has no support: `tail_mass` bounds it per release, and the accountants add it to δ.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import math
 import os
 import threading
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from scipy import stats
 
 from ..logs import get_logger
 
@@ -36,8 +42,20 @@ KEY_BYTES = 32  # 256-bit key
 _MAX_REQUEST_BYTES = (1 << 32) * 64  # the 32-bit block counter of one nonce
 _MASK_53 = (1 << 53) - 1
 _MASK_24 = (1 << 24) - 1
+# A 53-bit uniform is (k + _HALF)·_ULP_53, k < 2⁵³: `uniform`'s values and every Gaussian pair's radius uniform.
+_HALF, _ULP_53 = 0.5, 2.0**-53
 # Bytes per pair of Gaussians: 8 for the radius uniform (53 bits used), 4 for the angle (24 bits used).
 PAIR_BYTES = 12
+
+#: A pair's largest radius in standard deviations, √(−2 ln u) at the smallest radius uniform u = 2⁻⁵⁴: ≈ 8.652.
+#: No draw exceeds it: every pair lies in a disc of this radius around its mean.
+Z_MAX = math.sqrt(-2.0 * math.log(_HALF * _ULP_53))
+#: The Gaussian's mass beyond that radius, per pair: e^(−Z_MAX²/2) = 2⁻⁵⁴, what the sampler never draws.
+DISC_MISS = _HALF * _ULP_53
+#: The most coordinates one release (one `GaussianNoise.add_`) may noise: `tail_mass` assumes it by default.
+MAX_RELEASE_COORDINATES = 1 << 32
+# d/da of the mass a pair shifted by a std puts outside the disc, at a = 0: the disc's boundary density times 2.
+_CRESCENT_SLOPE = Z_MAX * DISC_MISS / math.pi
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,6 +90,7 @@ class SecretRandom:
         self._key = key
         self._stream = stream
         self._requests = 0
+        self._children = 0
         self._lock = threading.Lock()
         self.insecure = test_seed is not None
 
@@ -82,10 +101,21 @@ class SecretRandom:
         raise TypeError("SecretRandom holds a secret key and must not be pickled or saved.")
 
     def substream(self, stream: int) -> SecretRandom:
-        """An independent stream under the same key (different nonces), e.g. one per worker thread."""
-        child = SecretRandom.__new__(SecretRandom)
-        child._key, child._stream, child._requests = self._key, stream, 0
-        child._lock, child.insecure = threading.Lock(), self.insecure
+        """An independent stream with its own key, e.g. one per worker thread; `stream` is only its label.
+
+        The child key is HMAC-SHA256(this key, child index ‖ stream), the index counting this object's substreams
+        under its lock: two calls, even with the same id or this stream's own id, never get the same key, so no
+        child repeats a keystream block of this stream or of another child. In test-seed mode the children are
+        reproducible for the same sequence of calls, and as insecure as their parent.
+        """
+        if not 0 <= stream < 1 << 32:
+            raise ValueError(f"stream must be a 32-bit id, got {stream}.")
+        with self._lock:
+            index = self._children
+            self._children += 1
+        label = b"hf_private substream\0" + index.to_bytes(8, "little") + stream.to_bytes(4, "little")
+        child = SecretRandom(stream=stream, key=hmac.digest(self._key, label, "sha256"))
+        child.insecure = self.insecure
         return child
 
     def fill_(self, buffer: bytearray | memoryview) -> None:
@@ -115,7 +145,7 @@ class SecretRandom:
         buffer = bytearray(8 * count)
         self.fill_(buffer)
         bits = torch.frombuffer(buffer, dtype=torch.int64, count=count) if count else torch.empty(0, dtype=torch.int64)
-        return bits.bitwise_and(_MASK_53).double().add_(0.5).mul_(2.0**-53)
+        return bits.bitwise_and(_MASK_53).double().add_(_HALF).mul_(_ULP_53)
 
     def normal(self, count: int, std: float = 1.0) -> torch.Tensor:
         """`count` float32 draws of N(0, std²) (a fresh tensor; `GaussianSampler` reuses buffers for bulk noise)."""
@@ -128,8 +158,11 @@ class SecretRandom:
 class GaussianSampler:
     """Box-Muller on keystream bytes into reused buffers: adds N(0, std²) to float32 tensors in chunks.
 
-    Each pair of draws takes 53 bits for the radius and 24 for the angle: r = std·√(−2 ln u₁) computed in float64
-    (the tail is cut only beyond 8.6 std, a mass of 2⁻⁵⁴ per pair), r·cos θ and r·sin θ in float32.
+    Each pair of draws takes 53 bits for the radius and 24 for the angle: r = std·√(−2 ln u₁) computed in float64,
+    r·cos θ and r·sin θ in float32. The radius never exceeds `Z_MAX` ≈ 8.652 std (the Gaussian's mass beyond it is
+    2⁻⁵⁴ per pair), so a neighbour's output shifted by the sensitivity can land where this one's cannot: up to
+    3.1e-11 per release at σ = 0.5, 7.2e-10 at σ = 0.4, 8.5e-8 at σ = 0.3 with the shift on one pair, plus up to
+    1.0e-11/σ with it spread over 2³² coordinates (`tail_mass`, which the accountants add to δ).
     The work per value is fixed — no rejection loop — so its time does not depend on anything private.
     """
 
@@ -158,7 +191,7 @@ class GaussianSampler:
         bits53, bits24 = self._bits53[:pairs], self._bits24[:pairs]
         radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
         torch.bitwise_and(radius_bits.to(self.device, non_blocking=True), _MASK_53, out=bits53)
-        radius64.copy_(bits53).add_(0.5).mul_(2.0**-53).log_().mul_(-2.0 * std * std).sqrt_()
+        radius64.copy_(bits53).add_(_HALF).mul_(_ULP_53).log_().mul_(-2.0 * std * std).sqrt_()
         radius.copy_(radius64)
         torch.bitwise_and(angle_bits.to(self.device, non_blocking=True), _MASK_24, out=bits24)
         torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
@@ -174,3 +207,40 @@ class GaussianSampler:
         for start in range(0, flat.numel(), step):
             part = flat[start : start + step]
             part.add_(self._chunk(std, (part.numel() + 1) // 2)[: part.numel()])
+
+
+@functools.lru_cache(maxsize=1024)
+def tail_mass(noise_multiplier: float, coordinates: int = MAX_RELEASE_COORDINATES) -> float:
+    """Per release, a bound on the probability that a neighbouring dataset's output falls where this dataset's has
+    no support: what the sampler's finite tail adds to δ. σ = `noise_multiplier`, in units of the sensitivity C.
+
+    Every pair of draws lies in a disc of radius `Z_MAX` around its mean. A neighbour moves the mean by at most C,
+    i.e. by shifts a_j (std) on the pairs with Σ a_j² ≤ 1/σ², and puts mass at most Σ_j f(a_j) outside the discs,
+    f(a) = P(‖Z + a‖ > Z_MAX) for a standard 2-D Gaussian Z (a non-central χ² tail). Two worst cases, added:
+
+    * the whole shift on one pair: f(1/σ), 3.1e-11 at σ = 0.5, 6.3e-13 at σ = 0.7, 7.2e-10 at σ = 0.4, 8.5e-8
+      at σ = 0.3. The one-coordinate figure P(N(0, 1) > Z_MAX − 1/σ) (1.4e-11, 2.5e-13, 3.8e-10, 5.2e-8)
+      undercounts it 1.6-2.5×: the disc is smaller than the square |z| ≤ Z_MAX.
+    * the shift spread thin over m pairs: each adds a crescent of mass ≈ c·a_j, c = Z_MAX·2⁻⁵⁴/π ≈ 1.5e-16, in
+      all up to c·√m/σ with m ≤ `coordinates`: 1.0e-11/σ at 2³² (the most a release may noise, which
+      `GaussianNoise` enforces), 1.6e-12/σ at 10⁸.
+
+    Σ_j f(a_j) ≤ f(1/σ) + c·√m/σ because (f(a) − c·a)/a² is non-decreasing (checked numerically in the tests for
+    shifts up to 8 std, i.e. σ ≥ 0.125; plans refuse far larger σ long before).
+
+    Why δ covers it (a sketch, not a proof): both datasets' truncated densities are the Gaussian's restricted to
+    the discs with one normaliser Z (the discs' mass), so for each sampled batch the two outputs compare as the
+    Gaussian's do on the common support, and joint convexity carries that to the Poisson mixture; what falls
+    outside has mass at most this bound (Poisson sampling lowers it by q: not claimed). Over k releases the union
+    bound adds k times it to δ, and the restriction multiplies the accountant's δ by at most Z^(−k), with
+    Z ≥ (1 − 2⁻⁵⁴)^coordinates: `accountants.sampler_tail_delta` takes both out of δ. Floating point is not
+    covered: the outputs are float32 values from a 2²⁴-point angle grid, finite sets whose supports differ
+    between neighbours (Mironov 2012), as in every DP-SGD library.
+    """
+    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier}.")
+    if int(coordinates) != coordinates or coordinates < 1:
+        raise ValueError(f"coordinates must be a positive integer, got {coordinates}.")
+    shift = 1.0 / noise_multiplier
+    one_pair = float(stats.ncx2.sf(Z_MAX**2, 2, shift**2))
+    return min(1.0, one_pair + _CRESCENT_SLOPE * math.sqrt(coordinates) * shift)
