@@ -220,14 +220,14 @@ class _ConstantBytes:
 
 
 def test_z_max_is_the_largest_draw_the_bit_layout_allows():
-    # The radius uniform is (k + ½)·2⁻⁵³ for the 53 low bits k: k = 0 gives the smallest, 2⁻⁵⁴, the largest radius.
-    assert Z_MAX == math.sqrt(-2 * math.log(2.0**-54))
+    # The radius uniform is (k + ½)·2⁻⁶³ for the 63 low bits k: k = 0 gives the smallest, 2⁻⁶⁴, the largest radius.
+    assert Z_MAX == math.sqrt(-2 * math.log(2.0**-64))
     extremes = torch.zeros(8)
     GaussianSampler(_ConstantBytes(0), pairs_per_chunk=4).add_(extremes, 1.0)  # angle 0: cos = 1, sin = 0
     assert extremes[0].item() == torch.tensor(Z_MAX, dtype=torch.float32).item()
     assert abs(extremes[0].item() - Z_MAX) <= 2**-24 * Z_MAX  # float32 rounding only
     smallest = torch.zeros(8)
-    GaussianSampler(_ConstantBytes(0xFF), pairs_per_chunk=4).add_(smallest, 1.0)  # k = 2⁵³ − 1
+    GaussianSampler(_ConstantBytes(0xFF), pairs_per_chunk=4).add_(smallest, 1.0)  # k = 2⁶³ − 1
     assert smallest.abs().max() < 1e-7
 
 
@@ -240,24 +240,25 @@ def _outside_disc(shift: float) -> float:
         return math.expm1((Z_MAX**2 - rho**2) / 2) if rho < Z_MAX else 0.0
 
     inside = integrate.quad(excess, 0, math.pi, epsabs=0, epsrel=1e-10, limit=400)[0]
-    return 2.0**-54 / math.pi * inside
+    return 2.0**-64 / math.pi * inside
 
 
 def test_tail_mass_counts_the_disc_not_the_one_coordinate_figure():
-    # The review's figure, P(N(0,1) > Z_MAX − 1/σ), has the whole shift on one coordinate of a square support...
-    assert stats.norm.sf(Z_MAX - 1 / 0.5) == pytest.approx(1.4e-11, rel=0.1)
-    assert stats.norm.sf(Z_MAX - 1 / 0.7) == pytest.approx(2.5e-13, rel=0.1)
-    # ...but a pair's support is a disc, which a shift leaves 1.6-2.5 times more often.
-    for sigma, one_pair in ((0.5, 3.05e-11), (0.7, 6.34e-13), (0.4, 7.21e-10), (0.3, 8.53e-8)):
+    # The review's figure for the 53-bit radius (Z_MAX 8.65), P(N(0,1) > Z_MAX − 1/σ): 1.4e-11 at σ = 0.5.
+    assert stats.norm.sf(math.sqrt(-2 * math.log(2.0**-54)) - 1 / 0.5) == pytest.approx(1.4e-11, rel=0.1)
+    # With 63 radius bits the one-coordinate figure is ~240× smaller...
+    assert stats.norm.sf(Z_MAX - 1 / 0.5) == pytest.approx(5.9e-14, rel=0.1)
+    # ...and a pair's support is a disc, which a shift leaves 1.7-2.7 times more often than that figure says.
+    for sigma, one_pair in ((0.5, 1.30e-13), (0.7, 1.75e-15), (0.4, 4.46e-12), (0.3, 9.85e-10)):
         exact = _outside_disc(1 / sigma)
-        assert exact == pytest.approx(one_pair, rel=2e-3) and exact > 1.6 * stats.norm.sf(Z_MAX - 1 / sigma)
-        assert exact <= tail_mass(sigma, coordinates=1) <= exact * (1 + 1e-3) + 1.6e-16 / sigma
-    assert tail_mass(0.5) == pytest.approx(5.05e-11, rel=0.01)  # with 2³² coordinates: + 1.0e-11/σ spread thin
-    assert tail_mass(0.7) == pytest.approx(1.49e-11, rel=0.01)
+        assert exact == pytest.approx(one_pair, rel=5e-3) and exact > 1.6 * stats.norm.sf(Z_MAX - 1 / sigma)
+        assert exact <= tail_mass(sigma, coordinates=1) <= exact * (1 + 1e-3) + 1.7e-19 / sigma
+    assert tail_mass(0.5) == pytest.approx(1.51e-13, rel=0.01)  # with 2³² coordinates: + 1.07e-14/σ spread thin
+    assert tail_mass(0.7) == pytest.approx(1.70e-14, rel=0.01)
 
 
 def test_tail_mass_bounds_a_shift_spread_over_many_pairs():
-    slope = Z_MAX * 2.0**-54 / math.pi  # d/da of the mass outside at a = 0
+    slope = Z_MAX * 2.0**-64 / math.pi  # d/da of the mass outside at a = 0
     assert _outside_disc(1e-6) == pytest.approx(slope * 1e-6, rel=1e-4)
     # The bound's lemma: (f(a) − c·a)/a² is non-decreasing, so the shares of a shift cost at most f(1/σ) + c·√m/σ.
     shifts = np.linspace(0.01, 8.0, 400)
@@ -267,7 +268,7 @@ def test_tail_mass_bounds_a_shift_spread_over_many_pairs():
         for pairs in (1, 2, 10, 10**4, 10**8, MAX_RELEASE_COORDINATES):
             spread = pairs * _outside_disc(1 / sigma / math.sqrt(pairs))  # equal shares: Σ a_j² = 1/σ²
             assert spread <= tail_mass(sigma, coordinates=pairs)
-    assert 2**16 * slope / 0.5 > 0.5 * _outside_disc(2.0)  # at 2³² coordinates the thin spread matters
+    assert 2**16 * slope / 0.7 > 0.5 * _outside_disc(1 / 0.7)  # at 2³² coordinates the thin spread matters
 
 
 def test_a_release_larger_than_the_tail_accounting_assumes_is_refused():

@@ -177,7 +177,7 @@ def sampler_tail_delta(mechanisms: Sequence[MechanismGroup], delta: float) -> fl
 
     Two terms over the k noised releases: Σ steps · tail_mass(σ) (union bound; Poisson sampling would lower it by
     q, which is not claimed), then the disc restriction, which multiplies the accountant's δ by at most Z^(−k),
-    Z = (1 − 2⁻⁵⁴)^MAX_RELEASE_COORDINATES: the accountant gets (δ − Σ)·Z^k. At least `delta` when Σ alone
+    Z = (1 − 2⁻⁶⁴)^MAX_RELEASE_COORDINATES: the accountant gets (δ − Σ)·Z^k. At least `delta` when Σ alone
     reaches it: no finite ε then.
     """
     noised = [(sigma, steps) for sigma, _, steps in _history(mechanisms) if sigma > 0]

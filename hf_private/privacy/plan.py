@@ -24,7 +24,7 @@ Every ε here is the accountant's at δ − δ_tail, where δ_tail is what the n
 checked at its own δ − δ_tail(σ): ε still falls as σ grows (δ_tail shrinks with σ), so the searches stay valid,
 and the σ returned meets the target at the δ_tail of the planned run. Compared with calibrating at δ, σ can only
 grow. A plan whose δ_tail would exceed δ/10 is refused: that is the floor on σ, below which the tail grows fast
-(7e-10 per release at σ = 0.4, 9e-8 at σ = 0.3).
+(4.5e-12 per release at σ = 0.4, 1e-9 at σ = 0.3, 7e-6 at σ = 0.2).
 
 A stage may be marked `no_guarantee` with a reason (DP-FP in paper mode): it is never calibrated, the plan's ε is
 ∞, its `guarantee` is ("none", reason), the budget stop does not apply, and its ledger events are

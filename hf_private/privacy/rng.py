@@ -41,17 +41,20 @@ logger = get_logger(__name__)
 KEY_BYTES = 32  # 256-bit key
 _MAX_REQUEST_BYTES = (1 << 32) * 64  # the 32-bit block counter of one nonce
 _MASK_53 = (1 << 53) - 1
+_MASK_63 = (1 << 63) - 1
 _MASK_24 = (1 << 24) - 1
-# A 53-bit uniform is (k + _HALF)·_ULP_53, k < 2⁵³: `uniform`'s values and every Gaussian pair's radius uniform.
-_HALF, _ULP_53 = 0.5, 2.0**-53
-# Bytes per pair of Gaussians: 8 for the radius uniform (53 bits used), 4 for the angle (24 bits used).
+# `uniform`'s values are (k + _HALF)·_ULP_53, k < 2⁵³ (exact in float64). A Gaussian pair's radius uniform is
+# (k + _HALF)·_ULP_63, k < 2⁶³ (exact where it matters, near 0; rounded to float64 elsewhere): ten more bits than a
+# float64 mantissa push the largest radius from 8.65 to 9.42 std and its tail mass from 2⁻⁵⁴ to 2⁻⁶⁴.
+_HALF, _ULP_53, _ULP_63 = 0.5, 2.0**-53, 2.0**-63
+# Bytes per pair of Gaussians: 8 for the radius uniform (63 bits used), 4 for the angle (24 bits used).
 PAIR_BYTES = 12
 
-#: A pair's largest radius in standard deviations, √(−2 ln u) at the smallest radius uniform u = 2⁻⁵⁴: ≈ 8.652.
+#: A pair's largest radius in standard deviations, √(−2 ln u) at the smallest radius uniform u = 2⁻⁶⁴: ≈ 9.419.
 #: No draw exceeds it: every pair lies in a disc of this radius around its mean.
-Z_MAX = math.sqrt(-2.0 * math.log(_HALF * _ULP_53))
-#: The Gaussian's mass beyond that radius, per pair: e^(−Z_MAX²/2) = 2⁻⁵⁴, what the sampler never draws.
-DISC_MISS = _HALF * _ULP_53
+Z_MAX = math.sqrt(-2.0 * math.log(_HALF * _ULP_63))
+#: The Gaussian's mass beyond that radius, per pair: e^(−Z_MAX²/2) = 2⁻⁶⁴, what the sampler never draws.
+DISC_MISS = _HALF * _ULP_63
 #: The most coordinates one release (one `GaussianNoise.add_`) may noise: `tail_mass` assumes it by default.
 MAX_RELEASE_COORDINATES = 1 << 32
 # d/da of the mass a pair shifted by a std puts outside the disc, at a = 0: the disc's boundary density times 2.
@@ -158,11 +161,12 @@ class SecretRandom:
 class GaussianSampler:
     """Box-Muller on keystream bytes into reused buffers: adds N(0, std²) to float32 tensors in chunks.
 
-    Each pair of draws takes 53 bits for the radius and 24 for the angle: r = std·√(−2 ln u₁) computed in float64,
-    r·cos θ and r·sin θ in float32. The radius never exceeds `Z_MAX` ≈ 8.652 std (the Gaussian's mass beyond it is
-    2⁻⁵⁴ per pair), so a neighbour's output shifted by the sensitivity can land where this one's cannot: up to
-    3.1e-11 per release at σ = 0.5, 7.2e-10 at σ = 0.4, 8.5e-8 at σ = 0.3 with the shift on one pair, plus up to
-    1.0e-11/σ with it spread over 2³² coordinates (`tail_mass`, which the accountants add to δ).
+    Each pair of draws takes 63 bits for the radius and 24 for the angle: r = std·√(−2 ln u₁) computed in float64,
+    r·cos θ and r·sin θ in float32. The radius never exceeds `Z_MAX` ≈ 9.419 std (the Gaussian's mass beyond it is
+    2⁻⁶⁴ per pair), so a neighbour's output shifted by the sensitivity can land where this one's cannot: up to
+    1.3e-13 per release at σ = 0.5, 4.5e-12 at σ = 0.4, 9.9e-10 at σ = 0.3 with the shift on one pair, plus up to
+    1.1e-14/σ with it spread over 2³² coordinates (`tail_mass`, which the accountants add to δ). With 53 radius
+    bits, as a float64 mantissa would give, Z_MAX was 8.65 and these figures 240-1000× larger.
     The work per value is fixed — no rejection loop — so its time does not depend on anything private.
     """
 
@@ -173,7 +177,7 @@ class GaussianSampler:
         self._bytes = bytearray(PAIR_BYTES * self.pairs)
         self._raw = torch.frombuffer(self._bytes, dtype=torch.uint8)
         on = dict(device=self.device)
-        self._bits53 = torch.empty(self.pairs, dtype=torch.int64, **on)
+        self._bits63 = torch.empty(self.pairs, dtype=torch.int64, **on)
         self._bits24 = torch.empty(self.pairs, dtype=torch.int32, **on)
         self._radius64 = torch.empty(self.pairs, dtype=torch.float64, **on)
         self._radius = torch.empty(self.pairs, dtype=torch.float32, **on)
@@ -188,10 +192,10 @@ class GaussianSampler:
         self.random.fill_(memoryview(self._bytes)[: PAIR_BYTES * pairs])  # one request: radius bits, angle bits
         radius_bits = self._raw[: 8 * pairs].view(torch.int64)
         angle_bits = self._raw[8 * pairs : PAIR_BYTES * pairs].view(torch.int32)
-        bits53, bits24 = self._bits53[:pairs], self._bits24[:pairs]
+        bits63, bits24 = self._bits63[:pairs], self._bits24[:pairs]
         radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
-        torch.bitwise_and(radius_bits.to(self.device, non_blocking=True), _MASK_53, out=bits53)
-        radius64.copy_(bits53).add_(_HALF).mul_(_ULP_53).log_().mul_(-2.0 * std * std).sqrt_()
+        torch.bitwise_and(radius_bits.to(self.device, non_blocking=True), _MASK_63, out=bits63)
+        radius64.copy_(bits63).add_(_HALF).mul_(_ULP_63).log_().mul_(-2.0 * std * std).sqrt_()
         radius.copy_(radius64)
         torch.bitwise_and(angle_bits.to(self.device, non_blocking=True), _MASK_24, out=bits24)
         torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
@@ -218,12 +222,12 @@ def tail_mass(noise_multiplier: float, coordinates: int = MAX_RELEASE_COORDINATE
     i.e. by shifts a_j (std) on the pairs with Σ a_j² ≤ 1/σ², and puts mass at most Σ_j f(a_j) outside the discs,
     f(a) = P(‖Z + a‖ > Z_MAX) for a standard 2-D Gaussian Z (a non-central χ² tail). Two worst cases, added:
 
-    * the whole shift on one pair: f(1/σ), 3.1e-11 at σ = 0.5, 6.3e-13 at σ = 0.7, 7.2e-10 at σ = 0.4, 8.5e-8
-      at σ = 0.3. The one-coordinate figure P(N(0, 1) > Z_MAX − 1/σ) (1.4e-11, 2.5e-13, 3.8e-10, 5.2e-8)
-      undercounts it 1.6-2.5×: the disc is smaller than the square |z| ≤ Z_MAX.
-    * the shift spread thin over m pairs: each adds a crescent of mass ≈ c·a_j, c = Z_MAX·2⁻⁵⁴/π ≈ 1.5e-16, in
-      all up to c·√m/σ with m ≤ `coordinates`: 1.0e-11/σ at 2³² (the most a release may noise, which
-      `GaussianNoise` enforces), 1.6e-12/σ at 10⁸.
+    * the whole shift on one pair: f(1/σ), 1.3e-13 at σ = 0.5, 1.8e-15 at σ = 0.7, 4.5e-12 at σ = 0.4, 9.9e-10
+      at σ = 0.3. The one-coordinate figure P(N(0, 1) > Z_MAX − 1/σ) (5.9e-14, 6.7e-16, 2.3e-12, 5.8e-10)
+      undercounts it 1.7-2.7×: the disc is smaller than the square |z| ≤ Z_MAX.
+    * the shift spread thin over m pairs: each adds a crescent of mass ≈ c·a_j, c = Z_MAX·2⁻⁶⁴/π ≈ 1.6e-19, in
+      all up to c·√m/σ with m ≤ `coordinates`: 1.1e-14/σ at 2³² (the most a release may noise, which
+      `GaussianNoise` enforces), 1.6e-15/σ at 10⁸.
 
     Σ_j f(a_j) ≤ f(1/σ) + c·√m/σ because (f(a) − c·a)/a² is non-decreasing (checked numerically in the tests for
     shifts up to 8 std, i.e. σ ≥ 0.125; plans refuse far larger σ long before).
@@ -233,7 +237,7 @@ def tail_mass(noise_multiplier: float, coordinates: int = MAX_RELEASE_COORDINATE
     Gaussian's do on the common support, and joint convexity carries that to the Poisson mixture; what falls
     outside has mass at most this bound (Poisson sampling lowers it by q: not claimed). Over k releases the union
     bound adds k times it to δ, and the restriction multiplies the accountant's δ by at most Z^(−k), with
-    Z ≥ (1 − 2⁻⁵⁴)^coordinates: `accountants.sampler_tail_delta` takes both out of δ. Floating point is not
+    Z ≥ (1 − 2⁻⁶⁴)^coordinates: `accountants.sampler_tail_delta` takes both out of δ. Floating point is not
     covered: the outputs are float32 values from a 2²⁴-point angle grid, finite sets whose supports differ
     between neighbours (Mironov 2012), as in every DP-SGD library.
     """
