@@ -159,7 +159,7 @@ def test_dpfp_paper_mode_fails_the_audit(tmp_path):
     assert result.claimed_epsilon == pytest.approx(CLAIMED_EPSILON, abs=1e-6)  # the CLT figure: nothing else claimed
     white = next(b for b in result.bounds if b.score == "white-box")
     assert result.epsilon_lower_bound > CLAIMED_EPSILON and result.refutes_claim
-    assert white.correct == white.guesses
+    assert white.correct >= 0.95 * white.guesses  # a sampled canary's row can move against its first direction
 
 
 # ---------------------------------------------------------------- one-step distinguishing test (Tier 1)
