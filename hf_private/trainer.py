@@ -384,10 +384,11 @@ class PrivateTrainer(Trainer):
                 return self._summed_loss(model, batch)[0]
 
         rtol = RTOL_LOW_PRECISION if low_precision else RTOL
-        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows, rtol)
+        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows,
+                                   rtol=rtol)
         probe, probe_examples = self._length_spread_chunk()
         check_example_independence(engine, model, probe, summed_loss, probe_examples,
-                                   rows_per_example(model, probe), rtol)
+                                   rows_per_example(model, probe), rtol=rtol)
         self._independence_checked = True
 
     def _length_spread_chunk(self) -> tuple[dict, int]:
