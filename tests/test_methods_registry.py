@@ -22,7 +22,7 @@ from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_
 from hf_private.methods.base import _METHODS, CONFIG_NAME, FIELDS_HEADING, FORMAT_VERSION, MethodConfig
 from hf_private.privacy import Stage
 from tests import tiny
-from tests.helpers import make_trainer, training_args
+from tests.helpers import eval_logits, make_trainer, training_args
 
 
 def test_each_method_has_one_canonical_name():
@@ -81,6 +81,12 @@ def test_dp_lora_wraps_the_model_with_peft_and_trains(tmp_path):
     assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
     trainer.train()
     assert trainer.ledger.total_steps == 2 and trainer.privacy_report()["method"] == "dp-lora"
+
+    trainer.save_model()  # a standard PEFT adapter, its new head included: stock PEFT loads it onto the public base
+    batch = _padding()([{k: v for k, v in r.items() if k != "label"} for r in tiny.sentiment_dataset(4, seed=7)])
+    trained = eval_logits(trainer.model, batch)
+    assert not torch.equal(eval_logits(tiny.bert(), batch), trained), "training changed nothing"
+    assert torch.equal(eval_logits(PeftModel.from_pretrained(tiny.bert(), tmp_path), batch), trained)
 
 
 class _MeanPooledScorer(BertPreTrainedModel):
