@@ -6,8 +6,9 @@ model drifts to the majority class while its loss rises. On SST-2 with all-MiniL
 utility.py, 20,000 sentences, B 256, 78 steps, held-out accuracy), DP-BiTFiT at C = 0.1 (35x below the median norm)
 ended at 80.5% with its loss rising 0.80 -> 1.04, at C = 3.5 (the median) at 82.1% with its loss falling 0.65 ->
 0.52; full DP fine-tuning at C = 0.1 had its loss at 2.0 by step 43, at C = 6 (the median) it fell 0.66 -> 0.41.
-The norms depend on the model and its new head (full 6.0, BiTFiT 3.5, LoRA 3.4 on that model), so no single C
-fits every model: `median_gradient_norm` measures them.
+The norms depend on the model and its new head (on that model, with the benchmark's mean-pooled head: full 6.0,
+BiTFiT 3.5, LoRA 3.4; with the stock CLS-pooler head, on `public_calibration_texts(32)`: 2.59, 1.21, 1.16), so no
+single C fits every model: `median_gradient_norm` measures them.
 
 Measure on public inputs only (the default below: generated sentences that contain nothing of anyone's data).
 Measuring on the private training set would make C depend on it, which the accounted ε does not cover.

@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
@@ -53,6 +53,20 @@ def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
     texts, labels = sentiment_texts(n, seed)
     enc = demo_tokenizer()(texts, truncation=True, max_length=MAX_LENGTH)
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
+
+
+def sentiment_splits(train_size: int = 20000, validation_size: int = 1000, seed: int = 1234) -> DatasetDict:
+    """Raw `sentence`/`label` "train" and "validation" splits, laid out like GLUE SST-2 so a script swaps one for the
+    other. A validation review that also occurs in training is left out (so slightly fewer than `validation_size`
+    remain): the trainer would rightly refuse to call the split held-out."""
+    texts, labels = sentiment_texts(train_size + validation_size, seed)
+    seen = set(texts[:train_size])
+    held_out = [i for i in range(train_size, len(texts)) if texts[i] not in seen]
+    return DatasetDict({
+        "train": Dataset.from_dict({"sentence": texts[:train_size], "label": labels[:train_size]}),
+        "validation": Dataset.from_dict({"sentence": [texts[i] for i in held_out],
+                                         "label": [labels[i] for i in held_out]}),
+    })
 
 
 def demo_model(num_labels: int = 2, **config: Any) -> BertForSequenceClassification:

@@ -6,21 +6,6 @@ and no data; it is a demo of the pipeline, not a benchmark.
 
 from __future__ import annotations
 
-from datasets import Dataset, DatasetDict
+from hf_private.demo import MAX_LENGTH, demo_model, demo_tokenizer, sentiment_splits
 
-from hf_private.demo import MAX_LENGTH, demo_model, demo_tokenizer, sentiment_texts
-
-__all__ = ["MAX_LENGTH", "demo_dataset", "demo_model", "demo_tokenizer"]
-
-
-def demo_dataset(train_size: int = 20000, validation_size: int = 1000, seed: int = 1234) -> DatasetDict:
-    """Raw `sentence`/`label` splits. A validation review that also occurs in training is left out (so slightly
-    fewer than `validation_size` remain): the trainer would rightly refuse to call the split held-out."""
-    texts, labels = sentiment_texts(train_size + validation_size, seed)
-    seen = set(texts[:train_size])
-    held_out = [i for i in range(train_size, len(texts)) if texts[i] not in seen]
-    return DatasetDict({
-        "train": Dataset.from_dict({"sentence": texts[:train_size], "label": labels[:train_size]}),
-        "validation": Dataset.from_dict({"sentence": [texts[i] for i in held_out],
-                                         "label": [labels[i] for i in held_out]}),
-    })
+__all__ = ["MAX_LENGTH", "demo_model", "demo_tokenizer", "sentiment_splits"]

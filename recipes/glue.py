@@ -30,7 +30,7 @@ from transformers import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from demo_task import MAX_LENGTH, demo_dataset, demo_model, demo_tokenizer  # noqa: E402
+from demo_task import MAX_LENGTH, demo_model, demo_tokenizer, sentiment_splits  # noqa: E402
 from glue_data import (  # noqa: E402
     TASKS,
     DataError,
@@ -127,8 +127,8 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         if recipe.method == "dp-bitfit":
             logger.warning("DEMO: DP-BiTFiT adapts pre-trained features and the demo model has none (random "
                            "weights), so expect chance accuracy here; give --model_name_or_path to see it work.")
-        raw, tokenizer, model = demo_dataset(), demo_tokenizer(), demo_model()
-        text_columns, dataset_label = ("sentence",), "generated demo sentiment data (recipes/demo_task.py)"
+        raw, tokenizer, model = sentiment_splits(), demo_tokenizer(), demo_model()
+        text_columns, dataset_label = ("sentence",), "generated demo sentiment data (hf_private.demo)"
     else:
         raw, text_columns, dataset_label = _load_data(recipe)
         set_seed(training_args.seed)  # the new head alike on every process, so is the measured C

@@ -216,9 +216,13 @@ def test_conv_biases_match_the_per_example_loop():
     assert torch.allclose(norms, torch.stack(expected), rtol=1e-10)
 
 
-def test_trainable_conv_weight_is_refused():
-    with pytest.raises(UnsupportedLayerError, match=r"\['weight'\].*Conv2d"):
+def test_trainable_conv_weight_is_refused_saying_only_the_bias_is_supported():
+    with pytest.raises(UnsupportedLayerError) as error:
         PerExampleGradientEngine(torch.nn.Conv2d(1, 1, 3), 1.0)
+    message = str(error.value)
+    assert "['weight'] of <root> (Conv2d)" in message and "Conv2d supports bias only" in message
+    for conv in ("Conv1d", "Conv2d", "Conv3d"):  # the list of supported layers never suggests a conv weight works
+        assert f"{conv} (bias only; weight refused)" in message
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2-tied", "bert-lora", "roberta-bitfit"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+import pydoc
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import pytest
@@ -18,10 +19,10 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
 from hf_private.engine.terms import zero_rows
 from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_dp_method
-from hf_private.methods.base import _METHODS, CONFIG_NAME, FORMAT_VERSION, MethodConfig
+from hf_private.methods.base import _METHODS, CONFIG_NAME, FIELDS_HEADING, FORMAT_VERSION, MethodConfig
 from hf_private.privacy import Stage
 from tests import tiny
-from tests.helpers import make_trainer, training_args
+from tests.helpers import eval_logits, make_trainer, training_args
 
 
 def test_each_method_has_one_canonical_name():
@@ -44,6 +45,29 @@ def test_config_file_carries_format_version_and_drops_unknown_keys(tmp_path, cap
     assert "added_by_a_newer_version" in caplog.text
 
 
+@pytest.mark.parametrize("name", registered_methods())
+def test_help_shows_every_fields_meaning(name):
+    config_class = method_class(name).config_class
+    doc = pydoc.render_doc(config_class, renderer=pydoc.plaintext)
+    for f in fields(config_class):
+        assert f"{f.name} (" in doc and f.metadata["help"] in doc, f"help({config_class.__name__}) hides {f.name}"
+
+
+def test_a_new_methods_config_is_documented_once_and_an_undocumented_field_refused(head_only_method):
+    register_dp_method(head_only_method)(method_class(head_only_method.method))  # registering again adds nothing
+    doc = pydoc.render_doc(head_only_method, renderer=pydoc.plaintext)
+    assert doc.count(FIELDS_HEADING) == 1 and "head_name (str, default 'classifier')" in doc
+
+    @dataclass
+    class Undocumented(DPConfig):
+        method: ClassVar[str] = "test-undocumented"
+        knob: int = 1
+
+    with pytest.raises(ValueError, match=r"Undocumented.knob has no help text: declare it with field\("):
+        register_dp_method(Undocumented)(type("UndocumentedMethod", (DPMethod,), {}))
+    assert "test-undocumented" not in registered_methods()
+
+
 def test_registering_a_name_twice_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         register_dp_method(DPConfig)(type("AnotherDPSGD", (DPMethod,), {}))
@@ -57,6 +81,12 @@ def test_dp_lora_wraps_the_model_with_peft_and_trains(tmp_path):
     assert trainable and all("lora_" in n or "classifier" in n for n in trainable)
     trainer.train()
     assert trainer.ledger.total_steps == 2 and trainer.privacy_report()["method"] == "dp-lora"
+
+    trainer.save_model()  # a standard PEFT adapter, its new head included: stock PEFT loads it onto the public base
+    batch = _padding()([{k: v for k, v in r.items() if k != "label"} for r in tiny.sentiment_dataset(4, seed=7)])
+    trained = eval_logits(trainer.model, batch)
+    assert not torch.equal(eval_logits(tiny.bert(), batch), trained), "training changed nothing"
+    assert torch.equal(eval_logits(PeftModel.from_pretrained(tiny.bert(), tmp_path), batch), trained)
 
 
 class _MeanPooledScorer(BertPreTrainedModel):

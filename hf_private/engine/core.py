@@ -230,8 +230,9 @@ class PerExampleGradientEngine:
             handler = handler_for(module)
             unknown = sorted(set(own) - set(handler.params)) if handler else sorted(own)
             if unknown:
+                partly = f": {type(module).__name__} supports {', '.join(handler.params)} only" if handler else ""
                 raise UnsupportedLayerError(
-                    f"Trainable parameter(s) {unknown} of {label} have no per-example gradient rule. "
+                    f"Trainable parameter(s) {unknown} of {label} have no per-example gradient rule{partly}. "
                     f"Supported layers: {', '.join(supported_layer_names())} (and PEFT LoRA, built from them). "
                     "Freeze these parameters (requires_grad=False) or replace the layer."
                 )

@@ -11,6 +11,7 @@ config subclass and a method subclass decorated with `register_dp_method`, impor
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -244,6 +245,27 @@ class DPMethod:
 
 _METHODS: dict[str, type[DPMethod]] = {}
 
+FIELDS_HEADING = "Fields (keyword arguments; the privacy knobs every method shares come first):"
+
+
+def document_fields(config_class: type[MethodConfig]) -> None:
+    """Write every field's `help` into the class docstring, once: pydoc never reads dataclass metadata, so without
+    this `help(BitFitConfig)` shows a bare signature. A field without help is refused, so a new method cannot
+    register undocumented knobs."""
+    doc = inspect.cleandoc(config_class.__dict__.get("__doc__") or "")
+    if FIELDS_HEADING in doc:
+        return
+    if doc.startswith(f"{config_class.__name__}("):
+        doc = ""  # the signature @dataclass writes for a class without a docstring: help() shows it anyway
+    entries = []
+    for f in dataclasses.fields(config_class):
+        if not f.metadata.get("help"):
+            raise ValueError(f"{config_class.__name__}.{f.name} has no help text: declare it with "
+                             "field(..., metadata={'help': '<what it means>'}).")
+        default = "" if f.default is dataclasses.MISSING else f", default {f.default!r}"
+        entries.append(f"{f.name} ({f.type}{default})\n    {f.metadata['help']}")
+    config_class.__doc__ = "\n\n".join(part for part in (doc, FIELDS_HEADING, *entries) if part)
+
 
 def register_dp_method(config_class: type[MethodConfig]):
     """Class decorator: register a `DPMethod` subclass under its config's canonical `method` name."""
@@ -254,6 +276,7 @@ def register_dp_method(config_class: type[MethodConfig]):
             raise ValueError(f"{config_class.__name__} needs a canonical `method` name.")
         if name in _METHODS and _METHODS[name] is not method_cls:
             raise ValueError(f"A DP method named {name!r} is already registered ({_METHODS[name].__name__}).")
+        document_fields(config_class)
         method_cls.config_class = config_class
         _METHODS[name] = method_cls
         return method_cls

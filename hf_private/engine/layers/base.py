@@ -15,6 +15,9 @@ class LayerHandler:
     params: tuple[str, ...] = ()
     #: parameters whose gradient needs the layer input (so the input is stored only when one is trainable)
     input_params: tuple[str, ...] = ()
+    #: the layer's other parameters, which have no rule: named in the supported-layer list so that it says exactly
+    #: what of the layer may train (a trainable one is refused)
+    refused: tuple[str, ...] = ()
 
     def check(self, module: nn.Module, trainable: set[str]) -> None:
         """Raise `UnsupportedLayerError` for a configuration whose per-example gradient would be wrong."""

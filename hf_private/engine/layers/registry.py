@@ -25,4 +25,12 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
 
 
 def supported_layer_names() -> list[str]:
-    return sorted(t.__name__ for t in _HANDLERS)
+    """Every supported layer type, with what of it may train when that is not all of it ("Conv2d (bias only; weight
+    refused)"), so an error listing them never suggests that a refused parameter would work."""
+    return sorted(_describe(t.__name__, handler) for t, handler in _HANDLERS.items())
+
+
+def _describe(name: str, handler: LayerHandler) -> str:
+    if not handler.refused:
+        return name
+    return f"{name} ({', '.join(handler.params)} only; {', '.join(handler.refused)} refused)"

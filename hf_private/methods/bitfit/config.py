@@ -11,6 +11,9 @@ from ..dpsgd import DPConfig
 
 @dataclass
 class BitFitConfig(DPConfig):
+    """DP-BiTFiT: DP-SGD on the bias terms (and by default the new task head), optionally after X epochs of DP full
+    fine-tuning, in one ledger."""
+
     method: ClassVar[str] = "dp-bitfit"
 
     train_head: bool = field(

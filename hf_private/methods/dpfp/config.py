@@ -14,6 +14,9 @@ MODES = ("sound", "paper")
 
 @dataclass
 class DPFPConfig(DPConfig):
+    """DP-FP: clip and noise each example's representation in the forward pass; `mode="sound"` adds DP-SGD on the
+    head for a formal ε, `mode="paper"` has none."""
+
     method: ClassVar[str] = "dp-fp"
 
     mode: str = field(

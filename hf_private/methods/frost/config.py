@@ -14,6 +14,9 @@ VARIANTS = ("mgna", "mgn", "mg")
 
 @dataclass
 class FrostConfig(DPConfig):
+    """DP-FROST: part of ε chooses which weight matrices to fine-tune (noisy gradient magnitudes), the rest runs
+    DP-SGD on them."""
+
     method: ClassVar[str] = "dp-frost"
 
     unfreeze_ratio: float = field(

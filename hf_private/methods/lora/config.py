@@ -10,6 +10,9 @@ from ..dpsgd import DPConfig
 
 @dataclass
 class DPLoRAConfig(DPConfig):
+    """DP-LoRA: wraps a plain model with PEFT LoRA (a PeftModel is trained as it is), then DP-SGD on the factors and
+    the new task head."""
+
     method: ClassVar[str] = "dp-lora"
 
     lora_r: int = field(default=16, metadata={"help": "LoRA rank r."})

@@ -19,6 +19,9 @@ PAPER_MASK_SOURCE = {"lora": "pretrained", "rgp": "current"}
 
 @dataclass
 class SparseLowRankConfig(DPConfig):
+    """Sparse + low-rank DP-SGD: DP-SGD on low-rank gradient factors (LoRA or RGP) whose least important rows and
+    columns are masked."""
+
     method: ClassVar[str] = "sparse-lowrank"
 
     variant: str = field(
