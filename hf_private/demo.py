@@ -1,7 +1,8 @@
 """The generated sentiment task behind every offline demo: the GLUE recipe's, the audit command's and the tests'.
 
 A review is a few neutral words and one to three sentiment words, shuffled; its label is the sentiment's. It needs
-no download, and a small BERT built from config learns it in seconds. It shows that the pipeline works; it is not a
+no download, and a small BERT built from config learns it in seconds. The recipe's demo asks for a harder variant
+(`contrast`, `label_noise`), on which privacy visibly costs accuracy. It shows that the pipeline works; it is not a
 benchmark.
 """
 
@@ -34,15 +35,31 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def sentiment_texts(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
-    """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed."""
+def sentiment_texts(n: int, seed: int = 0, *, contrast: bool = False, label_noise: float = 0.0,
+                    ) -> tuple[list[str], list[int]]:
+    """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed.
+
+    The defaults give the easy task the tests rely on: any sentiment word gives the label away. `contrast`: words of
+    both sentiments may occur, and the last one decides (a verdict after a "but"), so the model must use word order.
+    `label_noise`: the share of labels flipped, in training and held-out data alike, as in real data; no model then
+    beats about 1 - label_noise, and no held-out loss reaches 0.
+    """
     rng = random.Random(seed)
     texts, labels = [], []
     for _ in range(n):
         label = rng.randint(0, 1)
-        words = rng.choices(NEUTRAL, k=rng.randint(3, 8))
-        words += rng.choices(POSITIVE if label else NEGATIVE, k=rng.randint(1, 3))
-        rng.shuffle(words)
+        own, other = (POSITIVE, NEGATIVE) if label else (NEGATIVE, POSITIVE)
+        if contrast:
+            words = rng.choices(NEUTRAL, k=rng.randint(3, 7))
+            count = rng.randint(1, 3)
+            sentiment = [rng.choice(rng.choice((own, other))) for _ in range(count - 1)] + [rng.choice(own)]
+            for position, word in zip(sorted(rng.sample(range(len(words) + count), count)), sentiment):
+                words.insert(position, word)  # ascending positions: each word lands where drawn, in order
+        else:
+            words = rng.choices(NEUTRAL, k=rng.randint(3, 8)) + rng.choices(own, k=rng.randint(1, 3))
+            rng.shuffle(words)
+        if label_noise and rng.random() < label_noise:
+            label = 1 - label
         texts.append(" ".join(words))
         labels.append(label)
     return texts, labels
