@@ -507,7 +507,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="hf-private-audit",
         description="One-run canary audit of hf_private's DP training: an empirical LOWER bound on ε. A bound above "
         "the claimed ε proves a bug; a bound below it proves nothing. Without --model_name_or_path it audits a "
-        "tiny BERT on a generated task (offline, about two CPU-minutes).",
+        "tiny BERT on a generated task (offline, under a CPU-minute on a 2-core machine).",
     )
     add = parser.add_argument
     add("--model_name_or_path", help="Hub id or local path of a sequence-classification model (needs --train_file).")
