@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 MARKERS = "osD^v<>ph*"
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def latest(records: list[dict[str, Any]]) -> dict[tuple[str, float | None], dict[str, Any]]:
@@ -56,90 +58,112 @@ def _subtitle(chosen) -> str:
     return f"SST-2, {model}, train {'/'.join(f'{s:,}' for s in sizes)} sentences, dev accuracy"
 
 
+def _spread(index: int, count: int) -> float:
+    """A factor that moves method `index` of `count` slightly sideways on a log axis: equal values stay visible."""
+    return 10 ** (0.03 * (index - (count - 1) / 2))
+
+
+def _legend_outside(ax, **kwargs) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, **kwargs)
+
+
 def _accuracy(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Each method's private accuracies against ε, and its non-private twin at a position of its own on the right
+    (hollow marker): horizontal lines for the twins hid each other and the private points."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    epsilons = sorted({eps for (_, eps) in chosen if eps is not None})
+    twin_x = (epsilons[-1] if epsilons else 1.0) * 3
     for i, (method, label) in enumerate(methods):
+        shift, marker = _spread(i, len(methods)), MARKERS[i % len(MARKERS)]
         points = sorted((eps, r["dev_accuracy"]) for (m, eps), r in chosen.items() if m == method and eps is not None)
         if points:
-            ax.plot(*zip(*points), marker=MARKERS[i % len(MARKERS)], color=colors[method], label=label)
+            ax.plot([eps * shift for eps, _ in points], [a for _, a in points], marker=marker, color=colors[method],
+                    linestyle=LINESTYLES[i % len(LINESTYLES)], alpha=0.85, label=label)
         twin = chosen.get((method, None))
         if twin is not None:
-            ax.axhline(twin["dev_accuracy"], color=colors[method], linestyle="--", linewidth=1,
-                       label=f"{label}: non-private")
-    epsilons = sorted({eps for (_, eps) in chosen if eps is not None})
-    if epsilons:
-        ax.set_xscale("log")
-        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
-        ax.minorticks_off()
+            ax.plot([twin_x * shift], [twin["dev_accuracy"]], marker=marker, color=colors[method],
+                    markerfacecolor="white", markeredgewidth=1.5, linestyle="none", label=f"{label}: non-private")
+    ticks = {eps: f"{eps:g}" for eps in epsilons}
+    if any(eps is None for (_, eps) in chosen):
+        ticks[twin_x] = "non-private"
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks), list(ticks.values()))
+    ax.set_xlim(min(ticks) / 1.6, max(ticks) * 1.6)  # room for the sideways spread of the outer methods
+    ax.minorticks_off()
     majority = max((r.get("eval_majority_accuracy") or 0.5) for r in chosen.values())
     ax.axhline(majority, color="grey", linewidth=0.8, linestyle=":", label=f"majority class ({majority:.3f})")
-    ax.set_xlabel("ε (target; δ = 1/(2N))")
+    ax.set_ylim(bottom=min(majority, *(r["dev_accuracy"] for r in chosen.values())) - 0.02)  # the line off the frame
+    ax.set_xlabel("ε (target; δ = 1/(2N)); methods drawn slightly apart where their points coincide")
     ax.set_ylabel("dev accuracy")
     ax.set_title(f"Accuracy vs ε\n{subtitle}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _legend_outside(ax)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
 def _epsilon(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path | None:
-    styles = ["-", "--", ":", "-."]
-    private = sorted(((m, eps) for (m, eps) in chosen if eps is not None), key=lambda k: (k[0], -k[1]))
-    if not private:
+    """ε against step per target. Methods with the same B, epochs and σ have the same curve: one line names them all
+    (drawn once, nothing hides behind it)."""
+    targets = sorted({eps for (_, eps) in chosen if eps is not None}, reverse=True)
+    if not targets:
         return None
-    targets = sorted({eps for _, eps in private}, reverse=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     labels = dict(methods)
-    order = [m for m, _ in methods]
-    for method, eps in private:
-        curve = chosen[(method, eps)].get("epsilon_curve") or []
-        if curve:  # methods with equal B and epochs have equal curves: wider lines underneath keep both visible
-            steps, values = zip(*([[0, 0.0]] + curve))
-            ax.plot(steps, values, color=colors[method], linestyle=styles[targets.index(eps) % len(styles)],
-                    linewidth=1.2 + 1.5 * (len(order) - 1 - order.index(method)),
-                    label=f"{labels[method]}, target ε={eps:g}")
+    for t, eps in enumerate(targets):
+        curves: dict[tuple, list[str]] = {}  # the curve, rounded → the methods that have it
+        for method, _ in methods:
+            curve = (chosen.get((method, eps)) or {}).get("epsilon_curve") or []
+            if curve:
+                curves.setdefault(tuple((step, round(value, 6)) for step, value in curve), []).append(method)
+        for g, (curve, group) in enumerate(curves.items()):
+            steps, values = zip(*([(0, 0.0), *curve]))
+            names = textwrap.fill(", ".join(labels[m] for m in group), 45, break_on_hyphens=False)
+            ax.plot(steps, values, color=colors[group[0]] if len(group) == 1 else "black",
+                    linestyle=LINESTYLES[t % len(LINESTYLES)], marker=MARKERS[g % len(MARKERS)], markersize=4,
+                    alpha=0.85, label=f"target ε={eps:g}: {names}")
     ax.set_xlabel("training step (logical batch)")
     ax.set_ylabel("ε spent (PRV accountant, exact per step)")
     ax.set_title(f"ε vs training step\n{subtitle.replace(', dev accuracy', '')}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _legend_outside(ax, labelspacing=0.8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
 def _cost(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
+    from matplotlib.patches import Patch
+
     settings = sorted({eps for (_, eps) in chosen}, key=lambda e: (e is None, -(e or 0)))
     names = ["non-private" if e is None else f"ε={e:g}" for e in settings]
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     width = 0.8 / max(1, len(settings))
-    for j, (eps, name) in enumerate(zip(settings, names)):
+    shades = [1.0 - 0.5 * j / max(1, len(settings)) for j in range(len(settings))]
+    for j, eps in enumerate(settings):
         for i, (method, _) in enumerate(methods):
             record = chosen.get((method, eps))
             if record is None:
                 continue
             x = i + (j - (len(settings) - 1) / 2) * width
-            hatch = "//" if eps is None else None
-            alpha = 1.0 - 0.5 * j / max(1, len(settings))
-            time_ax.bar(x, record["cpu_seconds"] / 60, width, color=colors[method], alpha=alpha, hatch=hatch,
-                        label=name if i == 0 else None)
-            memory_ax.bar(x, record["peak_memory_bytes"] / 2**30, width, color=colors[method], alpha=alpha,
-                          hatch=hatch)
+            style = dict(color=colors[method], alpha=shades[j], hatch="//" if eps is None else None)
+            time_ax.bar(x, record["cpu_seconds"] / 60, width, **style)
+            memory_ax.bar(x, record["peak_memory_bytes"] / 2**30, width, **style)
     # CPU time of the run's own process: unlike wall time it does not depend on what else the machine runs
     for ax, ylabel in ((time_ax, "CPU time of the run (min)"), (memory_ax, "peak memory (GiB)")):
-        ax.set_xticks(range(len(methods)), [label for _, label in methods], fontsize=8)
+        ax.set_xticks(range(len(methods)), [label for _, label in methods], fontsize=8, rotation=25, ha="right")
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    time_ax.legend(fontsize=8)
     kinds = sorted({r["memory_kind"] for r in chosen.values()})
     memory_ax.set_title(", ".join(kinds), fontsize=9)
-    time_ax.set_title("bars per method: " + ", ".join(names), fontsize=9)
+    time_ax.set_title("bars per method, left to right: " + ", ".join(names), fontsize=9)
+    handles = [Patch(facecolor="grey", alpha=shades[j], hatch="//" if eps is None else None, label=name)
+               for j, (eps, name) in enumerate(zip(settings, names))]
+    _legend_outside(memory_ax, handles=handles)
     fig.suptitle(f"Time and peak memory per method\n{subtitle.replace(', dev accuracy', '')}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -1,7 +1,8 @@
 """The generated sentiment task behind every offline demo: the GLUE recipe's, the audit command's and the tests'.
 
 A review is a few neutral words and one to three sentiment words, shuffled; its label is the sentiment's. It needs
-no download, and a small BERT built from config learns it in seconds. It shows that the pipeline works; it is not a
+no download, and a small BERT built from config learns it in seconds. The recipe's demo asks for a harder variant
+(`contrast`, `label_noise`), on which privacy visibly costs accuracy. It shows that the pipeline works; it is not a
 benchmark.
 """
 
@@ -34,15 +35,31 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def sentiment_texts(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
-    """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed."""
+def sentiment_texts(n: int, seed: int = 0, *, contrast: bool = False, label_noise: float = 0.0,
+                    ) -> tuple[list[str], list[int]]:
+    """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed.
+
+    The defaults give the easy task the tests rely on: any sentiment word gives the label away. `contrast`: words of
+    both sentiments may occur, and the last one decides (a verdict after a "but"), so the model must use word order.
+    `label_noise`: the share of labels flipped, in training and held-out data alike, as in real data; no model then
+    beats about 1 - label_noise, and no held-out loss reaches 0.
+    """
     rng = random.Random(seed)
     texts, labels = [], []
     for _ in range(n):
         label = rng.randint(0, 1)
-        words = rng.choices(NEUTRAL, k=rng.randint(3, 8))
-        words += rng.choices(POSITIVE if label else NEGATIVE, k=rng.randint(1, 3))
-        rng.shuffle(words)
+        own, other = (POSITIVE, NEGATIVE) if label else (NEGATIVE, POSITIVE)
+        if contrast:
+            words = rng.choices(NEUTRAL, k=rng.randint(3, 7))
+            count = rng.randint(1, 3)
+            sentiment = [rng.choice(rng.choice((own, other))) for _ in range(count - 1)] + [rng.choice(own)]
+            for position, word in zip(sorted(rng.sample(range(len(words) + count), count)), sentiment):
+                words.insert(position, word)  # ascending positions: each word lands where drawn, in order
+        else:
+            words = rng.choices(NEUTRAL, k=rng.randint(3, 8)) + rng.choices(own, k=rng.randint(1, 3))
+            rng.shuffle(words)
+        if label_noise and rng.random() < label_noise:
+            label = 1 - label
         texts.append(" ".join(words))
         labels.append(label)
     return texts, labels
@@ -55,11 +72,16 @@ def sentiment_dataset(n: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "label": labels})
 
 
-def sentiment_splits(train_size: int = 20000, validation_size: int = 1000, seed: int = 1234) -> DatasetDict:
+# The demo's share of flipped labels: held-out accuracy stays below about 1 - LABEL_NOISE, the loss above 0.
+LABEL_NOISE = 0.05
+
+
+def sentiment_splits(train_size: int = 10000, validation_size: int = 1000, seed: int = 1234) -> DatasetDict:
     """Raw `sentence`/`label` "train" and "validation" splits, laid out like GLUE SST-2 so a script swaps one for the
-    other. A validation review that also occurs in training is left out (so slightly fewer than `validation_size`
-    remain): the trainer would rightly refuse to call the split held-out."""
-    texts, labels = sentiment_texts(train_size + validation_size, seed)
+    other: the harder task (`contrast`, `LABEL_NOISE`), so the demo shows what privacy costs. A validation review
+    that also occurs in training is left out (so slightly fewer than `validation_size` remain): the trainer would
+    rightly refuse to call the split held-out."""
+    texts, labels = sentiment_texts(train_size + validation_size, seed, contrast=True, label_noise=LABEL_NOISE)
     seen = set(texts[:train_size])
     held_out = [i for i in range(train_size, len(texts)) if texts[i] not in seen]
     return DatasetDict({

@@ -43,7 +43,8 @@ from .example_rows import rows_per_example
 from .forks import find_fork
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
-from .label_checks import check_finite_labels
+from .label_checks import check_finite_labels, log_ignored_labels
+from .launch_checks import check_process_count
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
 from .method_run import MethodRun
@@ -112,6 +113,7 @@ class PrivateTrainer(Trainer):
         self.per_example_loss = per_example_loss or partial(
             default_per_example_loss, label_smoothing=self.args.label_smoothing_factor)
         self._check_setup()
+        check_process_count(self.args.world_size)
         self.delta = dp_config.resolve_delta(self.dataset_size)
         world = self.args.world_size
         self.expected_batch_size = (
@@ -156,6 +158,7 @@ class PrivateTrainer(Trainer):
         for prefix, dataset in eval_sets(self.eval_dataset):
             self.training_rows.overlap(dataset, prefix)  # warns now, before any training
         self._log_plan()
+        log_ignored_labels(self.train_dataset)
 
     # ------------------------------------------------------------------ validation and plan
     def _check_setup(self) -> None:

@@ -6,6 +6,6 @@ and no data; it is a demo of the pipeline, not a benchmark.
 
 from __future__ import annotations
 
-from hf_private.demo import MAX_LENGTH, demo_model, demo_tokenizer, sentiment_splits
+from hf_private.demo import LABEL_NOISE, MAX_LENGTH, demo_model, demo_tokenizer, sentiment_splits
 
-__all__ = ["MAX_LENGTH", "demo_model", "demo_tokenizer", "sentiment_splits"]
+__all__ = ["LABEL_NOISE", "MAX_LENGTH", "demo_model", "demo_tokenizer", "sentiment_splits"]

@@ -15,6 +15,8 @@ import math
 import os
 import pathlib
 import random
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -388,3 +390,12 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
 def test_command_line_entry_point_is_declared():
     pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["hf-private-audit"] == "hf_private.audit:main"
+
+
+def test_python_dash_m_runs_without_runtime_warning():
+    """`import hf_private` imports the audit module; running that module as a script would load it twice."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "hf_private.audit", "--help"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: hf-private-audit" in done.stdout

@@ -150,6 +150,9 @@ def test_substreams_of_a_test_seed_are_reproducible_and_insecure():
 
 
 def test_test_seed_is_reproducible_and_warns(caplog):
+    from hf_private.privacy.rng import _warn_test_seed
+
+    _warn_test_seed.cache_clear()  # it warns once per process: an earlier test may have warned already
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private.privacy.rng"):
         first = SecretRandom(test_seed=1234).normal(16)
         second = SecretRandom(test_seed=1234).normal(16)

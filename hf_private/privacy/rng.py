@@ -70,6 +70,16 @@ def _test_key(test_seed: int) -> bytes:
     return hashlib.sha256(b"hf_private insecure test seed\0" + str(int(test_seed)).encode()).digest()
 
 
+@functools.cache
+def _warn_test_seed() -> None:
+    """Once per process: one test-seed run keys several generators (noise, sampling, forward mechanisms)."""
+    logger.warning(
+        "Insecure test mode: DP randomness keyed from a test seed (DPConfig.noise_seed). The noise and sampling are "
+        "reproducible, and the privacy guarantee is void against anyone who knows the seed. Never use it for a real "
+        "run."
+    )
+
+
 class SecretRandom:
     """A cryptographically secure random stream turned into uniforms and Gaussians in torch."""
 
@@ -78,11 +88,7 @@ class SecretRandom:
         if key is not None and test_seed is not None:
             raise ValueError("Give at most one of key and test_seed.")
         if test_seed is not None:
-            logger.warning(
-                "Insecure test mode: DP randomness keyed from test_seed=%d. The noise and sampling are reproducible, "
-                "and the privacy guarantee is void against anyone who knows the seed. Never use it for a real run.",
-                test_seed,
-            )
+            _warn_test_seed()
             key = _test_key(test_seed)
         elif key is None:
             key = os.urandom(KEY_BYTES)
