@@ -609,12 +609,12 @@ class PrivateTrainer(Trainer):
         figures = dict(self.dp_method.figures_without_guarantee())
         epsilon = report.pop("epsilon", None)
         report.pop("training_epsilon", None)
-        if self.dp_config.noise_seed is not None and epsilon is not None and math.isfinite(epsilon):
+        if epsilon is not None and math.isfinite(epsilon):  # only a test seed (this run's or an audit's) leaves one
             figures["accounting_with_a_secret_seed"] = {
                 "value": epsilon,
                 "what": f"What the {report['accountant']} accountant gives for these mechanisms at δ: it would bound "
-                        "the privacy loss had the noise and sampling come from a secret key. They came from the "
-                        "test seed, which replays them, so it bounds nothing.",
+                        "the privacy loss had all the noise and sampling come from a secret key. Some came from a "
+                        "test seed (this run's or a composed audit's), which replays them, so it bounds nothing.",
             }
         if figures:
             report["not_a_guarantee"] = figures
