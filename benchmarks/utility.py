@@ -121,7 +121,7 @@ def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
 # sentences once (the grid takes ~2 CPU-hours for 24 runs; all of SST-2 for 3 epochs would take ~10x that):
 #   * B = 256 (q = 0.0128, 78 steps, σ = 0.46 / 0.65 / 0.92 at ε = 8 / 3 / 1), AdamW, linear decay, no warm-up,
 #     length 128 (no SST-2 sentence is cut). The non-private twins: batch 32, one epoch (625 steps).
-#   * The head: MeanPooledBertForSequenceClassification (benchmarks/mean_pooled.py), a linear layer on the mean
+#   * The head: MeanPooledBertForSequenceClassification (hf_private.heads), a linear layer on the mean
 #     of the token states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's
 #     CLS pooler every private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79;
 #     DP-BiTFiT at lr 1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features,
@@ -230,7 +230,7 @@ class RunSpec:
     seed: int = SEED
     holdout: int = 0  # > 0: evaluate on this many held-out train.tsv sentences instead of dev.tsv
     sampling: str = "group_by_length"  # TrainingArguments.train_sampling_strategy (a new id: older runs padded more)
-    head: str = "mean"  # "mean": benchmarks.mean_pooled's head; "cls": BertForSequenceClassification (pooler on CLS)
+    head: str = "mean"  # "mean": hf_private.MeanPooledBertForSequenceClassification; "cls": the stock CLS pooler head
 
     @property
     def run_id(self) -> str:
@@ -424,9 +424,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
     from benchmarks.memory import peak_bytes, reset_peak
-    from hf_private import PrivateTrainer
+    from hf_private import MeanPooledBertForSequenceClassification, PrivateTrainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if threads or device.type == "cpu":

@@ -39,6 +39,7 @@ from .engine.independence import (
 )
 from .example_rows import rows_per_example
 from .forks import find_fork
+from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels
@@ -93,6 +94,7 @@ class PrivateTrainer(Trainer):
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
         _check_model(model)
+        warn_if_cls_head_on_mean_encoder(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         check_finite_labels(train_dataset)

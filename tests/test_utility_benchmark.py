@@ -118,26 +118,3 @@ def test_minilm_package_is_found_where_pip_puts_it():
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("bert", 6, 384)
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
-
-
-def test_mean_pooled_head_ignores_padding_and_loads_the_encoder(tiny_setup):
-    """The benchmark's head averages the unpadded token states only, on the checkpoint's own encoder weights."""
-    import torch
-    from transformers import AutoModel
-
-    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
-
-    _, model_dir, _ = tiny_setup
-    model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2).eval()
-    encoder = AutoModel.from_pretrained(model_dir)
-    for name, tensor in encoder.state_dict().items():
-        if not name.startswith("pooler."):
-            assert torch.equal(model.bert.state_dict()[name], tensor), name
-    ids = torch.tensor([[2, 4, 9, 3]])
-    padded = torch.tensor([[2, 4, 9, 3, 0, 0]])
-    with torch.no_grad():
-        alone = model(ids, attention_mask=torch.ones_like(ids)).logits
-        with_padding = model(padded, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]])).logits
-        states = model.bert(ids).last_hidden_state
-    torch.testing.assert_close(with_padding, alone, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(alone, model.classifier(states.mean(1)))
