@@ -49,6 +49,7 @@ from .method_run import MethodRun
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
+from .prediction_collapse import HeldOutPredictions, RunSettings, trained_values
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
 from .sampling import (
     EmptySafeCollator,
@@ -150,6 +151,7 @@ class PrivateTrainer(Trainer):
                                           pad_token_id(self.processing_class))
         # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
         self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
+        self._held_out_predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
         for prefix, dataset in eval_sets(self.eval_dataset):
             self.training_rows.overlap(dataset, prefix)  # warns now, before any training
         self._log_plan()
@@ -323,7 +325,10 @@ class PrivateTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            labels = inputs.get("labels")  # before Trainer's label smoother pops them
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            self._held_out_predictions.add(model, outputs, labels)
+            return (loss, outputs) if return_outputs else loss
         if "labels" not in inputs:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
         loss, outputs = self._summed_loss(model, inputs)
@@ -615,9 +620,18 @@ class PrivateTrainer(Trainer):
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         status = OVERLAPS if self.training_rows.overlap(dataset, metric_key_prefix) else HELD_OUT
-        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with self._held_out_predictions.counting(held_out=status == HELD_OUT):
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         self._eval_results[metric_key_prefix] = (status, published_metrics(metrics, metric_key_prefix))
+        self._held_out_predictions.warn_if_collapsed(metric_key_prefix, self.model, self._run_settings(), reduce=(
+            partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
         return metrics
+
+    def _run_settings(self) -> RunSettings:
+        """What a collapse warning names as likely causes."""
+        trained, total = trained_values(self.model, self.trained_parameter_names)
+        return RunSettings(self.dp_config.max_grad_norm, self.args.learning_rate, self.dataset_size, trained, total,
+                           self.training_steps())
 
     def _trained_fraction(self) -> float:
         """Share of the model's values trained in any phase (what a saved adapter holds)."""
