@@ -118,3 +118,25 @@ def test_minilm_package_is_found_where_pip_puts_it():
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("bert", 6, 384)
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+
+
+def test_auto_clip_norm_is_the_readme_measurement(tiny_setup):
+    """--clip-norm auto: C is median_gradient_norm on public_calibration_texts(32) for this run's model and method,
+    recorded with the top class's share and the collapse warning (None when it did not fire)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from hf_private import MeanPooledBertForSequenceClassification
+
+    data, model_dir, results = tiny_setup
+    argv = [*_argv(data, model_dir, results), "--methods", "bitfit", "--no-nonprivate"]
+    (record,) = utility.main([*argv, "--clip-norm", "auto"])
+    (table,) = utility.main(argv)
+    transformers.set_seed(utility.SEED)  # as run_one does before loading the model
+    model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    spec = utility.RunSpec(**{k: record[k] for k in ("method", "config", "options")}, epsilon=8.0, hyper={},
+                           train_size=None, data_dir="", model_dir="", model_name="")
+    expected = utility._calibrated_clip(model, spec, AutoTokenizer.from_pretrained(model_dir))
+    assert record["clip_norm"] == "auto" and record["max_grad_norm"] == pytest.approx(expected)
+    assert table["max_grad_norm"] == utility.METHODS["bitfit"].dp.clip and record["run_id"] != table["run_id"]
+    assert 0.5 <= record["eval_top_class_share"] <= 1.0 and "collapse_warning" in record
