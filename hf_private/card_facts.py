@@ -85,7 +85,7 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         training=training,
         eval_results=held_out,
         eval_notes=eval_notes,
-        load_snippet=load_snippet(fmt, type(base).__name__, base_model, hub_id, _num_labels(base)),
+        load_snippet=load_snippet(fmt, type(base).__name__, base_model, hub_id, _num_labels(base), _model_module(base)),
         library_name="peft" if fmt == "peft" else "transformers",
         tags=tags,
         citations=facts.citations,
@@ -172,6 +172,14 @@ def _task_type(model: nn.Module) -> str | None:
     name = type(model).__name__
     tasks = {**TASK_MAPPING, "multiple-choice": MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES}
     return next((task for task, mapping in tasks.items() if name in _get_mapping_values(mapping)), None)
+
+
+def _model_module(model: nn.Module) -> str:
+    """Where the card's snippet imports the model's class from: transformers or hf_private (its own heads) for
+    their classes, else the class's own module."""
+    module = type(model).__module__
+    root = module.split(".")[0]
+    return root if root in ("transformers", "hf_private") else module
 
 
 def _num_labels(model: nn.Module) -> int | None:

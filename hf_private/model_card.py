@@ -192,8 +192,9 @@ def build_model_card(
 
 
 def load_snippet(adapter_format: str, model_class: str, base_model: str | None, repo: str | None,
-                 num_labels: int | None = None) -> str:
-    """The card's "How to load" code for each save format (see `hf_private.adapters`).
+                 num_labels: int | None = None, model_module: str = "transformers") -> str:
+    """The card's "How to load" code for each save format (see `hf_private.adapters`); `model_module` is where
+    `model_class` is imported from (hf_private for its own heads).
 
     Only a Hub id is written as the base; a local path or a model built from a configuration becomes a marked
     placeholder, as does the repository when no Hub id is known (the output folder's name is not one).
@@ -202,8 +203,9 @@ def load_snippet(adapter_format: str, model_class: str, base_model: str | None, 
     if not repo:
         repo = REPO_PLACEHOLDER
         replace.append(f"# REPLACE {REPO_PLACEHOLDER}: this model's Hub id, or the directory holding these files.")
+    model_import = f"from {model_module} import {model_class}"
     if adapter_format == "full":
-        return "\n".join([f"from transformers import {model_class}", "", *replace,
+        return "\n".join([model_import, "", *replace,
                           f'model = {model_class}.from_pretrained("{repo}")'])
     kind = base_kind(base_model)
     base = base_model if kind == HUB else BASE_PLACEHOLDER
@@ -215,10 +217,9 @@ def load_snippet(adapter_format: str, model_class: str, base_model: str | None, 
                           "(not published); the adapter needs those same base weights.")
     base_line = f'base = {model_class}.from_pretrained("{base}"{f", num_labels={num_labels}" if num_labels else ""})'
     if adapter_format == "peft":
-        return "\n".join([f"from peft import PeftModel\nfrom transformers import {model_class}", "", *replace,
+        return "\n".join(["from peft import PeftModel", model_import, "", *replace,
                           base_line, f'model = PeftModel.from_pretrained(base, "{repo}")'])
-    return "\n".join([f"from hf_private import load_private_adapter\nfrom transformers import {model_class}", "",
-                      *replace, base_line,
+    return "\n".join(["from hf_private import load_private_adapter", model_import, "", *replace, base_line,
                       f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory'])
 
 

@@ -41,6 +41,7 @@ from .engine.independence import (
 )
 from .example_rows import rows_per_example
 from .forks import find_fork
+from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_finite_labels, log_ignored_labels
@@ -51,6 +52,7 @@ from .method_run import MethodRun
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
+from .prediction_collapse import HeldOutPredictions, RunSettings, trained_values
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .sampling import (
@@ -97,6 +99,7 @@ class PrivateTrainer(Trainer):
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
         _check_model(model)
+        warn_if_cls_head_on_mean_encoder(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         check_finite_labels(train_dataset)
@@ -155,6 +158,7 @@ class PrivateTrainer(Trainer):
                                           pad_token_id(self.processing_class))
         # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
         self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
+        self._held_out_predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
         for prefix, dataset in eval_sets(self.eval_dataset):
             self.training_rows.overlap(dataset, prefix)  # warns now, before any training
         self._log_plan()
@@ -329,7 +333,10 @@ class PrivateTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            labels = inputs.get("labels")  # before Trainer's label smoother pops them
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            self._held_out_predictions.add(model, outputs, labels)
+            return (loss, outputs) if return_outputs else loss
         if "labels" not in inputs:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
         loss, outputs = self._summed_loss(model, inputs)
@@ -674,9 +681,18 @@ class PrivateTrainer(Trainer):
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         status = OVERLAPS if self.training_rows.overlap(dataset, metric_key_prefix) else HELD_OUT
-        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with self._held_out_predictions.counting(held_out=status == HELD_OUT):
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         self._eval_results[metric_key_prefix] = (status, published_metrics(metrics, metric_key_prefix))
+        self._held_out_predictions.warn_if_collapsed(metric_key_prefix, self.model, self._run_settings(), reduce=(
+            partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
         return metrics
+
+    def _run_settings(self) -> RunSettings:
+        """What a collapse warning names as likely causes."""
+        trained, total = trained_values(self.model, self.trained_parameter_names)
+        return RunSettings(self.dp_config.max_grad_norm, self.args.learning_rate, self.dataset_size, trained, total,
+                           self.training_steps())
 
     def _trained_fraction(self) -> float:
         """Share of the model's values trained in any phase (what a saved adapter holds)."""

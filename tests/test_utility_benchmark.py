@@ -120,24 +120,23 @@ def test_minilm_package_is_found_where_pip_puts_it():
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
 
 
-def test_mean_pooled_head_ignores_padding_and_loads_the_encoder(tiny_setup):
-    """The benchmark's head averages the unpadded token states only, on the checkpoint's own encoder weights."""
-    import torch
-    from transformers import AutoModel
+def test_auto_clip_norm_is_the_readme_measurement(tiny_setup):
+    """--clip-norm auto: C is median_gradient_norm on public_calibration_texts(32) for this run's model and method,
+    recorded with the top class's share and the collapse warning (None when it did not fire)."""
+    import transformers
+    from transformers import AutoTokenizer
 
-    from benchmarks.mean_pooled import MeanPooledBertForSequenceClassification
+    from hf_private import MeanPooledBertForSequenceClassification
 
-    _, model_dir, _ = tiny_setup
-    model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2).eval()
-    encoder = AutoModel.from_pretrained(model_dir)
-    for name, tensor in encoder.state_dict().items():
-        if not name.startswith("pooler."):
-            assert torch.equal(model.bert.state_dict()[name], tensor), name
-    ids = torch.tensor([[2, 4, 9, 3]])
-    padded = torch.tensor([[2, 4, 9, 3, 0, 0]])
-    with torch.no_grad():
-        alone = model(ids, attention_mask=torch.ones_like(ids)).logits
-        with_padding = model(padded, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]])).logits
-        states = model.bert(ids).last_hidden_state
-    torch.testing.assert_close(with_padding, alone, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(alone, model.classifier(states.mean(1)))
+    data, model_dir, results = tiny_setup
+    argv = [*_argv(data, model_dir, results), "--methods", "bitfit", "--no-nonprivate"]
+    (record,) = utility.main([*argv, "--clip-norm", "auto"])
+    (table,) = utility.main(argv)
+    transformers.set_seed(utility.SEED)  # as run_one does before loading the model
+    model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    spec = utility.RunSpec(**{k: record[k] for k in ("method", "config", "options")}, epsilon=8.0, hyper={},
+                           train_size=None, data_dir="", model_dir="", model_name="")
+    expected = utility._calibrated_clip(model, spec, AutoTokenizer.from_pretrained(model_dir))
+    assert record["clip_norm"] == "auto" and record["max_grad_norm"] == pytest.approx(expected)
+    assert table["max_grad_norm"] == utility.METHODS["bitfit"].dp.clip and record["run_id"] != table["run_id"]
+    assert 0.5 <= record["eval_top_class_share"] <= 1.0 and "collapse_warning" in record

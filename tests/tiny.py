@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from hf_private import demo
+from hf_private.heads import MeanPooledBertConfig, MeanPooledBertForSequenceClassification
 
 POSITIVE, NEGATIVE, NEUTRAL, SPECIAL = list(demo.POSITIVE), list(demo.NEGATIVE), list(demo.NEUTRAL), list(demo.SPECIAL)
 VOCAB = list(demo.VOCAB)
@@ -56,6 +57,11 @@ _ENCODER = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_
 def bert(**kw) -> BertForSequenceClassification:
     torch.manual_seed(0)
     return BertForSequenceClassification(BertConfig(**{**_ENCODER, **kw}))
+
+
+def mean_pooled_bert(**kw) -> MeanPooledBertForSequenceClassification:
+    torch.manual_seed(0)
+    return MeanPooledBertForSequenceClassification(MeanPooledBertConfig(**{**_ENCODER, **kw}))
 
 
 def roberta(**kw) -> RobertaForSequenceClassification:

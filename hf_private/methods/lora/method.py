@@ -32,7 +32,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
 
     name = type(model).__name__
     task_type = next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
-    targets = target_modules.split(",") if target_modules else None
+    targets = target_modules.split(",") if target_modules else _encoder_default_targets(model)
     head_modules = None
     if task_type is None:
         head_modules = sorted({param.split(".", 1)[0] for param in head_parameter_names(model)}) or None
@@ -41,6 +41,17 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
                         name, ", ".join(head_modules))
     return get_peft_model(model, LoraConfig(task_type=task_type, r=rank, lora_alpha=alpha, target_modules=targets,
                                             modules_to_save=head_modules))
+
+
+def _encoder_default_targets(model: nn.Module) -> list[str] | None:
+    """None (PEFT's default for the model type), except for a head whose config names the encoder it wraps
+    (`hf_private.heads`): PEFT knows no default for the head's own model type, so the encoder's."""
+    encoder = getattr(getattr(model, "config", None), "encoder_type", None)
+    if encoder is None:
+        return None
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(encoder)
 
 
 @register_dp_method(DPLoRAConfig)
