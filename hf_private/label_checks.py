@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -25,10 +26,20 @@ logger = get_logger(__name__)
 LABEL_COLUMNS = ("labels", "label")
 
 
-def check_finite_labels(dataset) -> None:
-    """Raise ValueError if a label column of `dataset` holds NaN or ±inf float values."""
+@dataclass(frozen=True)
+class LabelCounts:
+    """What one pass over the label columns found: non-finite float labels per column, and the -100 labels of the
+    first integer label column as (ignored, all, "tokens" or "examples"), None when there is none (a causal LM's
+    collator makes its labels; float labels are regression targets)."""
+
+    non_finite: dict[str, int]
+    ignored: tuple[int, int, str] | None
+
+
+def check_labels(dataset) -> LabelCounts:
+    """Raise ValueError if a label column of `dataset` holds NaN or ±inf float values; else what was counted."""
     counts = _arrow_counts(dataset) if hasattr(dataset, "column_names") else _item_counts(dataset)
-    bad = {column: count for column, count in counts.items() if count}
+    bad = {column: count for column, count in counts.non_finite.items() if count}
     if bad:
         found = ", ".join(f"{count} in column {column!r}" for column, count in bad.items())
         raise ValueError(
@@ -36,82 +47,67 @@ def check_finite_labels(dataset) -> None:
             "(a non-finite example contributes zero to every private step), so fix or remove these records "
             "before training."
         )
+    return counts
 
 
-def log_ignored_labels(dataset) -> None:
+def log_ignored_labels(counts: LabelCounts) -> None:
     """One INFO line after the plan: how many label values are -100, in tokens or examples (none if no label column)."""
-    counted = ignored_labels(dataset)
-    if counted is not None:
-        ignored, total, unit = counted
+    if counts.ignored is not None:
+        ignored, total, unit = counts.ignored
         logger.info("labels: %s of %s %s are %d (ignored: no loss, no gradient).", f"{ignored:,}", f"{total:,}",
                     unit, IGNORE_INDEX)
 
 
 def ignored_labels(dataset) -> tuple[int, int, str] | None:
-    """(labels equal to -100, all labels, "tokens" or "examples") of the first label column with integer labels.
-
-    None when there is none (a causal LM's collator makes its labels; float labels are regression targets)."""
-    return _arrow_ignored(dataset) if hasattr(dataset, "column_names") else _item_ignored(dataset)
-
-
-def _arrow_ignored(dataset) -> tuple[int, int, str] | None:
-    table = dataset.with_format("arrow")
-    for column in (c for c in LABEL_COLUMNS if c in dataset.column_names):
-        values, unit = table[column], "examples"
-        while _is_list(values.type):
-            values, unit = pc.list_flatten(values), "tokens"
-        if pa.types.is_integer(values.type):
-            ignored = pc.sum(pc.equal(values, IGNORE_INDEX)).as_py() or 0
-            return ignored, len(values) - values.null_count, unit
-    return None
-
-
-def _item_ignored(dataset) -> tuple[int, int, str] | None:
-    """A map-style dataset of dicts: one pass over its items' integer labels."""
-    ignored = total = 0
-    unit = None
-    for index in range(len(dataset)):
-        item = dataset[index]
-        column = next((c for c in LABEL_COLUMNS if isinstance(item, Mapping) and c in item), None)
-        if column is None:
-            continue
-        values = torch.as_tensor(item[column])
-        if values.is_floating_point() or values.dtype == torch.bool:
-            return None
-        ignored += int((values == IGNORE_INDEX).sum())
-        total += values.numel()
-        unit = "tokens" if values.dim() else "examples"
-    return None if unit is None else (ignored, total, unit)
+    """(labels equal to -100, all labels, "tokens" or "examples") of the first label column with integer labels."""
+    return check_labels(dataset).ignored
 
 
 def _is_list(arrow_type) -> bool:
     return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type)
 
 
-def _arrow_counts(dataset) -> dict[str, int]:
+def _arrow_counts(dataset) -> LabelCounts:
     """datasets.Dataset: count in Arrow, over the selected rows only, without building Python objects."""
     table = dataset.with_format("arrow")
-    counts = {}
+    non_finite, ignored = {}, None
     for column in (c for c in LABEL_COLUMNS if c in dataset.column_names):
-        values = table[column]
+        values, unit = table[column], "examples"
         while _is_list(values.type):
-            values = pc.list_flatten(values)
+            values, unit = pc.list_flatten(values), "tokens"
         if pa.types.is_floating(values.type):
             finite = pc.sum(pc.is_finite(values)).as_py() or 0
-            counts[column] = len(values) - values.null_count - finite
-    return counts
+            non_finite[column] = len(values) - values.null_count - finite
+        elif pa.types.is_integer(values.type) and ignored is None:
+            count = pc.sum(pc.equal(values, IGNORE_INDEX)).as_py() or 0
+            ignored = (count, len(values) - values.null_count, unit)
+    return LabelCounts(non_finite, ignored)
 
 
-def _item_counts(dataset) -> dict[str, int]:
+def _item_counts(dataset) -> LabelCounts:
     """A map-style dataset of dicts (a torch Dataset, a list): one pass over its items' labels."""
-    counts = dict.fromkeys(LABEL_COLUMNS, 0)
+    non_finite = dict.fromkeys(LABEL_COLUMNS, 0)
+    ignored = total = 0
+    unit: str | None = None
+    integer = True  # the first label column of every item holds integer labels so far
     for index in range(len(dataset)):
         item = dataset[index]
-        if isinstance(item, Mapping):
-            for column in LABEL_COLUMNS:
-                if column in item:
-                    counts[column] += _non_finite(item[column])
-    return counts
+        if not isinstance(item, Mapping):
+            continue
+        for column in LABEL_COLUMNS:
+            if column in item:
+                non_finite[column] += _non_finite(item[column])
+        column = next((c for c in LABEL_COLUMNS if c in item), None)
+        if column is None or not integer:
+            continue
+        values = torch.as_tensor(item[column])
+        if values.is_floating_point() or values.dtype == torch.bool:
+            integer = False
+            continue
+        ignored += int((values == IGNORE_INDEX).sum())
+        total += values.numel()
+        unit = "tokens" if values.dim() else "examples"
+    return LabelCounts(non_finite, (ignored, total, unit) if integer and unit is not None else None)
 
 
 def _non_finite(value) -> int:

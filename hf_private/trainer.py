@@ -44,7 +44,7 @@ from .forks import find_fork
 from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
 from .hub import AllowListedUpload, push_checkpoint, push_release
-from .label_checks import check_finite_labels, log_ignored_labels
+from .label_checks import check_labels, log_ignored_labels
 from .launch_checks import check_process_count
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
@@ -102,7 +102,7 @@ class PrivateTrainer(Trainer):
         warn_if_cls_head_on_mean_encoder(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
-        check_finite_labels(train_dataset)
+        labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count below
         if args is not None:  # before Trainer, which creates the Hub repo when push_to_hub is set
             check_training_args(args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
             check_release_settings(args)
@@ -162,7 +162,7 @@ class PrivateTrainer(Trainer):
         for prefix, dataset in eval_sets(self.eval_dataset):
             self.training_rows.overlap(dataset, prefix)  # warns now, before any training
         self._log_plan()
-        log_ignored_labels(self.train_dataset)
+        log_ignored_labels(labels)
 
     # ------------------------------------------------------------------ validation and plan
     def _check_setup(self) -> None:
