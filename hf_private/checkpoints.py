@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .adapters import save_private_adapter
-from .artifacts import LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
+from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
 from .privacy import PrivacyLedger
 
 
@@ -42,6 +42,15 @@ def load_method_state(checkpoint: str) -> dict[str, Any]:
     path = os.path.join(checkpoint, METHOD_STATE_NAME)
     if not os.path.isfile(path):
         return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_dp_config_dict(checkpoint: str) -> dict[str, Any] | None:
+    """The method config saved with a checkpoint, as written (`MethodConfig.to_dict`); None when it has none."""
+    path = os.path.join(checkpoint, DP_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
     with open(path) as f:
         return json.load(f)
 

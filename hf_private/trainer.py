@@ -7,9 +7,7 @@ stays the user's own `PreTrainedModel`/`PeftModel`, so saving, evaluation and `p
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from functools import partial
 from typing import Any
 
@@ -27,10 +25,16 @@ from .adapters import (
     private_adapter_names,
     withhold_local_base_path,
 )
-from .artifacts import DP_CONFIG_NAME, check_release_settings, has_trainer_weights
+from .artifacts import check_release_settings, has_trainer_weights
 from .audit import AuditResult, compose_audits
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
-from .checkpoints import load_ledger, load_method_state, save_privacy_record, save_private_checkpoint
+from .checkpoints import (
+    load_dp_config_dict,
+    load_ledger,
+    load_method_state,
+    save_privacy_record,
+    save_private_checkpoint,
+)
 from .engine import PerExampleGradientEngine, trainable_parameters
 from .engine.independence import (
     PROBE_EXAMPLES,
@@ -456,11 +460,9 @@ class PrivateTrainer(Trainer):
 
     def _warn_if_config_changed(self, checkpoint: str) -> None:
         """A resume with another dp_config keeps the accounting honest (one ledger), but say what changed."""
-        path = os.path.join(checkpoint, DP_CONFIG_NAME)
-        if not os.path.isfile(path):
+        saved = load_dp_config_dict(checkpoint)
+        if saved is None:
             return
-        with open(path) as f:
-            saved = json.load(f)
         current = self.dp_config.to_dict()
         changed = {k: (saved.get(k), v) for k, v in current.items() if k != "format_version" and saved.get(k) != v}
         if changed:
