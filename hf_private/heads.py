@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -118,20 +117,11 @@ class _MeanPooledClassifier:
                 else attention_mask).unsqueeze(-1).to(states.dtype)
         pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1)
         logits = self.classifier(pooled)
-        loss = None if labels is None else _loss(logits, labels, self.config)
+        loss = None if labels is None else self.loss_function(labels, logits, self.config)  # the stock heads' loss
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                           attentions=outputs.attentions)
         return output.to_tuple() if return_dict is False else output
 
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
-    """The batch-mean loss of the stock heads' problem types (PrivateTrainer uses its per-example loss instead)."""
-    problem = config.problem_type
-    if problem == "regression" or (problem is None and config.num_labels == 1):
-        return F.mse_loss(logits.squeeze(-1).float() if config.num_labels == 1 else logits.float(), labels.float())
-    if problem == "multi_label_classification" or (problem is None and labels.is_floating_point()):
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-    return F.cross_entropy(logits.float().view(-1, config.num_labels), labels.view(-1))
 
 
 class MeanPooledBertForSequenceClassification(_MeanPooledClassifier, BertPreTrainedModel):
