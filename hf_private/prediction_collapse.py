@@ -10,7 +10,7 @@ counted: only held-out data is looked at, as by the evaluation itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -135,8 +135,3 @@ def collapse_message(name: str, top: int, share: float, total: int, label_share:
             f"after {facts.steps} training steps, while class {top} is {100 * label_share:.1f}% of the labels. The "
             f"model learnt little beyond the class prior. Likely causes: {listed}.")
 
-
-def trained_values(model: nn.Module, names: Set[str]) -> tuple[int, int]:
-    """(values of the named tensors, values of the model): how much of the model the run noises."""
-    params = dict(model.named_parameters())
-    return sum(params[n].numel() for n in names if n in params), sum(p.numel() for p in params.values())

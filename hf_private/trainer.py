@@ -56,7 +56,7 @@ from .method_run import MethodRun
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import NoisyOptimizer, noisy_optimizer
-from .prediction_collapse import HeldOutPredictions, RunSettings, trained_values
+from .prediction_collapse import HeldOutPredictions, RunSettings
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .sampling import (
@@ -692,7 +692,7 @@ class PrivateTrainer(Trainer):
 
     def _run_settings(self) -> RunSettings:
         """What a collapse warning names as likely causes."""
-        trained, total = trained_values(self.model, self.trained_parameter_names)
+        trained, total = self._values_of(self.trained_parameter_names)
         return RunSettings(self.dp_config.max_grad_norm, self.args.learning_rate, self.dataset_size, trained, total,
                            self.training_steps())
 
@@ -705,10 +705,15 @@ class PrivateTrainer(Trainer):
         return round(self._share_of_model(self.dp_method.trained_parameter_names(self.model)), 6)
 
     def _share_of_model(self, names: set[str]) -> float:
-        """Values of the named tensors over the model's (training scaffolding, `auxiliary_parameter_names`, aside)."""
+        named, total = self._values_of(names)
+        return named / total
+
+    def _values_of(self, names: set[str]) -> tuple[int, int]:
+        """(values of the named tensors, values of the model), training scaffolding (`auxiliary_parameter_names`)
+        aside."""
         auxiliary = auxiliary_parameter_names(self.model)
         params = {n: p for n, p in self.model.named_parameters() if n not in auxiliary}
-        return sum(params[n].numel() for n in names if n in params) / sum(p.numel() for p in params.values())
+        return sum(params[n].numel() for n in names if n in params), sum(p.numel() for p in params.values())
 
     # ------------------------------------------------------------------ saving and the card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
