@@ -8,12 +8,12 @@ sets measured on the released weights are published.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from .adapters import unwrap_peft
+from .checkpoints import checkpoint_step
 from .held_out import card_evaluation
 from .model_card import (
     adapter_note,
@@ -125,7 +125,7 @@ def reloaded_checkpoint(state, metric: str | None, evaluations: Evaluations) -> 
     """What the card needs of a best checkpoint just reloaded: its step, metric, and the evaluations made before."""
     step = state.best_global_step
     if step is None:
-        step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+        step = checkpoint_step(state.best_model_checkpoint)
     metric = metric or "loss"
     metric = metric if metric.startswith("eval_") else f"eval_{metric}"
     return {"step": step, "global_step": state.global_step, "metric": metric, "value": state.best_metric,

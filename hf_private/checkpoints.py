@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adapters import save_private_adapter
 from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
 from .privacy import PrivacyLedger
+
+_CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
 def save_private_checkpoint(model: nn.Module, output_dir: str, trained_names: Iterable[str], processing_class,
@@ -44,6 +48,12 @@ def load_method_state(checkpoint: str) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def checkpoint_step(checkpoint: str) -> int | None:
+    """The global step in a Trainer checkpoint folder's name (`checkpoint-<step>`); None for another name."""
+    match = _CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(checkpoint)))
+    return int(match.group(1)) if match else None
 
 
 def load_dp_config_dict(checkpoint: str) -> dict[str, Any] | None:

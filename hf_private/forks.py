@@ -10,16 +10,14 @@ line made after the common start. The report composes them into `epsilon_with_fo
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import replace
 from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
 from .artifacts import LEDGER_NAME
+from .checkpoints import checkpoint_step
 from .privacy import MechanismGroup, PrivacyLedger
-
-_STEP = re.compile(r"checkpoint-(\d+)$")
 
 
 def find_fork(output_dir: str, checkpoint: str, resumed: PrivacyLedger) -> dict[str, Any] | None:
@@ -31,7 +29,7 @@ def find_fork(output_dir: str, checkpoint: str, resumed: PrivacyLedger) -> dict[
     newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if newest is None or os.path.realpath(newest) == os.path.realpath(checkpoint):
         return None
-    resumed_step, newest_step = _step(checkpoint), _step(newest)
+    resumed_step, newest_step = checkpoint_step(checkpoint), checkpoint_step(newest)
     if newest_step is None or (resumed_step is not None and newest_step <= resumed_step):
         return None
     path = os.path.join(newest, LEDGER_NAME)
@@ -54,7 +52,3 @@ def releases_after(mechanisms: list[MechanismGroup], prefix: list[MechanismGroup
         remaining = ([replace(remaining[0], steps=left)] if left else []) + remaining[1:]
     return remaining
 
-
-def _step(checkpoint: str) -> int | None:
-    match = _STEP.search(os.path.basename(os.path.normpath(checkpoint)))
-    return int(match.group(1)) if match else None
