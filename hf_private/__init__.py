@@ -15,12 +15,12 @@ from .methods import (
     registered_methods,
 )
 from .privacy import BudgetError
-from .trainer import PrivateTrainer
+from .trainer import PrivateTrainer, privatize
 
 __all__ = [
     "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig",
     "MeanPooledBertForSequenceClassification", "MeanPooledRobertaForSequenceClassification", "PrivateTrainer",
     "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "median_gradient_norm",
-    "public_calibration_texts", "registered_methods", "sentence_classifier",
+    "privatize", "public_calibration_texts", "registered_methods", "sentence_classifier",
 ]
 __version__ = "0.1.0"

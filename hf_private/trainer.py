@@ -1,4 +1,5 @@
-"""`PrivateTrainer`: a `transformers.Trainer` whose every update is differentially private.
+"""`privatize(TrainerClass)`: any `transformers.Trainer` subclass, made differentially private; `PrivateTrainer` is
+`Trainer` made so.
 
 Wiring: Poisson batch sampler → physical chunks → engine hooks clip per example during the one
 backward pass → `NoisyOptimizer.step` adds noise once per logical batch → ledger records the step. The model
@@ -81,8 +82,9 @@ _SUPPORTED_PARALLELISM = (
 )
 
 
-class PrivateTrainer(Trainer):
-    """`Trainer` plus `dp_config`; every other keyword is Trainer's own."""
+class PrivateTrainingMixin:
+    """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
+    class's own."""
 
     loss_is_scaled_for_ga = True  # our loss is a per-example sum; Trainer must not rescale it
 
@@ -98,7 +100,7 @@ class PrivateTrainer(Trainer):
         if not isinstance(dp_config, MethodConfig):
             raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
         self.dp_method = dp_config.build_method()
-        check_subclass(type(self), PrivateTrainer)
+        check_subclass(type(self), PrivateTrainingMixin, custom_loss=per_example_loss is not None)
         check_trainer_kwargs(trainer_kwargs)
         if model is None:
             raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
@@ -108,7 +110,7 @@ class PrivateTrainer(Trainer):
         self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
         labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count below
         if args is not None:  # before Trainer, which creates the Hub repo when push_to_hub is set
-            check_training_args(args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
+            check_training_args(args, dp_config.max_grad_norm, per_example_loss is not None, type(self))
             check_release_settings(args)
         model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
@@ -116,7 +118,7 @@ class PrivateTrainer(Trainer):
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         if args is None:  # Trainer made default arguments
-            check_training_args(self.args, dp_config.max_grad_norm, custom_loss=per_example_loss is not None)
+            check_training_args(self.args, dp_config.max_grad_norm, per_example_loss is not None, type(self))
         self.per_example_loss = per_example_loss or partial(
             default_per_example_loss, label_smoothing=self.args.label_smoothing_factor)
         self._check_setup()
@@ -670,8 +672,8 @@ class PrivateTrainer(Trainer):
         self.attach_audit(result)
 
     # ------------------------------------------------------------------ evaluation: held out or not
-    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
+                 **kwargs: Any) -> dict[str, float]:
         """Trainer's evaluate, recording its metrics and whether the card may call them held-out.
 
         Only metrics computed here reach the card, each with the verdict on the very set that produced it (a dict
@@ -681,10 +683,10 @@ class PrivateTrainer(Trainer):
         if isinstance(dataset, str):  # Trainer's recursion over a dict names self.eval_dataset's entries
             dataset = self.eval_dataset[dataset]
         if isinstance(dataset, dict) or dataset is None:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
         status = OVERLAPS if self.training_rows.overlap(dataset, metric_key_prefix) else HELD_OUT
         with self._held_out_predictions.counting(held_out=status == HELD_OUT):
-            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
         self._eval_results[metric_key_prefix] = (status, published_metrics(metrics, metric_key_prefix))
         self._held_out_predictions.warn_if_collapsed(metric_key_prefix, self.model, self._run_settings(), reduce=(
             partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
@@ -798,6 +800,33 @@ class PrivateTrainer(Trainer):
         )
 
 
+class PrivateTrainer(PrivateTrainingMixin, Trainer):
+    """`Trainer` plus `dp_config`; every other keyword is Trainer's own."""
+
+
+_PRIVATE_CLASSES: dict[type[Trainer], type[Trainer]] = {Trainer: PrivateTrainer}
+
+
+def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
+    """The private subclass of `trainer_class` (a `transformers.Trainer` subclass): the same class plus `dp_config`.
+
+    Its own metrics, callbacks, evaluation (`predict_with_generate` included) and data collator are kept; what would
+    change what is clipped (its own `training_step`, a batch-level `compute_loss` without `per_example_loss`, its own
+    sampler or optimizer) is refused when the trainer is built, by name and with the reason.
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"privatize takes a transformers.Trainer subclass, got {trainer_class!r}.")
+    if issubclass(trainer_class, PrivateTrainingMixin):
+        return trainer_class
+    if trainer_class not in _PRIVATE_CLASSES:
+        name = f"Private{trainer_class.__name__}"
+        _PRIVATE_CLASSES[trainer_class] = type(name, (PrivateTrainingMixin, trainer_class), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
+        })
+    return _PRIVATE_CLASSES[trainer_class]
+
+
 # ---------------------------------------------------------------------- helpers
 class _LogicalBatchBoundaries(TrainerCallback):
     """Trainer's hooks around every optimizer step.
@@ -806,7 +835,7 @@ class _LogicalBatchBoundaries(TrainerCallback):
     further step, so the loop ends with global_step equal to the ledger's steps (not one empty step later).
     """
 
-    def __init__(self, trainer: PrivateTrainer) -> None:
+    def __init__(self, trainer: PrivateTrainingMixin) -> None:
         self.trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs):

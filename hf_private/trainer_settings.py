@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Trainer, TrainingArguments
+from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 
 from .logs import get_logger
 
@@ -22,19 +22,36 @@ PER_EXAMPLE_LOSS_HINT = (
 )
 # report_to integrations that write only to this machine; every other one may send the logs elsewhere.
 _LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
-# Trainer methods whose override would change what is clipped; PrivateTrainer's own versions must run.
-_LOSS_PATH_METHODS = ("compute_loss", "training_step")
+# Trainer methods a class privatize() wraps (or a subclass of the private class) must not override: the private
+# training path runs in them. compute_loss may be overridden for evaluation when per_example_loss gives the training
+# loss.
+_PRIVATE_PATH_METHODS = {
+    "training_step": "it runs forward/backward in physical chunks with each example's gradient clipped",
+    "get_train_dataloader": "it draws the Poisson batches the accountant assumes",
+    "_get_train_sampler": "the Poisson batch sampler replaces Trainer's sampler",
+    "create_optimizer": "its optimizer wrapper adds the noise once per logical batch",
+    "floating_point_ops": "Trainer's count is an exact function of each batch's private token count",
+}
 
 
-def check_subclass(trainer_class: type[Trainer], private_trainer: type[Trainer]) -> None:
-    """A subclass that overrides the loss path would bypass per-example losses, so it is refused."""
-    for name in _LOSS_PATH_METHODS:
-        if getattr(trainer_class, name) is not getattr(private_trainer, name):
+def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool) -> None:
+    """Refuse a trainer class whose own methods would replace or bypass the private training path: the classes it
+    derives from between the mixin and Trainer (what privatize() wrapped), and any subclass of the private class."""
+    for cls in trainer_class.__mro__:
+        if cls in (mixin, Trainer, object) or not issubclass(cls, Trainer):
+            continue
+        for name, reason in _PRIVATE_PATH_METHODS.items():
+            if name in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} overrides {name}(), which private training needs: {reason}. Remove the "
+                    "override (evaluation, metrics, callbacks and the data collator may be customised freely)."
+                )
+        if "compute_loss" in cls.__dict__ and not custom_loss:
             raise TypeError(
-                f"{trainer_class.__name__} overrides {name}(), which PrivateTrainer needs for per-example clipping: "
-                "a batch-mean loss shrinks every example's signal by the batch size against the noise and couples "
-                f"examples through its normaliser. {PER_EXAMPLE_LOSS_HINT} (Overriding prediction_step or "
-                "compute_metrics for evaluation is fine.)"
+                f"{cls.__name__} overrides compute_loss(), which private training replaces by a per-example loss: a "
+                "batch-mean loss shrinks every example's signal by the batch size against the noise and couples "
+                f"examples through its normaliser. {PER_EXAMPLE_LOSS_HINT} Your compute_loss then serves evaluation "
+                "only."
             )
 
 
@@ -56,7 +73,8 @@ def check_trainer_kwargs(kwargs: dict[str, Any]) -> None:
         raise ValueError("model_init (hyperparameter search) is not supported: pass the model itself.")
 
 
-def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_loss: bool) -> None:
+def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_loss: bool,
+                        trainer_class: type[Trainer] = Trainer) -> None:
     """Refuse what cannot be honoured; replace Trainer's gradient clipping by the per-example clip, saying so."""
     if args.fp16:
         raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
@@ -76,11 +94,11 @@ def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_lo
             "draws itself. Use 'random' (Poisson batches) or 'group_by_length' (the same Poisson batches, each "
             "ordered by length before it is split into chunks, so chunks pad less)."
         )
-    if getattr(args, "predict_with_generate", False):
+    if getattr(args, "predict_with_generate", False) and not issubclass(trainer_class, Seq2SeqTrainer):
         raise ValueError(
-            "predict_with_generate is a Seq2SeqTrainer setting that PrivateTrainer (a Trainer) would ignore: "
-            "evaluation would report teacher-forced logits, not generations. Set predict_with_generate=False and "
-            "call model.generate() on your evaluation data after training."
+            f"predict_with_generate is a Seq2SeqTrainer setting that {trainer_class.__name__} would ignore: "
+            "evaluation would report teacher-forced logits, not generations. Use privatize(Seq2SeqTrainer), or set "
+            "predict_with_generate=False and call model.generate() on your evaluation data after training."
         )
     if args.label_smoothing_factor and custom_loss:
         raise ValueError(
