@@ -108,8 +108,8 @@ def time_selection(trainer, device: torch.device) -> dict[str, Any]:
     the one-off example-independence probe (it runs on the selection's first chunk, since that is training's first)."""
     from hf_private.methods.frost.method import SELECTION_STAGE
 
-    run, sampled, probe = trainer._method_run, [], [0.0]
-    draw, check = run.poisson_sample, trainer._check_example_independence
+    run, sampled, probe = trainer.privacy_run.method_view, [], [0.0]
+    draw, check = run.poisson_sample, trainer._probe_example_independence
 
     def counted(stage: str) -> list[dict[str, Any]]:  # instrumentation only: the same call, its size noted
         chunks = draw(stage)
@@ -121,16 +121,16 @@ def time_selection(trainer, device: torch.device) -> dict[str, Any]:
         check(*args)
         probe[0] += time.perf_counter() - start
 
-    run.poisson_sample, trainer._check_example_independence = counted, timed
+    run.poisson_sample, trainer._probe_example_independence = counted, timed
     _release_memory()
     reset_peak(device)
     rss_before = peak_bytes(device)
     cpu0, start = cpu_seconds(), time.perf_counter()
-    trainer._before_step()
+    trainer.privacy_run.before_step()
     seconds = time.perf_counter() - start
     cpu = cpu_seconds() - cpu0
     peak = peak_bytes(device)
-    run.poisson_sample, trainer._check_example_independence = draw, check
+    run.poisson_sample, trainer._probe_example_independence = draw, check
     selection = trainer.dp_method.selections[-1]
     examples = sum(sampled)
     return {
@@ -224,7 +224,7 @@ def _peak_worker(arm_name: str, settings: dict[str, Any], selections: list[dict[
     # The measured selection, restored as a resumed run restores it (method state + the ledger's selection rounds)
     trainer.dp_method.load_state_dict({"selections": selections})
     trainer.record_release(SELECTION_STAGE, sum(len(s["rounds"]) for s in selections))
-    trainer._before_step()
+    trainer.privacy_run.before_step()
     chunks = fixed_chunks(trainer, settings["batch"], settings["chunk"])
     if arm_name == DPArm.name:
         arm: DPArm | NonPrivateArm = DPArm(trainer)

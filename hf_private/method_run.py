@@ -18,41 +18,35 @@ from torch import nn
 from .engine import PerExampleGradientEngine
 from .engine.reducers import Reducer
 from .optimizer import noise_once_then_sum
-from .privacy import GaussianNoise
 from .privacy.plan import PrivacyPlan
-from .sampling import PoissonBatchSampler, sampling_random
+from .sampling import PoissonBatchSampler
 
 if TYPE_CHECKING:
-    from .trainer import PrivateTrainer
-
-# Test mode (noise_seed set): the method's noise and sampling get streams of their own, apart from training's.
-_TEST_NOISE_OFFSET = 15485863
-_TEST_SAMPLING_OFFSET = 32452843
+    from .run import PrivacyRun, TrainingSteps
 
 
 class MethodRun:
-    """A method's handle on the run: sampling, per-example terms, and the noisy release of its planned stages."""
+    """A method's handle on the run (`hf_private.run.PrivacyRun`): sampling, per-example terms, and the noisy release
+    of its planned stages; nothing else of the run."""
 
-    def __init__(self, trainer: PrivateTrainer) -> None:
-        self._trainer = trainer
-        seed = trainer.dp_config.noise_seed
-        self._noise = GaussianNoise(trainer.args.device, test_seed=None if seed is None else seed + _TEST_NOISE_OFFSET)
-        self._random = sampling_random(None if seed is None else seed + _TEST_SAMPLING_OFFSET)
+    def __init__(self, run: PrivacyRun, steps: TrainingSteps) -> None:
+        self._run, self._steps = run, steps
+        self._noise = run.noise("method noise")  # streams of their own, apart from training's
+        self._random = run.sampling_random("method sampling")
 
     @property
     def model(self) -> nn.Module:
-        return self._trainer.model
+        return self._run.model
 
     @property
     def plan(self) -> PrivacyPlan:
-        return self._trainer.plan
+        return self._run.plan
 
     def poisson_sample(self, stage: str) -> list[dict[str, Any]]:
         """This process's share of one Poisson sample at the planned rate of `stage`, collated in physical chunks of
         per_device_train_batch_size (none when the sample is empty: its release is then noise alone)."""
-        trainer = self._trainer
-        dataset, collate = trainer.training_data()
-        args = trainer.args
+        dataset, collate = self._steps.training_data()
+        args = self._steps.args
         sampler = PoissonBatchSampler(len(dataset), self.plan[stage].sample_rate, 1, rank=args.process_index,
                                       world_size=args.world_size, random=self._random)
         indices = next(iter(sampler))
@@ -64,8 +58,8 @@ class MethodRun:
 
         The training engine is detached first (two engines would both record), and rebuilt after `before_step`.
         """
-        self._trainer.suspend_training_engine()
-        engine = PerExampleGradientEngine(self.model, self._trainer.dp_config.max_grad_norm, reducer=reducer)
+        self._run.suspend_training_engine()
+        engine = PerExampleGradientEngine(self.model, self._run.max_grad_norm, reducer=reducer)
         engine.attach()
         return engine
 
@@ -76,13 +70,13 @@ class MethodRun:
         model.train()
         try:
             for chunk in chunks:
-                self._trainer.record_chunks(model, chunk, engine)
+                self._steps.record_chunks(model, chunk, engine)
         finally:
             model.train(was_training)
 
     def releases(self, stage: str) -> int:
         """Releases of `stage` the ledger holds (a resumed run's included)."""
-        return sum(group.steps for group in self._trainer.ledger.mechanisms if group.name == stage)
+        return sum(group.steps for group in self._run.ledger.mechanisms if group.name == stage)
 
     def release(self, stage: str, values: torch.Tensor, sensitivity: float) -> torch.Tensor:
         """values + N(0, (σ_stage · sensitivity)²) per coordinate, summed over processes, recorded in the ledger.
@@ -95,5 +89,5 @@ class MethodRun:
         noisy = values.detach().to(dtype=torch.promote_types(values.dtype, torch.float32), copy=True)
         std = self.plan[stage].noise_multiplier * float(sensitivity)
         noise_once_then_sum([noisy], lambda tensors: self._noise.add_(tensors, std))
-        self._trainer.record_release(stage)
+        self._run.record_release(stage)
         return noisy

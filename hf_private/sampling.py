@@ -26,17 +26,13 @@ __all__ = [
     "sampling_random",
 ]
 
-# Test mode keys the sampler from DPConfig.noise_seed plus this offset, so its stream is not the noise's.
-_TEST_SEED_OFFSET = 7919
-
-
-def sampling_random(noise_seed: int | None = None) -> SecretRandom:
+def sampling_random(test_seed: int | None = None) -> SecretRandom:
     """The sampler's secret generator (`hf_private.privacy.rng`): a fresh OS-drawn key, independent on every rank.
 
-    Insecure test mode (`noise_seed` set): one key from the seed on every rank, so a multi-process run draws the very
-    logical batch a single process would (each rank keeps its shard).
+    Insecure test mode (`test_seed` set: a stream's seed, `rng.test_stream_seed`): one key from the seed on every rank,
+    so a multi-process run draws the very logical batch a single process would (each rank keeps its shard).
     """
-    return SecretRandom(test_seed=None if noise_seed is None else noise_seed + _TEST_SEED_OFFSET)
+    return SecretRandom(test_seed=test_seed)
 
 
 def _check_sample_rate(sample_rate: float) -> float:

@@ -120,7 +120,7 @@ def test_multiple_choice_trains(tmp_path):
     trainer = _trainer(tmp_path, model, tiny.multiple_choice_dataset(256, choices=CHOICES),
                        DataCollatorForMultipleChoice(tiny.tokenizer()), per_device_train_batch_size=64)
     trainer.train()
-    assert trainer.ledger.total_steps == 2 and trainer._independence_checked
+    assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe
     assert not torch.equal(before["param:classifier.weight"], model.classifier.weight.detach())
 
 
@@ -221,7 +221,7 @@ def test_review_item_1_every_run_is_refused_or_moves_the_sum_by_at_most_C(tmp_pa
             assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
             continue
         trainer.train()
-        assert trainer.ledger.total_steps == 2 and trainer._independence_checked
+        assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe
         engine = PerExampleGradientEngine(model.train(), clip)
         engine.attach()
         data = _mostly_one_length(64, seed)

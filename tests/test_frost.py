@@ -161,7 +161,7 @@ def test_card_lists_the_selection_and_both_mechanisms_and_epsilon_recomputes(tra
 
 def test_a_release_is_noised_with_the_stage_sigma_times_the_sensitivity_and_recorded(tmp_path):
     trainer = _trainer(tmp_path)
-    run, sensitivity, size = trainer._method_run, 0.003, 40_000
+    run, sensitivity, size = trainer.privacy_run.method_view, 0.003, 40_000
     released = run.release(SELECTION_STAGE, torch.zeros(size), sensitivity)
     std = 0.8 * sensitivity
     # chi-square: the sample variance of 40k N(0, std²) values is within ±5·sqrt(2/40k) of std² (about 1e-6 failure)
@@ -173,7 +173,7 @@ def test_a_release_is_noised_with_the_stage_sigma_times_the_sensitivity_and_reco
 
 def test_selection_samples_are_poisson_at_q_ps(tmp_path):
     trainer = _trainer(tmp_path, per_device_train_batch_size=7)
-    sizes = [sum(len(c["input_ids"]) for c in trainer._method_run.poisson_sample(SELECTION_STAGE))
+    sizes = [sum(len(c["input_ids"]) for c in trainer.privacy_run.method_view.poisson_sample(SELECTION_STAGE))
              for _ in range(200)]
     mean, expected = sum(sizes) / len(sizes), 0.25 * N
     assert abs(mean - expected) < 4 * math.sqrt(N * 0.25 * 0.75 / len(sizes))

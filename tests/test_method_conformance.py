@@ -65,7 +65,7 @@ def _trainer(tmp_path, name, **overrides):
     """The row's trainer with what it trains at its first step (a selecting method has selected by then)."""
     config, factory = ROWS[name]
     trainer = make_trainer(tmp_path, model=factory(), dp=config, **overrides)
-    trainer._before_step()
+    trainer.privacy_run.before_step()
     return trainer
 
 
@@ -88,7 +88,7 @@ def test_one_extra_example_moves_the_clipped_sum_by_at_most_C(tmp_path, name):
         batch = _batch(rows)
         engine.reset()
         with engine.recording(len(rows)):
-            trainer._summed_loss(model, batch)[0].backward()
+            trainer.summed_loss(model, batch)[0].backward()
         engine.finish_backward()
         sums = engine.pop_clipped_sums()  # a parameter no example reached (RoBERTa's unused pooler) has no sum
         return torch.cat([sums.get(p, torch.zeros_like(p)).flatten() for _, p in engine.parameters])
@@ -174,7 +174,7 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
     dp = dataclasses.replace(config, noise_multiplier=STEP_SIGMA, max_grad_norm=STEP_CLIP, noise_seed=0)
     trainer = make_trainer(tmp_path, model=factory(), dp=dp, learning_rate=1.0, optim="sgd", weight_decay=0.0,
                            per_device_train_batch_size=STEP_BATCH)
-    trainer._before_step()
+    trainer.privacy_run.before_step()
     trainer.create_optimizer()
     model, engine = trainer.model, trainer.engine
     params = [p for _, p in engine.parameters]
@@ -186,7 +186,7 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
         batch = _batch(chunk)
         engine.reset()
         with engine.recording(len(chunk)):
-            trainer._summed_loss(model, batch)[0].backward()
+            trainer.summed_loss(model, batch)[0].backward()
         engine.finish_backward()
         return {p: s.clone() for p, s in engine.pop_clipped_sums().items()}
 

@@ -172,7 +172,7 @@ def test_frozen_relative_attention_bias_trains(tmp_path):
     model = _t5_token_classifier(freeze_bias=True)
     trainer = _t5_trainer(tmp_path, model)
     trainer.train()
-    assert trainer.ledger.total_steps == 2 and trainer._independence_checked
+    assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe
 
 
 def test_frozen_relative_attention_bias_matches_the_fp64_per_example_loop():

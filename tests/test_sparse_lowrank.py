@@ -88,7 +88,7 @@ def test_terms_are_masked_before_the_norm(tmp_path):
     rows = [{**r, "labels": r["label"]} for r in tiny.sentiment_dataset(6, seed=2)]
     batch = trainer.data_collator([{k: v for k, v in r.items() if k != "label"} for r in rows])
     with engine.recording(len(rows)):
-        trainer._summed_loss(model, batch)[0].backward()
+        trainer.summed_loss(model, batch)[0].backward()
     engine.finish_backward()
     sums = engine.pop_clipped_sums()
     params = [p for _, p in engine.parameters]
@@ -96,7 +96,7 @@ def test_terms_are_masked_before_the_norm(tmp_path):
     expected = [torch.zeros_like(p) for p in params]
     for b in range(len(rows)):
         one = {k: v[b:b + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(trainer._summed_loss(model, one)[0], params)
+        grads = torch.autograd.grad(trainer.summed_loss(model, one)[0], params)
         grads = [g.masked_fill(masks[id(p)].expand_as(g), 0.0) if id(p) in masks else g for p, g in zip(params, grads)]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         for e, g in zip(expected, grads):
