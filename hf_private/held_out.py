@@ -13,10 +13,11 @@ one pass over each set, plus one over the training set per truncation length com
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .logs import get_logger
+from .prediction_collapse import HeldOutPredictions
 from .row_identity import MIN_PREFIX, Identity, examples, identity, prefix_key, text_key, token_key
 
 logger = get_logger(__name__)
@@ -106,6 +107,26 @@ class TrainingRows:
             self._prefixes[how, cut] = {prefix_key(example, cut) for example in examples(self.train_dataset, how)
                                         if example.length >= cut}
         return self._prefixes[how, cut]
+
+
+class Evaluations:
+    """Each evaluation's metrics with the verdict on the very set that produced them (what the card may publish), and
+    the held-out predictions counted for the collapse warning. Overlapping sets given at construction warn at once."""
+
+    def __init__(self, training_rows: TrainingRows, eval_dataset) -> None:
+        self.training_rows = training_rows
+        self.results: dict[str, tuple[str, dict[str, float]]] = {}  # prefix → (HELD_OUT or OVERLAPS, last metrics)
+        self.predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
+        for prefix, dataset in eval_sets(eval_dataset):
+            training_rows.overlap(dataset, prefix)
+
+    def record(self, dataset, prefix: str, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """`evaluate()` on `dataset`, its predictions counted if held out, its metrics recorded under `prefix`."""
+        status = OVERLAPS if self.training_rows.overlap(dataset, prefix) else HELD_OUT
+        with self.predictions.counting(held_out=status == HELD_OUT):
+            metrics = evaluate()
+        self.results[prefix] = (status, published_metrics(metrics, prefix))
+        return metrics
 
 
 def pad_token_id(processing_class) -> int | None:

@@ -24,6 +24,7 @@ from .logs import get_logger
 from .method_run import MethodRun
 from .methods import DPMethod, MethodConfig
 from .optimizer import NoisyOptimizer
+from .prediction_collapse import RunSettings
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .privacy.rng import test_stream_seed
@@ -83,6 +84,18 @@ class PrivacyRun:
         self._epsilon_log = EpsilonLog(self.ledger, 0)  # the ε of the log lines; begin() starts a new one
         self.budget_exhausted = False
         self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
+
+    @property
+    def sample_rate(self) -> float:
+        return self.plan.sample_rate
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch
+
+    @property
+    def planned_steps(self) -> int:
+        return self.plan.planned_steps
 
     # ------------------------------------------------------------------ secret streams
     def noise(self, stream: str) -> GaussianNoise:
@@ -440,6 +453,11 @@ class PrivacyRun:
     def save(self, output_dir: str) -> None:
         """The ledger, the method config and the method's state beside the weights (what a resume continues)."""
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())
+
+    def collapse_settings(self, learning_rate: float) -> RunSettings:
+        """What a collapse warning names as likely causes."""
+        trained, total = self.values_of(self.trained_parameter_names)
+        return RunSettings(self.max_grad_norm, learning_rate, self.dataset_size, trained, total, self.training_steps())
 
     def values_of(self, names: set[str]) -> tuple[int, int]:
         """(values of the named tensors, values of the model), training scaffolding (`auxiliary_parameter_names`)

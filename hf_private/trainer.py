@@ -28,7 +28,7 @@ from .engine import PerExampleGradientEngine
 from .engine.independence import PROBE_EXAMPLES, RTOL, RTOL_LOW_PRECISION, check_example_independence, spread_by_length
 from .example_rows import rows_per_example
 from .head_choice import warn_if_cls_head_on_mean_encoder
-from .held_out import HELD_OUT, OVERLAPS, TrainingRows, eval_sets, pad_token_id, published_metrics
+from .held_out import Evaluations, TrainingRows, pad_token_id
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import check_labels, log_ignored_labels
 from .launch_checks import check_process_count
@@ -37,7 +37,6 @@ from .losses import PerExampleLoss, check_per_example_losses, default_per_exampl
 from .methods import MethodConfig
 from .model_support import check_supported_model
 from .optimizer import noisy_optimizer
-from .prediction_collapse import HeldOutPredictions, RunSettings
 from .run import PrivacyRun
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, example_lengths
 from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
@@ -67,6 +66,7 @@ class PrivateTrainingMixin:
     loss_is_scaled_for_ga = True  # our loss is a per-example sum; Trainer must not rescale it
 
     plan, ledger, engine, stage, delta, expected_batch_size = (_FromRun() for _ in range(6))
+    sample_rate, steps_per_epoch, planned_steps = (_FromRun() for _ in range(3))
     noise_multiplier, mechanism_name, trained_parameter_names, has_formal_guarantee = (_FromRun() for _ in range(4))
     training_steps, record_release, suspend_training_engine, privacy_report, attach_audit = (
         _FromRun() for _ in range(5))
@@ -109,13 +109,8 @@ class PrivateTrainingMixin:
                                       getattr(self.train_dataset, "_fingerprint", None))
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
-        self.training_rows = TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
-                                          pad_token_id(self.processing_class))
-        # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
-        self._eval_results: dict[str, tuple[str, dict[str, float]]] = {}
-        self._held_out_predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
-        for prefix, dataset in eval_sets(self.eval_dataset):
-            self.training_rows.overlap(dataset, prefix)  # warns now, before any training
+        self._evaluations = Evaluations(TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
+                                                     pad_token_id(self.processing_class)), self.eval_dataset)
         self.privacy_run.log_plan()
         log_ignored_labels(labels)
 
@@ -133,18 +128,6 @@ class PrivateTrainingMixin:
         if self.is_model_parallel or self.is_distributed_loading_by_transformers:  # Trainer's own reading
             raise ValueError("Model or tensor parallelism (one model split over several devices) is not supported: "
                              + _SUPPORTED_PARALLELISM)
-
-    @property
-    def sample_rate(self) -> float:
-        return self.plan.sample_rate
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.plan.steps_per_epoch
-
-    @property
-    def planned_steps(self) -> int:
-        return self.plan.planned_steps
 
     # ------------------------------------------------------------------ data
     def training_data(self) -> tuple[Any, EmptySafeCollator]:
@@ -179,7 +162,7 @@ class PrivateTrainingMixin:
         if not model.training:
             labels = inputs.get("labels")  # before Trainer's label smoother pops them
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-            self._held_out_predictions.add(model, outputs, labels)
+            self._evaluations.predictions.add(model, outputs, labels)
             return (loss, outputs) if return_outputs else loss
         if "labels" not in inputs:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
@@ -302,14 +285,10 @@ class PrivateTrainingMixin:
             dataset = self.eval_dataset[dataset]
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
-        status = OVERLAPS if self.training_rows.overlap(dataset, metric_key_prefix) else HELD_OUT
-        with self._held_out_predictions.counting(held_out=status == HELD_OUT):
-            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
-        self._eval_results[metric_key_prefix] = (status, published_metrics(metrics, metric_key_prefix))
-        trained, total = self.privacy_run.values_of(self.trained_parameter_names)
-        settings = RunSettings(self.dp_config.max_grad_norm, self.args.learning_rate, self.dataset_size, trained,
-                               total, self.training_steps())  # what a collapse warning names as likely causes
-        self._held_out_predictions.warn_if_collapsed(metric_key_prefix, self.model, settings, reduce=(
+        metrics = self._evaluations.record(dataset, metric_key_prefix, partial(
+            super().evaluate, eval_dataset, ignore_keys, metric_key_prefix, **kwargs))
+        settings = self.privacy_run.collapse_settings(self.args.learning_rate)
+        self._evaluations.predictions.warn_if_collapsed(metric_key_prefix, self.model, settings, reduce=(
             partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
         return metrics
 
@@ -353,7 +332,8 @@ class PrivateTrainingMixin:
             super()._load_best_model()
             if not best or not has_trainer_weights(best):
                 return  # Trainer only warned that it could not find them: the weights are still the last step's
-        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model, self._eval_results)
+        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model,
+                                                  self._evaluations.results)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
@@ -381,7 +361,7 @@ class PrivateTrainingMixin:
             trained_fraction=run.share_of_model(self.trained_parameter_names), citations=self.dp_method.citations(),
             hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None), planned_steps=self.planned_steps,
             expected_batch_size=self.expected_batch_size, learning_rate=self.args.learning_rate,
-            optimizer=optimizer_name(self.optimizer), evaluations=self._eval_results,
+            optimizer=optimizer_name(self.optimizer), evaluations=self._evaluations.results,
             reloaded_best=getattr(self, "_reloaded_best", None), global_step=self.state.global_step,
         ), **publication)
 
