@@ -16,6 +16,7 @@ from .methods import (
 )
 from .privacy import BudgetError
 from .trainer import PrivateTrainer, privatize
+from .version import __version__ as __version__  # re-exported: hf_private.__version__
 
 __all__ = [
     "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig",
@@ -23,4 +24,3 @@ __all__ = [
     "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "median_gradient_norm",
     "privatize", "public_calibration_texts", "registered_methods", "sentence_classifier",
 ]
-__version__ = "0.1.0"

@@ -17,6 +17,7 @@ from .adapters import is_hub_model_id
 from .artifacts import ADAPTER_WEIGHTS_NAME, CARD_NAME, DP_CONFIG_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from .audit import AUDIT_MECHANISM_PREFIX
 from .privacy.rng import Z_MAX
+from .version import __version__
 
 TEMPLATE = "private_model.md"
 
@@ -57,8 +58,6 @@ def framework_versions() -> dict[str, str]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             if name == "hf_private":
-                from . import __version__
-
                 versions[name] = __version__
             else:
                 versions[name] = "not installed"

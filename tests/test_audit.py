@@ -31,11 +31,10 @@ from hf_private.audit import (
     build_canaries,
     count_correct,
     epsilon_from_error_rates,
-    main,
     one_run_epsilon_lower_bound,
     one_run_p_value,
-    run_audit,
 )
+from hf_private.audit.cli import main, run_audit
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.losses import default_per_example_loss
 from hf_private.model_card import privacy_metadata
@@ -392,11 +391,12 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
 
 def test_command_line_entry_point_is_declared():
     pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["hf-private-audit"] == "hf_private.audit:main"
+    assert pyproject["project"]["scripts"]["hf-private-audit"] == "hf_private.audit.cli:main"
 
 
 def test_python_dash_m_runs_without_runtime_warning():
-    """`import hf_private` imports the audit module; running that module as a script would load it twice."""
+    """`import hf_private` imports the audit package and its cli the trainer; running either as a script would load
+    it twice, so `python -m hf_private.audit` runs the package's __main__."""
     root = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "hf_private.audit", "--help"],
                           cwd=root, capture_output=True, text=True, timeout=120)

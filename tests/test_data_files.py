@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from hf_private.audit import _task_from_files
+from hf_private.audit.cli import _task_from_files
 from hf_private.data_files import DataFileError, read_data_file
 from tests import tiny
 

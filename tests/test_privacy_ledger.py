@@ -137,7 +137,7 @@ def test_mechanism_group_round_trip_and_identity():
     assert not none.same_mechanism(MechanismGroup.no_guarantee("dp-fp-paper", "another reason", steps=2))
     for event in (group, none):
         assert MechanismGroup.from_dict(json.loads(json.dumps(event.to_dict()))) == event
-        # Cached composition (hf_private.audit) rebuilds groups positionally from the serialised values.
+        # Cached composition (hf_private.audit.result) rebuilds groups positionally from the serialised values.
         assert MechanismGroup(*event.to_dict().values()) == event
 
 

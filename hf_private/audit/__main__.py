@@ -1,11 +1,12 @@
-"""`python -m hf_private.audit`, the same command as `hf-private-audit`.
+"""`python -m hf_private.audit`, the same command as `hf-private-audit` (both run `hf_private.audit.cli.main`).
 
-A package's `__main__` rather than `audit.py` run as a script: `import hf_private` already imports the audit module
-(the trainer uses it), and running an imported module as `__main__` would load it twice (runpy's RuntimeWarning).
+A package's `__main__` rather than `cli.py` run as a script: `import hf_private` already imports the audit package
+(the trainer uses it) and `cli` imports the trainer, so running an imported module as `__main__` would load it twice
+(runpy's RuntimeWarning).
 """
 
 import sys
 
-from . import main
+from .cli import main
 
 sys.exit(main())

@@ -1,0 +1,95 @@
+"""The statistics of an audit: from guesses about canaries to a lower bound on ε, with no model in sight.
+
+Kept apart from the canaries and the trainer so that every test which turns counts into an ε (the one-run audit,
+the one-step distinguisher of each method's conformance test) uses the same few formulas, testable on numbers alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy import stats
+
+_EPSILON_CEILING = 1e3  # bisection stops here; no finite number of guesses supports more
+
+
+def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """p-value of "training is (ε, δ)-DP per canary" given `correct` right out of `guesses` non-abstaining guesses.
+
+    Steinke et al. (2023), Theorem 5.2: P[V ≥ v] ≤ P[Bin(r, q) ≥ v] + 2mδ·max_{1≤i≤v} (1/i)·P[v > Bin(r, q) ≥ v−i]
+    with q = e^ε / (1 + e^ε).
+    """
+    if not 0 <= correct <= guesses <= canaries:
+        raise ValueError(f"Need 0 ≤ correct ≤ guesses ≤ canaries, got {correct}, {guesses}, {canaries}.")
+    if correct == 0:
+        return 1.0
+    q = 1.0 / (1.0 + math.exp(-epsilon))
+    p_value = float(stats.binom.sf(correct - 1, guesses, q))
+    if delta > 0:
+        below = stats.binom.pmf(np.arange(correct - 1, -1, -1), guesses, q)  # P[Bin = v−1], P[Bin = v−2], ...
+        worst = float(np.max(np.cumsum(below) / np.arange(1, correct + 1)))
+        p_value += 2 * canaries * delta * worst
+    return min(1.0, p_value)
+
+
+def one_run_epsilon_lower_bound(
+    canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95
+) -> float:
+    """sup{ε : p(ε) < 1 − confidence}, by bisection; 0 when not even ε = 0 is rejected."""
+    check_confidence(confidence)
+    beta = 1.0 - confidence
+
+    def rejected(epsilon: float) -> bool:
+        return one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta
+
+    if not rejected(0.0):
+        return 0.0
+    low, high = 0.0, 1.0
+    while rejected(high) and high < _EPSILON_CEILING:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rejected(middle) else (low, middle)
+    return low
+
+
+def count_correct(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_minus: int) -> tuple[int, int]:
+    """(guesses, correct): the k₊ highest scores are guessed "in", the k₋ lowest "out"; ties go by canary index."""
+    if k_plus < 0 or k_minus < 0 or k_plus + k_minus > scores.numel():
+        raise ValueError(f"Need k_plus, k_minus ≥ 0 and k_plus + k_minus ≤ {scores.numel()} canaries.")
+    order = torch.argsort(scores.detach().cpu().double(), descending=True, stable=True)
+    included = included.cpu().bool()
+    correct = int(included[order[:k_plus]].sum()) + int((~included[order[scores.numel() - k_minus:]]).sum())
+    return k_plus + k_minus, correct
+
+
+def epsilon_from_error_rates(
+    false_positives: int, negatives: int, false_negatives: int, positives: int, delta: float,
+    confidence: float = 0.95,
+) -> float:
+    """ε lower bound from a threshold test's errors (Jagielski et al. 2020), Clopper–Pearson at `confidence`.
+
+    (ε, δ)-DP forces FPR + e^ε·FNR ≥ 1 − δ and FNR + e^ε·FPR ≥ 1 − δ; both rates are replaced by their upper
+    confidence bounds (each at half the miss probability), so the bound holds with the stated confidence.
+    """
+    check_confidence(confidence)
+    half = (1.0 - confidence) / 2
+    fpr = _clopper_pearson_upper(false_positives, negatives, half)
+    fnr = _clopper_pearson_upper(false_negatives, positives, half)
+    candidates = [math.log((1 - delta - a) / b) for a, b in ((fpr, fnr), (fnr, fpr)) if 1 - delta - a > 0 < b]
+    return max([0.0, *candidates])
+
+
+def _clopper_pearson_upper(errors: int, trials: int, alpha: float) -> float:
+    if trials <= 0:
+        raise ValueError("Clopper–Pearson needs at least one trial.")
+    return 1.0 if errors >= trials else float(stats.beta.ppf(1 - alpha, errors + 1, trials - errors))
+
+
+def check_confidence(confidence: float) -> None:
+    """Refuse a confidence outside (0, 1), the same way for the bounds and for `run_audit`."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}.")
+

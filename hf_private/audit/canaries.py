@@ -1,0 +1,79 @@
+"""The canaries: fresh vocabulary rows, and one training example per row that only it uses.
+
+Everything about a canary (its embedding row, its label) comes from a fixed public seed; only whether it is included
+in training is the auditor's secret. Dataset assembly lives here too, so the audit's input is built in one place.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..adapters import unwrap_peft
+
+DESIGN_SEED = 2023  # public: the canaries' embedding rows and labels; only their inclusion is secret
+
+
+def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) -> list[int]:
+    """Append `count` fresh vocabulary rows (ids nothing in the data uses) and return their ids."""
+    base = unwrap_peft(model)
+    embeddings = base.get_input_embeddings()
+    if not isinstance(embeddings, nn.Embedding):
+        raise ValueError(f"The audit needs an nn.Embedding input layer, got {type(embeddings).__name__}.")
+    old = embeddings.num_embeddings
+    base.resize_token_embeddings(old + count, mean_resizing=False)
+    weight = base.get_input_embeddings().weight
+    with torch.no_grad():
+        scale = weight[:old].float().std().item()
+        rows = torch.randn(count, weight.shape[1], generator=generator) * scale
+        weight[old:] = rows.to(weight.dtype)
+    return list(range(old, old + count))
+
+
+def build_canaries(template: dict[str, Any], token_ids: Sequence[int], length: int, num_labels: int,
+                   rng: random.Random) -> dict[str, list]:
+    """Columns for one canary per token: the token repeated `length` times, a random (public) label."""
+    columns: dict[str, list] = {name: [] for name in template}
+    for token in token_ids:
+        ids = [token] * length
+        for name, value in template.items():
+            if name == "input_ids":
+                columns[name].append(ids)
+            elif name == "attention_mask":
+                columns[name].append([1] * length)
+            elif name == "token_type_ids":
+                columns[name].append([0] * length)
+            elif name in ("label", "labels") and isinstance(value, int | np.integer):
+                columns[name].append(rng.randrange(num_labels))
+            elif name == "labels" and isinstance(value, list):
+                columns[name].append(list(ids))  # language modelling: the canary predicts itself
+            else:
+                raise ValueError(
+                    f"Cannot build a canary for dataset column {name!r}: the audit knows input_ids, attention_mask, "
+                    "token_type_ids and an integer label(s) column (or LM labels). Drop other columns first."
+                )
+    if "input_ids" not in columns:
+        raise ValueError("The audit needs a tokenized dataset with an input_ids column.")
+    return columns
+
+
+def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_labels: int, rng: random.Random):
+    """All canaries as a `datasets.Dataset` with the training set's features, so the two concatenate."""
+    from datasets import Dataset
+
+    columns = build_canaries(train_dataset[0], token_ids, length, num_labels, rng)
+    return Dataset.from_dict(columns, features=train_dataset.features)
+
+
+def with_canaries(train_dataset, canary_set, included: torch.Tensor):
+    """The training set plus the included canaries (the auditor's secret draw), appended after it."""
+    from datasets import concatenate_datasets
+
+    chosen = torch.nonzero(included).flatten().tolist()
+    return concatenate_datasets([train_dataset, canary_set.select(chosen)]) if chosen else train_dataset
+

@@ -1,0 +1,159 @@
+"""What an audit found, and what it adds to a privacy report: the result, its card entry, its composition into ε.
+
+The audit run is itself a DP release of the data it trained on. This module holds the one place that says how: an
+`AuditResult` carries the audit run's mechanisms, and `compose_audits` adds them (renamed "audit:…") to a report's ε
+each time a report is made. The trainer and the card import it; nothing here trains.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..privacy import MechanismGroup
+from ..privacy.accountants import epsilon_bound, sampler_tail_delta
+
+# Which data the audit trained on. Only the caller knows; "private" (the default) composes the audit run into the
+# released model's guarantee, the other two are the caller's declaration that no training example was used.
+AUDIT_DATA = {
+    "private": "audit run on the training data, composed into the guarantee's ε",
+    "public": "audit run on data declared public by the caller, not composed into ε",
+    "disjoint": "audit run on data declared disjoint from the training data by the caller, not composed into ε",
+}
+# How an audit run's mechanisms are named once composed into a report; the card reads it to tell whether an audit on
+# the training data was composed into ε.
+AUDIT_MECHANISM_PREFIX = "audit:"
+
+
+@dataclass(frozen=True)
+class ScoreBound:
+    """The bound one scoring rule gives; with two rules each is held at half the miss probability."""
+
+    score: str
+    description: str
+    guesses: int
+    correct: int
+    confidence: float
+    epsilon_lower_bound: float
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """ε_lb is the largest of the per-score bounds; each was computed at a confidence that makes the max valid.
+
+    The audit run is itself a DP release of the data it trained on: `mechanisms` (its ledger, at its `delta` and
+    `accountant`) are what `PrivateTrainer.attach_audit` composes into the released model's ε when `audit_data`
+    is "private". `guarantee` is the audit run's own ("none" in insecure test mode). `claimed_epsilon` is the figure
+    the audit tests: the run's ε, or, without a formal guarantee, the figure named `claim` from the report's
+    `not_a_guarantee` (DP-FP paper mode: the paper's CLT approximation), never written as an ε.
+    """
+
+    epsilon_lower_bound: float
+    confidence: float
+    claimed_epsilon: float
+    delta: float
+    method: str
+    canaries: int
+    included: int
+    k_plus: int
+    k_minus: int
+    bounds: tuple[ScoreBound, ...]
+    date: str
+    audit_data: str
+    mechanisms: tuple[MechanismGroup, ...]
+    accountant: str
+    guarantee: str
+    dataset_fingerprint: str | None
+    claim: str = "epsilon"
+
+    @property
+    def refutes_claim(self) -> bool:
+        """True when the audit proves the claimed ε wrong (at the stated confidence)."""
+        return self.epsilon_lower_bound > self.claimed_epsilon
+
+    @property
+    def declaration(self) -> str:
+        return AUDIT_DATA[self.audit_data]
+
+    def composed_mechanisms(self) -> list[MechanismGroup]:
+        """What the audit adds to the training data's ledger: its run, renamed "audit:…"; nothing for declared data."""
+        if self.audit_data != "private":
+            return []
+        return [replace(g, name=AUDIT_MECHANISM_PREFIX + g.name) for g in self.mechanisms]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
+             "declaration": self.declaration}
+        del d["claimed_epsilon"], d["claim"]
+        return {**d, **self._claim_entry(4)}
+
+    def _claim_entry(self, digits: int) -> dict[str, Any]:
+        """`claimed_epsilon` for a run with a guarantee; otherwise the figure tested, labelled as not being one."""
+        value = round(self.claimed_epsilon, digits)
+        if self.guarantee == "formal":
+            return {"claimed_epsilon": value}
+        return {"tested_figure": {"name": self.claim, "value": value,
+                                  "note": "The audited run has no formal guarantee; this figure is tested as if it "
+                                          "were one, and it is not a bound."}}
+
+    def card_entry(self) -> dict[str, Any]:
+        """The `privacy.audit` block of a model card; `PrivateTrainer.attach_audit` puts it there."""
+        return {
+            "kind": "empirical lower bound (not the guarantee)",
+            "audit_data": self.audit_data,
+            "declaration": self.declaration,
+            "epsilon_lower_bound": round(self.epsilon_lower_bound, 4),
+            "confidence": self.confidence,
+            "canaries": self.canaries,
+            "date": self.date,
+            **self._claim_entry(4),
+            "delta": self.delta,
+            "method": self.method,
+            "guesses": {"k_plus": self.k_plus, "k_minus": self.k_minus},
+            "scores": {b.score: {"correct": b.correct, "guesses": b.guesses,
+                                 "epsilon_lower_bound": round(b.epsilon_lower_bound, 4)} for b in self.bounds},
+            "procedure": "one training run, Steinke, Nasr, Jagielski (NeurIPS 2023)",
+        }
+
+
+@functools.lru_cache(maxsize=16)
+def _composed_bound(groups: tuple[tuple, ...], delta: float, accountant: str) -> tuple[float, str]:
+    """Cached like the ledger's own ε: every card and report would otherwise recompute PRV (seconds each)."""
+    return epsilon_bound([MechanismGroup(*group) for group in groups], delta, accountant)
+
+
+def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accountant: str) -> dict[str, Any]:
+    """A privacy report whose ε also counts every audit run on the training data, at the report's one δ.
+
+    Composed each time a report is made, never written into the training ledger: checkpoints must not record the
+    audit as training spent, and repeated saves or a resume must not count it twice.
+    """
+    added = [group for audit in audits for group in audit.composed_mechanisms()]
+    if not added or "epsilon" not in report:  # no guarantee to compose with (DP-FP paper mode): ε stays absent
+        return report
+    groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + added
+    epsilon, used = _composed_bound(tuple(tuple(g.to_dict().values()) for g in groups), report["delta"], accountant)
+    composed = {**report, "epsilon": epsilon, "accountant": used, "training_epsilon": report["epsilon"],
+                "sampler_tail_delta": sampler_tail_delta(groups, report["delta"]),
+                "mechanisms": [g.to_dict() for g in groups]}
+    if report.get("guarantee") == "formal" and any(a.guarantee != "formal" for a in audits if a.composed_mechanisms()):
+        composed.update(guarantee="none", guarantee_note=(
+            "An audit run on the training data, composed into this ε, trained in insecure test mode (its "
+            "DPConfig.noise_seed was set): its noise can be replayed by anyone who knows the seed."
+        ))
+    return composed
+
+
+def claimed_figure(report: dict[str, Any]) -> tuple[str, float]:
+    """What the audit tests: ε, or without a guarantee the first figure of `not_a_guarantee` (the method's own claim,
+    e.g. DP-FP's CLT approximation; in insecure test mode the accounting figure)."""
+    if "epsilon" in report:
+        return "epsilon", float(report["epsilon"])
+    figures = report.get("not_a_guarantee") or {}
+    if not figures:
+        raise ValueError(f"The audited run has no guarantee and no figure to test: {report.get('guarantee_note')}")
+    name, figure = next(iter(figures.items()))
+    return name, float(figure["value"])
+
