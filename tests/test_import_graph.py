@@ -147,6 +147,18 @@ def test_no_import_cycle_goes_through_the_trainer():
     assert cycle is None, "Import cycle through the trainer:\n" + describe(graph, cycle, ROOT)
 
 
+@pytest.mark.parametrize("module", ["run", "method_run", "preflight", "methods"])
+def test_the_run_and_what_methods_see_import_nothing_of_the_trainer(module):
+    """The run's privacy state, the method's view of it, the construction checks and the methods stand apart from the
+    Trainer glue: the glue imports them, never the other way round."""
+    graph = import_graph(ROOT, PACKAGE)
+    name = f"{PACKAGE}.{module}"
+    if name not in graph:
+        pytest.skip(f"{name} does not exist")
+    chain = shortest_path(graph, name, TRAINER)
+    assert chain is None, f"{name} reaches {TRAINER}:\n" + describe(graph, chain, ROOT)
+
+
 def test_audit_library_does_not_reach_the_trainer_or_its_command_line():
     """`hf_private.audit` is the library the trainer and the card use; only audit.cli (and __main__) drive a run."""
     graph = import_graph(ROOT, PACKAGE)
