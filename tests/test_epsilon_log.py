@@ -8,9 +8,10 @@ import functools
 import math
 
 import pytest
+from transformers import TrainerCallback
 
 from hf_private import BitFitConfig, DPConfig, FrostConfig
-from hf_private import trainer as trainer_module
+from hf_private import run as run_module
 from hf_private.privacy import PrivacyLedger, compute_epsilon
 from hf_private.privacy import ledger as ledger_module
 from hf_private.privacy.epsilon_log import EpsilonLog
@@ -61,8 +62,8 @@ def _accountant_calls(monkeypatch) -> list[int]:
 
 
 def _with_share(monkeypatch, share: float) -> None:
-    """The trainer's EpsilonLog with a cost share: 0 makes every evaluation after the first look as far as allowed."""
-    monkeypatch.setattr(trainer_module, "EpsilonLog", functools.partial(EpsilonLog, share=share))
+    """The run's EpsilonLog with a cost share: 0 makes every evaluation after the first look as far as allowed."""
+    monkeypatch.setattr(run_module, "EpsilonLog", functools.partial(EpsilonLog, share=share))
 
 
 # ---------------------------------------------------------------------- through the trainer
@@ -133,7 +134,7 @@ def test_a_run_stopped_early_ends_exact_and_says_the_last_line_was_ahead(tmp_pat
     assert "upper bound for steps the run did not reach" in caplog.text
 
 
-class _StopAt(trainer_module.TrainerCallback):
+class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
 
