@@ -6,11 +6,14 @@ callbacks and collator, and trains privately.
   `evaluate()` (during and after training) and `predict()` hand compute_metrics what `model.generate` gives.
 - A user's Trainer subclass with its own logged metric and a callback, privatized.
 - What privatize() accepts and returns; encoder-decoder models stay refused.
+- The README's "Any Trainer: privatize()" script, run as written.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,3 +243,25 @@ def test_encoder_decoder_models_stay_refused_by_the_private_seq2seq_trainer(tmp_
         privatize(Seq2SeqTrainer)(model=make_model(), args=args, train_dataset=tiny.lm_dataset(32),
                                   dp_config=DPConfig(noise_multiplier=1.0))
 
+
+# ---------------------------------------------------------------- the README's script
+README = (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_readme_privatize_script_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The python block under "Any Trainer: privatize()", executed unchanged: a decoder-only model trained privately
+    with privatize(Seq2SeqTrainer), evaluated by generation, and a card publishing that metric with ε."""
+    section = re.split(r"\n#{2,4} ", README.split("\n### Any Trainer: privatize()\n", 1)[1], maxsplit=1)[0]
+    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script, "README.md (Any Trainer: privatize())", "exec"), namespace)
+
+    assert "'eval_verdict_accuracy':" in capsys.readouterr().out
+    trainer = namespace["trainer"]
+    report = trainer.privacy_report()
+    assert type(trainer).__name__ == "PrivateSeq2SeqTrainer" and trainer.args.predict_with_generate
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0
+    card = ModelCard.load(next(tmp_path.glob("*/README.md")))
+    assert card.data.to_dict()["privacy"]["epsilon"] == pytest.approx(report["epsilon"])
+    assert "eval_verdict_accuracy" in card.text
