@@ -30,7 +30,7 @@ from ...privacy.accountants import epsilon_bound
 from ...privacy.forward_noise import ClippedNoisyOutput
 from ...privacy.plan import PrivacyPlan, Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
-from ..bitfit.model import head_parameter_names
+from ..shared import head_parameter_names, train_only
 from .clt import clt_epsilon, clt_noise_multiplier
 from .config import DPFPConfig
 
@@ -80,8 +80,7 @@ class DPFPMethod(DPMethod):
         if not head:
             raise ValueError(f"No parameter of {type(model).__name__} lies above the noise point {self.noise_point!r}: "
                              "sound DP-FP trains the head above it. Name another noise_point.")
-        for name, param in model.named_parameters():
-            param.requires_grad_(name in head)
+        train_only(model, head)
 
     def stages(self) -> list[Stage]:
         if self.config.mode == "paper":

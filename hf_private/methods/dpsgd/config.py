@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..base import CONFIG_NAME, MethodConfig
+from ..shared import DP_SGD
 
 __all__ = ["CONFIG_NAME", "DPConfig"]
 
@@ -17,4 +18,4 @@ class DPConfig(MethodConfig):
     Methods that are DP-SGD on a chosen set of tensors (DP-LoRA, DP-BiTFiT) subclass this config.
     """
 
-    method: ClassVar[str] = "dp-sgd"
+    method: ClassVar[str] = DP_SGD
