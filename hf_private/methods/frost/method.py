@@ -16,7 +16,6 @@ import numpy as np
 from torch import nn
 
 from ...adapters import is_peft_model
-from ...engine.reducers import PartitionMagnitudeReducer
 from ...logs import get_logger
 from ...method_run import MethodRun
 from ...privacy.plan import PrivacyPlan, Stage
@@ -24,6 +23,7 @@ from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..shared import head_parameter_names, train_only
 from .config import FrostConfig
 from .partitions import Partition, model_partitions
+from .reducer import PartitionMagnitudeReducer
 from .selection import estimate_pgms, pgm_std, select_round
 
 logger = get_logger(__name__)
