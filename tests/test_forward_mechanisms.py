@@ -14,7 +14,8 @@ from scipy import stats
 from hf_private import DPConfig
 from hf_private.methods import DPMethod, register_dp_method
 from hf_private.methods.base import _METHODS
-from hf_private.privacy import ClippedNoisyOutput, GaussianNoise, Stage
+from hf_private.methods.dpfp.forward_noise import ClippedNoisyOutput
+from hf_private.privacy import GaussianNoise, Stage
 from tests import tiny
 from tests.helpers import make_trainer
 

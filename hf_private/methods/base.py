@@ -184,9 +184,10 @@ class DPMethod:
 
     def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise,
                                   plan: PrivacyPlan) -> list[RemovableHandle]:
-        """Forward hooks releasing clipped, noised representations (DP-FP, e.g. `privacy.ClippedNoisyOutput`),
-        drawing from `noise`, the run's secret noise source, with their noise set from `plan` (the run's q, steps and
-        δ); a release that the ledger must count is a stage of `stages()`. None by default."""
+        """Forward hooks releasing clipped, noised representations (DP-FP: its `ClippedNoisyOutput`, in
+        `methods/dpfp/forward_noise.py`), drawing from `noise`, the run's secret noise source, with their noise set from
+        `plan` (the run's q, steps and δ); a release that the ledger must count is a stage of `stages()`. None by
+        default."""
         return []
 
     def before_step(self, run: MethodRun, step: int) -> None:
