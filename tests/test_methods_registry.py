@@ -41,7 +41,7 @@ def test_config_file_carries_format_version_and_drops_unknown_keys(tmp_path, cap
     data["added_by_a_newer_version"] = 7
     (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
-        assert DPConfig.from_pretrained(tmp_path) == config
+        assert MethodConfig.from_pretrained(tmp_path) == config
     assert "added_by_a_newer_version" in caplog.text
 
 
@@ -59,7 +59,7 @@ def test_a_new_methods_config_is_documented_once_and_an_undocumented_field_refus
     assert doc.count(FIELDS_HEADING) == 1 and "head_name (str, default 'classifier')" in doc
 
     @dataclass
-    class Undocumented(DPConfig):
+    class Undocumented(MethodConfig):
         method: ClassVar[str] = "test-undocumented"
         knob: int = 1
 
@@ -120,7 +120,7 @@ def test_dp_lora_trains_the_new_head_of_a_custom_model(tmp_path):
 
 # ---------------------------------------------------------------- a method from its own folder only
 @dataclass
-class _HeadOnlyConfig(DPConfig):
+class _HeadOnlyConfig(MethodConfig):
     method: ClassVar[str] = "test-head-only"
     head_name: str = field(default="classifier", metadata={"help": "Prefix of the parameters that train."})
 
@@ -176,7 +176,7 @@ def _padding():
 
 # ---------------------------------------------------------------- a method's own releases join the plan and ledger
 @dataclass
-class _SelectThenTrainConfig(DPConfig):
+class _SelectThenTrainConfig(MethodConfig):
     method: ClassVar[str] = "test-select-then-train"
 
 
@@ -208,7 +208,7 @@ def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tm
 
 # ---------------------------------------------------------------- a method's hooks on the engine and the optimizer
 @dataclass
-class _MaskedRowConfig(DPConfig):
+class _MaskedRowConfig(MethodConfig):
     method: ClassVar[str] = "test-masked-row"
 
 

@@ -120,8 +120,9 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MethodConfig:
-        """The registered config for data["method"]; keys this version does not know are dropped with a warning
-        (a file written by a newer hf_private), as PEFT does."""
+        """The registered config for data["method"], which must be `cls` or derive from it: `MethodConfig.from_dict`
+        reads any registered method's file, `DPConfig.from_dict` (or `BitFitConfig`'s ...) only its own method's. Keys
+        this version does not know are dropped with a warning (a file written by a newer hf_private), as PEFT does."""
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
@@ -129,7 +130,11 @@ class MethodConfig:
                            FORMAT_VERSION)
         config_cls = method_class(data.pop("method", cls.method)).config_class
         if not issubclass(config_cls, cls):
-            raise ValueError(f"Method {config_cls.method!r} is not a {cls.__name__}.")
+            raise ValueError(
+                f"This dp_config is for method {config_cls.method!r} ({config_cls.__name__}), not a {cls.__name__}: "
+                f"read it with MethodConfig.from_dict / from_pretrained (any registered method) or "
+                f"{config_cls.__name__}'s."
+            )
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(data) - known)
         if unknown:
