@@ -4,8 +4,15 @@ under one canonical name.
 As in PEFT (`PeftConfig` vs the tuner model, `register_peft_method`): the config holds the privacy knobs every
 method shares plus its own fields, validates them and round-trips through JSON; the method decides what trains,
 which stages its run has, and what it does at their boundaries. Clipping, noise and accounting stay the engine's,
-the optimizer's and the ledger's: a method never re-implements them. Adding a method touches only its folder: a
-config subclass and a method subclass decorated with `register_dp_method`, imported by `hf_private.methods`.
+the optimizer's and the ledger's: a method never re-implements them.
+
+Adding a method is adding one folder, `hf_private/methods/<name>/`: `config.py` (a `MethodConfig` subclass; every
+method's config derives from this base, none from another method's), `method.py` (a `DPMethod` subclass decorated with
+`register_dp_method`), the method's own parts (DP-FROST's `reducer.py`, DP-FP's `forward_noise.py`), and an
+`__init__.py` that imports them, which registers the method. `hf_private.methods` finds the folder by itself (it
+imports every subpackage) and serves its config class by name. The folder imports from here, from `shared.py` (what
+several methods use) and from the rest of hf_private, never from another method's folder. The only other edit is the
+method's row in the conformance table (tests/test_method_conformance.py).
 """
 
 from __future__ import annotations
