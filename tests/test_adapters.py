@@ -13,6 +13,7 @@ from transformers import DataCollatorWithPadding, TrainerCallback
 
 from hf_private import BitFitConfig, DPConfig, PrivateTrainer, load_private_adapter
 from hf_private.adapters import ADAPTER_WEIGHTS_NAME
+from hf_private.methods import MethodConfig
 from tests import tiny
 from tests.helpers import eval_logits, make_trainer, training_args
 
@@ -63,7 +64,7 @@ def test_saved_adapter_reloads_onto_a_fresh_base_with_identical_logits(tmp_path,
     assert files | {"dp_config.json", "privacy_ledger.json", "README.md"} <= written
     if fmt != "full":
         assert "model.safetensors" not in written, "an adapter must not carry the frozen base weights"
-    assert DPConfig.from_pretrained(tmp_path) == dp
+    assert MethodConfig.from_pretrained(tmp_path) == dp
 
     trained = _logits(trainer.model)
     base = make_base()

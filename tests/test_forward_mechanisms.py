@@ -11,10 +11,10 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_private import DPConfig
-from hf_private.methods import DPMethod, register_dp_method
+from hf_private.methods import DPMethod, MethodConfig, register_dp_method
 from hf_private.methods.base import _METHODS
-from hf_private.privacy import ClippedNoisyOutput, GaussianNoise, Stage
+from hf_private.methods.dpfp.forward_noise import ClippedNoisyOutput
+from hf_private.privacy import GaussianNoise, Stage
 from tests import tiny
 from tests.helpers import make_trainer
 
@@ -63,7 +63,7 @@ def test_noise_comes_from_the_secret_source_not_torch():
 
 
 @dataclass
-class _NoisyPoolerConfig(DPConfig):
+class _NoisyPoolerConfig(MethodConfig):
     method: ClassVar[str] = "test-noisy-pooler"
 
 

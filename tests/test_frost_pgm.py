@@ -14,8 +14,9 @@ import itertools
 import pytest
 import torch
 
-from hf_private.engine import PartitionMagnitudeReducer, PerExampleGradientEngine
+from hf_private.engine import PerExampleGradientEngine
 from hf_private.engine.terms import IndexTerm, OuterTerm, SampleTerm, clipped_abs_sum, instantiate
+from hf_private.methods.frost.reducer import PartitionMagnitudeReducer
 from tests import tiny
 from tests.helpers import trainable_partitions
 from tests.test_engine_oracle import BATCH, _batch, _loss

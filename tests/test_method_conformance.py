@@ -24,7 +24,8 @@ from hf_private import (
     registered_methods,
 )
 from hf_private.audit import epsilon_from_error_rates
-from hf_private.privacy import ClippedNoisyOutput, GaussianNoise, MechanismGroup
+from hf_private.methods.dpfp.forward_noise import ClippedNoisyOutput
+from hf_private.privacy import GaussianNoise, MechanismGroup
 from hf_private.privacy.accountants import compute_epsilon
 from tests import tiny
 from tests.helpers import eval_logits, make_trainer, snapshot

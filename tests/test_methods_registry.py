@@ -3,10 +3,15 @@ only its own folder to train, be saved and be offered by the recipe."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import logging
+import pkgutil
 import pydoc
+import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -16,6 +21,7 @@ from torch import nn
 from transformers import BertModel, BertPreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+import hf_private.methods
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, PrivateTrainer, registered_methods
 from hf_private.engine.terms import zero_rows
 from hf_private.methods import DPMethod, RecipeDefaults, method_class, register_dp_method
@@ -41,7 +47,7 @@ def test_config_file_carries_format_version_and_drops_unknown_keys(tmp_path, cap
     data["added_by_a_newer_version"] = 7
     (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
-        assert DPConfig.from_pretrained(tmp_path) == config
+        assert MethodConfig.from_pretrained(tmp_path) == config
     assert "added_by_a_newer_version" in caplog.text
 
 
@@ -59,7 +65,7 @@ def test_a_new_methods_config_is_documented_once_and_an_undocumented_field_refus
     assert doc.count(FIELDS_HEADING) == 1 and "head_name (str, default 'classifier')" in doc
 
     @dataclass
-    class Undocumented(DPConfig):
+    class Undocumented(MethodConfig):
         method: ClassVar[str] = "test-undocumented"
         knob: int = 1
 
@@ -120,7 +126,7 @@ def test_dp_lora_trains_the_new_head_of_a_custom_model(tmp_path):
 
 # ---------------------------------------------------------------- a method from its own folder only
 @dataclass
-class _HeadOnlyConfig(DPConfig):
+class _HeadOnlyConfig(MethodConfig):
     method: ClassVar[str] = "test-head-only"
     head_name: str = field(default="classifier", metadata={"help": "Prefix of the parameters that train."})
 
@@ -156,9 +162,6 @@ def test_a_new_method_trains_saves_and_reloads_its_config(tmp_path, head_only_me
 
 
 def test_the_recipe_offers_a_new_method_and_its_flags(tmp_path, head_only_method):
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
     import glue
 
@@ -166,6 +169,83 @@ def test_the_recipe_offers_a_new_method_and_its_flags(tmp_path, head_only_method
                                        "--output_dir", str(tmp_path), "--use_cpu", "true"])
     assert recipe.method_fields == {"head_name": "bert.pooler"}
     assert isinstance(glue._dp_config(recipe, 1.0), head_only_method)
+
+
+# ---------------------------------------------------------------- the package finds method folders itself
+METHODS_DIR = Path(hf_private.methods.__file__).parent
+_TOY_FOLDER = """
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..base import DPMethod, MethodConfig, register_dp_method
+
+
+@dataclass
+class ToyFolderConfig(MethodConfig):
+    method: ClassVar[str] = "test-toy-folder"
+
+
+@register_dp_method(ToyFolderConfig)
+class ToyFolderMethod(DPMethod):
+    pass
+"""
+
+
+def test_a_method_folder_is_found_and_its_config_is_public_with_no_other_edit(tmp_path, monkeypatch):
+    (tmp_path / "toy_folder").mkdir()
+    (tmp_path / "toy_folder" / "__init__.py").write_text(_TOY_FOLDER)
+    monkeypatch.setattr(hf_private.methods, "__path__", [*hf_private.methods.__path__, str(tmp_path)])
+    try:
+        assert "hf_private.methods.toy_folder" in hf_private.methods.import_method_folders()
+        config_class = method_class("test-toy-folder").config_class
+        assert hf_private.methods.ToyFolderConfig is config_class and "ToyFolderConfig" in dir(hf_private.methods)
+        assert config_class(noise_multiplier=1.0).build_method().name == "test-toy-folder"
+    finally:
+        _METHODS.pop("test-toy-folder", None)
+        sys.modules.pop("hf_private.methods.toy_folder", None)
+
+
+def test_every_method_folder_registers_a_method_whose_config_is_public():
+    folders = {module.name for module in pkgutil.iter_modules([str(METHODS_DIR)]) if module.ispkg}
+    owners = {}
+    for name in registered_methods():
+        module = method_class(name).__module__.split(".")
+        if module[:2] == ["hf_private", "methods"]:
+            owners[name] = module[2]
+            config_class = method_class(name).config_class
+            assert getattr(hf_private.methods, config_class.__name__) is config_class
+            assert config_class.__name__ in hf_private.methods.__all__
+    assert set(owners.values()) == folders and len(owners) == len(folders)
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchConfig'"):
+        hf_private.methods.NoSuchConfig  # noqa: B018
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Absolute names of the modules a file imports (`from .. import x` counts as importing `<package>..x`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else (
+                node.module)
+            names |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def test_no_method_folder_imports_another_and_engine_and_privacy_import_no_method():
+    folders = {module.name for module in pkgutil.iter_modules([str(METHODS_DIR)]) if module.ispkg}
+    root = METHODS_DIR.parents[1]
+    for folder in sorted(folders):
+        for path in sorted((METHODS_DIR / folder).rglob("*.py")):
+            package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+            others = {name.split(".")[2] for name in _imported_modules(path, package)
+                      if name.startswith("hf_private.methods.") and name.count(".") >= 2} & (folders - {folder})
+            assert not others, f"{path.relative_to(root)} imports the method folder(s) {sorted(others)}"
+    for layer in ("engine", "privacy"):
+        for path in sorted((root / "hf_private" / layer).rglob("*.py")):
+            package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+            assert not {n for n in _imported_modules(path, package) if n.startswith("hf_private.methods")}, path
 
 
 def _padding():
@@ -176,7 +256,7 @@ def _padding():
 
 # ---------------------------------------------------------------- a method's own releases join the plan and ledger
 @dataclass
-class _SelectThenTrainConfig(DPConfig):
+class _SelectThenTrainConfig(MethodConfig):
     method: ClassVar[str] = "test-select-then-train"
 
 
@@ -208,7 +288,7 @@ def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tm
 
 # ---------------------------------------------------------------- a method's hooks on the engine and the optimizer
 @dataclass
-class _MaskedRowConfig(DPConfig):
+class _MaskedRowConfig(MethodConfig):
     method: ClassVar[str] = "test-masked-row"
 
 

@@ -8,13 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_private.engine import (
-    FlatL2ClipReducer,
-    PartitionMagnitudeReducer,
-    PerExampleGradientEngine,
-    terms,
-)
+from hf_private.engine import FlatL2ClipReducer, PerExampleGradientEngine, terms
 from hf_private.engine.terms import IndexTerm, OuterTerm, SampleTerm, instantiate, zero_columns, zero_rows
+from hf_private.methods.frost.reducer import PartitionMagnitudeReducer
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from tests import tiny

@@ -2,8 +2,7 @@
 
 from .core import PerExampleGradientEngine, trainable_parameters
 from .layers import UnsupportedLayerError, register_layer, supported_layer_names
-from .reducers import ChunkTerms, FlatL2ClipReducer, PartitionMagnitudeReducer, Reducer
+from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer
 
-__all__ = ["ChunkTerms", "FlatL2ClipReducer", "PartitionMagnitudeReducer", "PerExampleGradientEngine", "Reducer",
-           "UnsupportedLayerError", "register_layer", "supported_layer_names",
-           "trainable_parameters"]
+__all__ = ["ChunkTerms", "FlatL2ClipReducer", "PerExampleGradientEngine", "Reducer", "UnsupportedLayerError",
+           "register_layer", "supported_layer_names", "trainable_parameters"]

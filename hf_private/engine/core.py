@@ -123,8 +123,9 @@ class PerExampleGradientEngine:
     """Collects per-example gradient terms for every trainable parameter of `model` and hands them to a reducer.
 
     The default reducer is DP-SGD's `FlatL2ClipReducer(max_grad_norm)`, whose clipped sums `pop_clipped_sums`
-    releases to the optimizer; a method may set `engine.reducer` to another (DP-FROST's selection:
-    `PartitionMagnitudeReducer`) between logical batches, and register term transforms (`add_term_transform`).
+    releases to the optimizer; a method may set `engine.reducer` to another (DP-FROST's selection: its partition
+    magnitude reducer, `methods/frost/reducer.py`) between logical batches, and register term transforms
+    (`add_term_transform`).
     """
 
     def __init__(self, model: nn.Module, max_grad_norm: float, *, reducer: Reducer | None = None) -> None:
@@ -408,7 +409,7 @@ class PerExampleGradientEngine:
     def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
         """The clipped sums since the last pop, handed over (the optimizer noises them); the reducer starts afresh.
 
-        Refused when the reducer accumulates no gradient sums (a `PartitionMagnitudeReducer`).
+        Refused when the reducer accumulates no gradient sums (DP-FROST's partition magnitude reducer).
         """
         return self._gradient_sums_reducer().pop_clipped_sums()
 

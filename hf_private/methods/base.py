@@ -4,8 +4,15 @@ under one canonical name.
 As in PEFT (`PeftConfig` vs the tuner model, `register_peft_method`): the config holds the privacy knobs every
 method shares plus its own fields, validates them and round-trips through JSON; the method decides what trains,
 which stages its run has, and what it does at their boundaries. Clipping, noise and accounting stay the engine's,
-the optimizer's and the ledger's: a method never re-implements them. Adding a method touches only its folder: a
-config subclass and a method subclass decorated with `register_dp_method`, imported by `hf_private.methods`.
+the optimizer's and the ledger's: a method never re-implements them.
+
+Adding a method is adding one folder, `hf_private/methods/<name>/`: `config.py` (a `MethodConfig` subclass; every
+method's config derives from this base, none from another method's), `method.py` (a `DPMethod` subclass decorated with
+`register_dp_method`), the method's own parts (DP-FROST's `reducer.py`, DP-FP's `forward_noise.py`), and an
+`__init__.py` that imports them, which registers the method. `hf_private.methods` finds the folder by itself (it
+imports every subpackage) and serves its config class by name. The folder imports from here, from `shared.py` (what
+several methods use) and from the rest of hf_private, never from another method's folder. The only other edit is the
+method's row in the conformance table (tests/test_method_conformance.py).
 """
 
 from __future__ import annotations
@@ -120,8 +127,9 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MethodConfig:
-        """The registered config for data["method"]; keys this version does not know are dropped with a warning
-        (a file written by a newer hf_private), as PEFT does."""
+        """The registered config for data["method"], which must be `cls` or derive from it: `MethodConfig.from_dict`
+        reads any registered method's file, `DPConfig.from_dict` (or `BitFitConfig`'s ...) only its own method's. Keys
+        this version does not know are dropped with a warning (a file written by a newer hf_private), as PEFT does."""
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
@@ -129,7 +137,11 @@ class MethodConfig:
                            FORMAT_VERSION)
         config_cls = method_class(data.pop("method", cls.method)).config_class
         if not issubclass(config_cls, cls):
-            raise ValueError(f"Method {config_cls.method!r} is not a {cls.__name__}.")
+            raise ValueError(
+                f"This dp_config is for method {config_cls.method!r} ({config_cls.__name__}), not a {cls.__name__}: "
+                f"read it with MethodConfig.from_dict / from_pretrained (any registered method) or "
+                f"{config_cls.__name__}'s."
+            )
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -184,9 +196,10 @@ class DPMethod:
 
     def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise,
                                   plan: PrivacyPlan) -> list[RemovableHandle]:
-        """Forward hooks releasing clipped, noised representations (DP-FP, e.g. `privacy.ClippedNoisyOutput`),
-        drawing from `noise`, the run's secret noise source, with their noise set from `plan` (the run's q, steps and
-        δ); a release that the ledger must count is a stage of `stages()`. None by default."""
+        """Forward hooks releasing clipped, noised representations (DP-FP: its `ClippedNoisyOutput`, in
+        `methods/dpfp/forward_noise.py`), drawing from `noise`, the run's secret noise source, with their noise set from
+        `plan` (the run's q, steps and δ); a release that the ledger must count is a stage of `stages()`. None by
+        default."""
         return []
 
     def before_step(self, run: MethodRun, step: int) -> None:

@@ -10,7 +10,6 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .forward_noise import ClippedNoisyOutput
 from .ledger import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, PrivacyLedger
 from .noise import GaussianNoise
 from .plan import PlannedStage, PrivacyPlan, Stage, resolve_delta
@@ -21,7 +20,6 @@ __all__ = [
     "POISSON_GAUSSIAN",
     "SUPPORTED_ACCOUNTANTS",
     "BudgetError",
-    "ClippedNoisyOutput",
     "GaussianNoise",
     "GaussianSampler",
     "JointMechanism",

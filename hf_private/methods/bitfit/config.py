@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..dpsgd import DPConfig
+from ..base import MethodConfig
 
 
 @dataclass
-class BitFitConfig(DPConfig):
+class BitFitConfig(MethodConfig):
     """DP-BiTFiT: DP-SGD on the bias terms (and by default the new task head), optionally after X epochs of DP full
     fine-tuning, in one ledger."""
 

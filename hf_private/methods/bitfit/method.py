@@ -6,8 +6,7 @@ from torch import nn
 
 from ...privacy.plan import Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
-from ..dpsgd import DPConfig
-from ..dpsgd.method import table9_defaults
+from ..shared import DP_SGD, table9_defaults
 from .config import BitFitConfig
 from .model import select_bitfit_parameters
 
@@ -29,7 +28,7 @@ class BitFitMethod(DPMethod):
     def stages(self) -> list[Stage]:
         bitfit = Stage(self.name, sensitivity="flat L2 clip C over biases (and the head)")
         if self.config.full_finetune_epochs > 0:  # X+BiTFiT: same σ and q, one ledger
-            return [Stage(DPConfig.method, epochs=self.config.full_finetune_epochs,
+            return [Stage(DP_SGD, epochs=self.config.full_finetune_epochs,
                           sensitivity="flat L2 clip C over every parameter"), bitfit]
         return [bitfit]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...logs import get_logger
-from ...losses import is_causal_lm
+from ..shared import head_parameter_names, train_only
 
 logger = get_logger(__name__)
 
@@ -14,17 +14,6 @@ NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, NORM_TYPES) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
-
-
-def head_parameter_names(model: nn.Module) -> set[str]:
-    """Parameters outside the pre-trained backbone (`base_model_prefix`): a new classification head.
-
-    A causal LM's output layer is not new (often tied to the input embeddings), so it is never a "head" here.
-    """
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not hasattr(model, prefix) or is_causal_lm(model):
-        return set()
-    return {name for name, _ in model.named_parameters() if not name.startswith(f"{prefix}.")}
 
 
 def select_bitfit_parameters(model: nn.Module, *, train_head: bool, train_norm_weights: bool) -> None:
@@ -49,8 +38,7 @@ def select_bitfit_parameters(model: nn.Module, *, train_head: bool, train_norm_w
             for module_name, module in model.named_modules() if _is_norm(module)
             for param_name, p in module.named_parameters(recurse=False) if param_name == "weight"
         }
-    for name, param in model.named_parameters():
-        param.requires_grad_(name in selected)
+    train_only(model, selected)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("DP-BiTFiT trains %d of %d parameters (%.3f%%).", trainable, total, 100 * trainable / total)

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..dpsgd import DPConfig
+from ..base import MethodConfig
 
 MODES = ("sound", "paper")
 
 
 @dataclass
-class DPFPConfig(DPConfig):
+class DPFPConfig(MethodConfig):
     """DP-FP: clip and noise each example's representation in the forward pass; `mode="sound"` adds DP-SGD on the
     head for a formal ε, `mode="paper"` has none."""
 

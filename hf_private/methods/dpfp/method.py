@@ -1,8 +1,8 @@
 """DP-FP's behaviour (methods_spec §5; its soundness, §6.1).
 
 Both modes clip each example's representation at the noise point to `representation_clip` C and add N(0, σ_r²C²) in
-the forward pass, in training only (`privacy.ClippedNoisyOutput`, the secret noise source), with σ_r from the paper's
-calibration (Eq. 11 from the GDP-CLT μ of the target, `clt.clt_noise_multiplier`).
+the forward pass, in training only (`forward_noise.ClippedNoisyOutput`, the secret noise source), with σ_r from the
+paper's calibration (Eq. 11 from the GDP-CLT μ of the target, `clt.clt_noise_multiplier`).
 
 * "sound": everything below the noise point is frozen (the pooler included), the head above it trains with DP-SGD
   (per-example clip C and noise from the plan), so ε is the ledger's formal guarantee and covers the labels; the
@@ -27,12 +27,12 @@ from ...engine import PerExampleGradientEngine
 from ...logs import get_logger
 from ...privacy import GaussianNoise, MechanismGroup
 from ...privacy.accountants import epsilon_bound
-from ...privacy.forward_noise import ClippedNoisyOutput
 from ...privacy.plan import PrivacyPlan, Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
-from ..bitfit.model import head_parameter_names
+from ..shared import head_parameter_names, train_only
 from .clt import clt_epsilon, clt_noise_multiplier
 from .config import DPFPConfig
+from .forward_noise import ClippedNoisyOutput
 
 logger = get_logger(__name__)
 
@@ -80,8 +80,7 @@ class DPFPMethod(DPMethod):
         if not head:
             raise ValueError(f"No parameter of {type(model).__name__} lies above the noise point {self.noise_point!r}: "
                              "sound DP-FP trains the head above it. Name another noise_point.")
-        for name, param in model.named_parameters():
-            param.requires_grad_(name in head)
+        train_only(model, head)
 
     def stages(self) -> list[Stage]:
         if self.config.mode == "paper":

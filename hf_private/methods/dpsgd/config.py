@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..base import CONFIG_NAME, MethodConfig
-
-__all__ = ["CONFIG_NAME", "DPConfig"]
+from ..base import MethodConfig
+from ..shared import DP_SGD
 
 
 @dataclass
 class DPConfig(MethodConfig):
     """Differentially private SGD with Poisson sampling, one flat per-example clip and Gaussian noise.
 
-    Methods that are DP-SGD on a chosen set of tensors (DP-LoRA, DP-BiTFiT) subclass this config.
+    Every other method's config derives from `MethodConfig`, as this one does, not from it: `DPConfig.from_pretrained`
+    reads DP-SGD files only, `MethodConfig.from_pretrained` any registered method's.
     """
 
-    method: ClassVar[str] = "dp-sgd"
+    method: ClassVar[str] = DP_SGD

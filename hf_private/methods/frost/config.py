@@ -7,13 +7,13 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..dpsgd import DPConfig
+from ..base import MethodConfig
 
 VARIANTS = ("mgna", "mgn", "mg")
 
 
 @dataclass
-class FrostConfig(DPConfig):
+class FrostConfig(MethodConfig):
     """DP-FROST: part of ε chooses which weight matrices to fine-tune (noisy gradient magnitudes), the rest runs
     DP-SGD on them."""
 

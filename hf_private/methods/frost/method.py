@@ -16,14 +16,14 @@ import numpy as np
 from torch import nn
 
 from ...adapters import is_peft_model
-from ...engine.reducers import PartitionMagnitudeReducer
 from ...logs import get_logger
 from ...method_run import MethodRun
 from ...privacy.plan import PrivacyPlan, Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
-from ..bitfit.model import head_parameter_names
+from ..shared import head_parameter_names, train_only
 from .config import FrostConfig
 from .partitions import Partition, model_partitions
+from .reducer import PartitionMagnitudeReducer
 from .selection import estimate_pgms, pgm_std, select_round
 
 logger = get_logger(__name__)
@@ -167,9 +167,7 @@ class FrostMethod(DPMethod):
         return reducer
 
     def _train_selected(self, model: nn.Module) -> None:
-        trained = self.trained_parameter_names(model)
-        for name, param in model.named_parameters():
-            param.requires_grad_(name in trained)
+        train_only(model, self.trained_parameter_names(model))
 
     # ------------------------------------------------------------------ what trains, state, report
     def trained_parameter_names(self, model: nn.Module) -> set[str]:

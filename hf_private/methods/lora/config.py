@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..dpsgd import DPConfig
+from ..base import MethodConfig
 
 
 @dataclass
-class DPLoRAConfig(DPConfig):
+class DPLoRAConfig(MethodConfig):
     """DP-LoRA: wraps a plain model with PEFT LoRA (a PeftModel is trained as it is), then DP-SGD on the factors and
     the new task head."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..dpsgd import DPConfig
+from ..base import MethodConfig
 
 VARIANTS = ("lora", "rgp")
 MASK_SOURCES = ("pretrained", "current")
@@ -18,7 +18,7 @@ PAPER_MASK_SOURCE = {"lora": "pretrained", "rgp": "current"}
 
 
 @dataclass
-class SparseLowRankConfig(DPConfig):
+class SparseLowRankConfig(MethodConfig):
     """Sparse + low-rank DP-SGD: DP-SGD on low-rank gradient factors (LoRA or RGP) whose least important rows and
     columns are masked."""
 

@@ -26,8 +26,7 @@ from ...adapters import AUXILIARY_MARKER, is_peft_model
 from ...engine import PerExampleGradientEngine
 from ...optimizer import NoisyOptimizer
 from ..base import DPMethod, RecipeDefaults, register_dp_method
-from ..bitfit.model import head_parameter_names
-from ..lora.method import apply_lora
+from ..shared import apply_lora, head_parameter_names, train_only
 from . import rgp
 from .config import SparseLowRankConfig
 from .masks import MaskedFactor, unit_masks
@@ -83,10 +82,7 @@ class SparseLowRankMethod(DPMethod):
                                  MaskedFactor(layer.lora_A[adapter].weight, 1, cols)]
             self._count_other_trainable(model)
             return
-        model.requires_grad_(False)
-        for name, param in model.named_parameters():
-            if name in self.head:
-                param.requires_grad_(True)
+        train_only(model, self.head)
         self._generator = _carrier_generator(self.config.noise_seed)
         for layer in self.rgp_layers.values():
             rgp.set_carriers(layer, self._generator)

@@ -1,4 +1,4 @@
-"""Forward-pass mechanisms: a module's output released per example clipped and noised, during training only.
+"""DP-FP's forward-pass mechanism: a module's output released per example clipped and noised, during training only.
 
 DP forward propagation (methods_spec §5.1) privatises representations instead of gradients: each example's
 output of a chosen module is clipped to L2 norm C (over everything but the batch dimension) and N(0, σ²C²) is
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .noise import GaussianNoise
+from ...privacy.noise import GaussianNoise
 
 _NORM_FLOOR = 1e-12
 
