@@ -25,6 +25,7 @@ from torch import nn
 from ...adapters import AUXILIARY_MARKER, is_peft_model
 from ...engine import PerExampleGradientEngine
 from ...optimizer import NoisyOptimizer
+from ...privacy.rng import test_stream_seed
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..shared import apply_lora, head_parameter_names, train_only
 from . import rgp
@@ -34,7 +35,6 @@ from .masks import MaskedFactor, unit_masks
 # Seed 003 §4.8: B 2000, 20 epochs, lr 1e-3, C = 10 (δ = 1e-5 in the paper; the recipe keeps 1/(2N), smaller here).
 _PAPER_TASKS = ("sst2", "qnli")
 _PAPER = "seed 003 §4.8 and Table 1 (methods_spec §4.8)"
-_TEST_CARRIER_OFFSET = 49979687  # test mode: the carriers' stream apart from the noise's and the sampler's
 # Transformer blocks: RGP's default targets are the Linear/Conv1D layers inside them.
 _BLOCK = re.compile(r"\.(layer|layers|h|block|blocks)\.\d+\.")
 
@@ -83,7 +83,7 @@ class SparseLowRankMethod(DPMethod):
             self._count_other_trainable(model)
             return
         train_only(model, self.head)
-        self._generator = _carrier_generator(self.config.noise_seed)
+        self._generator = _carrier_generator(test_stream_seed(self.config.noise_seed, "rgp carriers"))
         for layer in self.rgp_layers.values():
             rgp.set_carriers(layer, self._generator)
             layer.left.weight.requires_grad_(True)
@@ -199,8 +199,8 @@ def _rgp_targets(model: nn.Module, target_modules: str | None) -> list[str]:
 def _carrier_generator(test_seed: int | None) -> torch.Generator:
     """The power iteration's start vectors: not privacy-relevant, but not the secret noise stream either; seeded once
     from OS entropy (broadcast from rank 0, so every process computes the same carriers), never reseeded per step.
-    In test mode (`noise_seed` set, the whole run reproducible) from that seed instead."""
-    entropy = int.from_bytes(os.urandom(7), "little") if test_seed is None else test_seed + _TEST_CARRIER_OFFSET
+    In test mode (`noise_seed` set, the whole run reproducible) from the carriers' stream of that seed instead."""
+    entropy = int.from_bytes(os.urandom(7), "little") if test_seed is None else test_seed
     seed = torch.tensor(entropy, dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
         dist.broadcast(seed, src=0)
