@@ -335,7 +335,7 @@ def test_bf16_trains_under_autocast_and_fp16_is_refused(tmp_path):
 
 
 def test_a_logging_integration_that_may_leave_the_machine_is_named(tmp_path, caplog):
-    from hf_private.trainer_settings import _warn_remote_logging
+    from hf_private.preflight import _warn_remote_logging
 
     with caplog.at_level(logging.WARNING):
         _warn_remote_logging(training_args(tmp_path, report_to=["tensorboard"]))
