@@ -16,9 +16,7 @@ import os
 import re
 import shutil
 
-from transformers import TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME as TRAINING_ARGS_NAME  # re-exported with the names below
-from transformers.trainer_utils import HubStrategy
 
 # hf_private's own files: the privacy record and the adapter of the trained tensors
 LEDGER_NAME = "privacy_ledger.json"
@@ -58,7 +56,6 @@ PUSHABLE_NAMES = frozenset({
     DP_CONFIG_NAME, METHOD_STATE_NAME, LEDGER_NAME, CARD_NAME,
 })
 _WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model-\d{5}-of-\d{5}\.bin")
-_LOCAL_ONLY_STRATEGIES = (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
 
 
 def is_pushable(name: str) -> bool:
@@ -89,19 +86,3 @@ def has_trainer_weights(checkpoint: str | os.PathLike) -> bool:
     """Whether Trainer's `_load_best_model` finds weights to load in `checkpoint` (otherwise it only warns)."""
     return any(os.path.isfile(os.path.join(checkpoint, name)) for name in TRAINER_WEIGHTS_NAMES)
 
-
-def check_release_settings(args: TrainingArguments) -> None:
-    """Refuse TrainingArguments that would publish un-noised functions of the private data."""
-    if args.include_num_input_tokens_seen not in ("no", False):
-        raise ValueError(
-            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r}: the token count of each Poisson "
-            "batch is an un-noised function of the private data (who was sampled, how long their text is), logged "
-            "and saved in trainer_state.json. Set include_num_input_tokens_seen='no'."
-        )
-    if args.push_to_hub and args.hub_strategy in _LOCAL_ONLY_STRATEGIES:
-        raise ValueError(
-            f"hub_strategy={HubStrategy(args.hub_strategy).value!r} uploads whole checkpoints: trainer_state.json "
-            "(un-noised training losses, data-dependent counters) and the optimizer and RNG state. Use "
-            "hub_strategy='every_save' or 'end', which push only the released artefacts (weights or adapter, configs, "
-            f"tokenizer, {DP_CONFIG_NAME}, {LEDGER_NAME}, the card); checkpoints stay in output_dir for resuming."
-        )

@@ -1,10 +1,9 @@
-"""Refuse non-finite float labels before training, while refusing spends no privacy; count the ignored ones.
+"""Count the label values a private run must know about before training: non-finite floats and ignored integers.
 
-The engine gives an example whose gradient is not finite a zero contribution, so a NaN
-regression label cannot poison a release; but that record would then be silently never learnt from. A data bug
-is better reported up front, by column and count (no row is named: the message may end up in shared logs).
-Integer labels of -100 get no loss at all (the models' and losses' ignore index): their count is logged with the
-plan, so a dataset that masks more than intended shows it before the budget is spent.
+The engine gives an example whose gradient is not finite a zero contribution, so a NaN regression label cannot
+poison a release; but that record would then be silently never learnt from: `preflight.check_labels` refuses such
+labels, by column and count. Integer labels of -100 get no loss at all (the models' and losses' ignore index): their
+count is logged with the plan, so a dataset that masks more than intended shows it before the budget is spent.
 """
 
 from __future__ import annotations
@@ -36,18 +35,9 @@ class LabelCounts:
     ignored: tuple[int, int, str] | None
 
 
-def check_labels(dataset) -> LabelCounts:
-    """Raise ValueError if a label column of `dataset` holds NaN or ±inf float values; else what was counted."""
-    counts = _arrow_counts(dataset) if hasattr(dataset, "column_names") else _item_counts(dataset)
-    bad = {column: count for column, count in counts.non_finite.items() if count}
-    if bad:
-        found = ", ".join(f"{count} in column {column!r}" for column, count in bad.items())
-        raise ValueError(
-            f"train_dataset has non-finite float labels (NaN or inf): {found}. Such an example gets no gradient "
-            "(a non-finite example contributes zero to every private step), so fix or remove these records "
-            "before training."
-        )
-    return counts
+def count_labels(dataset) -> LabelCounts:
+    """One pass over the label columns of `dataset` (Arrow columns of a datasets.Dataset, else its items)."""
+    return _arrow_counts(dataset) if hasattr(dataset, "column_names") else _item_counts(dataset)
 
 
 def log_ignored_labels(counts: LabelCounts) -> None:
@@ -60,7 +50,7 @@ def log_ignored_labels(counts: LabelCounts) -> None:
 
 def ignored_labels(dataset) -> tuple[int, int, str] | None:
     """(labels equal to -100, all labels, "tokens" or "examples") of the first label column with integer labels."""
-    return check_labels(dataset).ignored
+    return count_labels(dataset).ignored
 
 
 def _is_list(arrow_type) -> bool:

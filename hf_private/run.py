@@ -53,15 +53,17 @@ class PrivacyRun:
     """A private run's plan, ledger, secret streams, engine, stages and budget (see the module docstring)."""
 
     def __init__(self, config: MethodConfig, method: DPMethod, model: nn.Module, steps: TrainingSteps,
-                 dataset_size: int, dataset_fingerprint: str | None = None) -> None:
+                 dataset_size: int, delta: float, expected_batch_size: int,
+                 dataset_fingerprint: str | None = None) -> None:
+        """`dataset_size`, `delta` (resolved from the config) and `expected_batch_size` as `hf_private.preflight`
+        checked them."""
         args = steps.args
         self._config = config  # saved with every checkpoint and compared on resume; its fields are read here only
         self.method, self.model, self.dataset_size = method, model, dataset_size
         self.max_grad_norm, self.accountant = config.max_grad_norm, config.accountant
         self.target_epsilon, self.test_seed = config.target_epsilon, config.noise_seed
         self.device = args.device
-        self.delta = config.resolve_delta(dataset_size)
-        self.expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        self.delta, self.expected_batch_size = delta, expected_batch_size
         schedule = {"steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
         self.plan = PrivacyPlan(
             dataset_size, self.expected_batch_size, **schedule, delta=self.delta, accountant=self.accountant,

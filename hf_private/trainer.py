@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
-from .artifacts import check_release_settings, has_trainer_weights
+from .artifacts import has_trainer_weights
 from .audit import AuditResult
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from .checkpoints import save_private_checkpoint
@@ -30,24 +30,16 @@ from .example_rows import rows_per_example
 from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import Evaluations, TrainingRows, pad_token_id
 from .hub import AllowListedUpload, push_checkpoint, push_release
-from .label_checks import check_labels, log_ignored_labels
-from .launch_checks import check_process_count
+from .label_checks import log_ignored_labels
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
 from .methods import MethodConfig
-from .model_support import check_supported_model
 from .optimizer import noisy_optimizer
+from .preflight import check_before_trainer, check_built_trainer
 from .run import PrivacyRun
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, example_lengths
-from .trainer_settings import check_subclass, check_trainer_kwargs, check_training_args
 
 logger = get_logger(__name__)
-
-_SUPPORTED_PARALLELISM = (
-    "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "
-    "or torchrun), each holding the whole model."
-)
-
 
 class _FromRun:
     """A trainer attribute that is the privacy run's own (`trainer.privacy_run`), under the trainer's public name."""
@@ -73,61 +65,30 @@ class PrivateTrainingMixin:
 
     def __init__(self, model: nn.Module | None = None, args=None, *trainer_args: Any, dp_config: MethodConfig,
                  per_example_loss: PerExampleLoss | None = None, **trainer_kwargs: Any) -> None:
-        if not isinstance(dp_config, MethodConfig):
-            raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
-        self.dp_method = dp_config.build_method()
-        check_subclass(type(self), PrivateTrainingMixin, custom_loss=per_example_loss is not None)
-        check_trainer_kwargs(trainer_kwargs)
-        if model is None:
-            raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
-        _check_model(model)
-        warn_if_cls_head_on_mean_encoder(model)
         train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
-        self.dataset_size = _dataset_size(train_dataset)  # before Trainer, whose own errors are less specific
-        labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count below
-        if args is not None:  # before Trainer, which creates the Hub repo when push_to_hub is set
-            check_training_args(args, dp_config.max_grad_norm, per_example_loss is not None, type(self))
-            check_release_settings(args)
+        # before Trainer, which creates the Hub repo when push_to_hub is set (see preflight)
+        checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
+                                       train_dataset, trainer_kwargs)
+        self.dp_method = dp_config.build_method()
+        warn_if_cls_head_on_mean_encoder(model)
+        self.dataset_size = checked.dataset_size
         model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
-        if args is None:  # Trainer made default arguments
-            check_training_args(self.args, dp_config.max_grad_norm, per_example_loss is not None, type(self))
+        expected_batch_size = check_built_trainer(self, args is not None, dp_config, per_example_loss,
+                                                  self.dataset_size)
         self.per_example_loss = per_example_loss or partial(
             default_per_example_loss, label_smoothing=self.args.label_smoothing_factor)
-        self._check_setup()
-        check_process_count(self.args.world_size)
-        expected = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
-        if expected > self.dataset_size:
-            raise ValueError(
-                f"Expected logical batch {expected} (per_device_train_batch_size × "
-                f"gradient_accumulation_steps × world_size) exceeds the dataset size {self.dataset_size}."
-            )
-        self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size,
-                                      getattr(self.train_dataset, "_fingerprint", None))
+        self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
+                                      expected_batch_size, getattr(self.train_dataset, "_fingerprint", None))
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
         self._evaluations = Evaluations(TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
                                                      pad_token_id(self.processing_class)), self.eval_dataset)
         self.privacy_run.log_plan()
-        log_ignored_labels(labels)
-
-    def _check_setup(self) -> None:
-        args = self.args
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}"
-            )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError(
-                "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: "
-                + _SUPPORTED_PARALLELISM
-            )
-        if self.is_model_parallel or self.is_distributed_loading_by_transformers:  # Trainer's own reading
-            raise ValueError("Model or tensor parallelism (one model split over several devices) is not supported: "
-                             + _SUPPORTED_PARALLELISM)
+        log_ignored_labels(checked.labels)
 
     # ------------------------------------------------------------------ data
     def training_data(self) -> tuple[Any, EmptySafeCollator]:
@@ -410,35 +371,6 @@ class _LogicalBatchBoundaries(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.trainer.privacy_run.may_step():
             self.trainer._stop_for_budget()
-
-
-def _check_model(model: nn.Module) -> None:
-    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        raise ValueError(
-            f"Pass the model itself, not a {type(model).__name__} wrapper: Trainer wraps it for DDP and "
-            f"PrivateTrainer reduces the clipped gradients itself. {_SUPPORTED_PARALLELISM}"
-        )
-    check_supported_model(model)  # model families (encoder-decoder refused), whatever is frozen
-    batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if batch_norms:
-        raise ValueError(
-            f"BatchNorm layers {batch_norms} mix examples in train mode, which breaks per-example clipping and "
-            "the guarantee. Replace them with GroupNorm/LayerNorm (opacus.validators.ModuleValidator.fix)."
-        )
-
-
-def _dataset_size(dataset) -> int:
-    if dataset is None:
-        raise ValueError("PrivateTrainer needs train_dataset: its size N sets the sampling rate and δ.")
-    if isinstance(dataset, IterableDataset):
-        raise ValueError(
-            "IterableDataset has no known size, so Poisson sampling and accounting are impossible; "
-            "materialise it (e.g. datasets.Dataset.from_generator) first."
-        )
-    size = len(dataset)
-    if size == 0:
-        raise ValueError("train_dataset is empty.")
-    return size
 
 
 def _slice(value, size: int, start: int, stop: int):

@@ -33,12 +33,6 @@ def test_allow_list_keeps_released_artefacts_and_withholds_the_rest(tmp_path):
     assert withheld_files(tmp_path) == sorted([*junk, "runs/"])  # checkpoints are local by design, not worth a warning
 
 
-@pytest.mark.parametrize("setting", ["all", "non_padding", True])
-def test_token_counts_are_refused(tmp_path, setting):
-    with pytest.raises(ValueError, match="include_num_input_tokens_seen.*un-noised function of the private data"):
-        make_trainer(tmp_path, include_num_input_tokens_seen=setting)
-
-
 @pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
 def test_pushing_whole_checkpoints_is_refused(tmp_path, strategy):
     # Refused before Trainer would create the Hub repo (the tests are offline).

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
 
 from tests import distributed_worker as worker
-from tests import tiny
-from tests.helpers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["full", "lora", "bitfit", "frost", "rgp"]
@@ -111,36 +108,3 @@ def test_noise_is_added_exactly_once(method, tmp_path):
     expected = (worker.NOISE_MULTIPLIER * worker.CLIP) ** 2
     ratio = noise.pow(2).mean().item() / expected
     assert abs(ratio - 1) <= 5 * math.sqrt(2 / noise.numel()), (ratio, noise.numel())
-
-
-# ---------------------------------------------------------------------- unsupported parallel set-ups
-def test_data_parallel_wrapper_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="not a DataParallel wrapper"):
-        make_trainer(tmp_path, model=torch.nn.DataParallel(tiny.bert()))
-
-
-def test_several_gpus_in_one_process_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
-    with pytest.raises(ValueError, match="DataParallel.*accelerate launch --multi_gpu"):
-        make_trainer(tmp_path)
-
-
-@pytest.mark.parametrize("flag", ["is_fsdp_enabled", "is_deepspeed_enabled"])
-def test_sharded_training_is_refused(flag, tmp_path, monkeypatch):
-    """Neither FSDP nor DeepSpeed can start on this CPU machine, so switch on Trainer's own flag for it."""
-    set_up = Trainer.create_accelerator_and_postprocess
-
-    def with_flag(self):
-        set_up(self)
-        setattr(self, flag, True)
-
-    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", with_flag)
-    with pytest.raises(ValueError, match="DeepSpeed and FSDP.*one process per device"):
-        make_trainer(tmp_path)
-
-
-def test_model_parallel_is_refused(tmp_path):
-    model = tiny.bert()
-    model.hf_device_map = {"bert.embeddings": 0, "bert.encoder": 1, "classifier": 1}  # as device_map="auto" sets it
-    with pytest.raises(ValueError, match="Model or tensor parallelism.*one process per device"):
-        make_trainer(tmp_path, model=model)

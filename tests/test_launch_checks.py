@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hf_private.launch_checks import check_process_count
+from hf_private.preflight import check_process_count
 from tests.helpers import make_trainer
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MASTER_ADDR",
@@ -21,7 +21,7 @@ def clean_launch_environment(monkeypatch):
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "transformers.hf_private.launch_checks"]
+    return [r.getMessage() for r in caplog.records if r.name == "transformers.hf_private.preflight"]
 
 
 def test_accelerate_simple_launcher_asked_for_two_processes_is_named(tmp_path, clean_launch_environment, caplog):

@@ -25,7 +25,8 @@ from transformers import (
 from hf_private import DPConfig, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.losses import default_per_example_loss
-from hf_private.model_support import UnsupportedModelError, check_supported_model
+from hf_private.model_support import UnsupportedModelError
+from hf_private.preflight import check_supported_model
 from tests import tiny
 from tests.helpers import make_trainer, snapshot, training_args
 

@@ -97,16 +97,6 @@ def _with_float_label(value: float) -> Dataset:
     return Dataset.from_dict(data)
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf])
-def test_non_finite_float_labels_are_refused_before_training(tmp_path, value):
-    model = tiny.bert(num_labels=1)
-    with pytest.raises(ValueError, match=r"non-finite float labels \(NaN or inf\): 1 in column 'label'"):
-        make_trainer(tmp_path, model=model, dataset=_with_float_label(value))
-    items = [{**row, "labels": torch.tensor(row["label"])} for row in _with_float_label(value)]
-    with pytest.raises(ValueError, match="1 in column 'labels'"):
-        make_trainer(tmp_path, model=model, dataset=items)
-
-
 def test_finite_float_labels_are_accepted(tmp_path):
     make_trainer(tmp_path, model=tiny.bert(num_labels=1), dataset=_with_float_label(0.5))
 

@@ -1,4 +1,4 @@
-"""What a Trainer user sets is honoured or refused at construction, and the run says what it does."""
+"""What a Trainer user sets is honoured, and the run says what it does (what is refused: tests/test_preflight.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import (
     BertForTokenClassification,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
-    Seq2SeqTrainingArguments,
     Trainer,
 )
 from transformers.trainer_pt_utils import LabelSmoother
@@ -25,58 +23,6 @@ from tests import tiny
 from tests.helpers import make_trainer, snapshot, training_args
 
 HF_LOGGER = "transformers.hf_private"
-
-
-# ---------------------------------------------------------------- refused at construction, with the fix named
-class _BatchMeanTrainer(PrivateTrainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-
-def test_compute_loss_override_is_refused(tmp_path):
-    with pytest.raises(TypeError, match="overrides compute_loss.*per_example_loss"):
-        _BatchMeanTrainer(tiny.bert(), training_args(tmp_path), train_dataset=tiny.sentiment_dataset(32),
-                          dp_config=DPConfig(noise_multiplier=1.0))
-
-
-def test_compute_loss_func_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="compute_loss_func.*per_example_loss"):
-        PrivateTrainer(tiny.bert(), training_args(tmp_path), train_dataset=tiny.sentiment_dataset(32),
-                       dp_config=DPConfig(noise_multiplier=1.0), compute_loss_func=lambda out, labels, **kw: out.loss)
-
-
-def test_optimizer_instance_is_refused_at_construction(tmp_path):
-    model = tiny.bert()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
-        PrivateTrainer(model, training_args(tmp_path), train_dataset=tiny.sentiment_dataset(32),
-                       dp_config=DPConfig(noise_multiplier=1.0), optimizers=(optimizer, None))
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [(dict(torch_compile=True), "torch_compile=True is not supported"),
-     (dict(label_smoothing_factor=0.1), "smooth the labels inside it")],
-)
-def test_unsupported_arguments_are_refused_at_construction(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        PrivateTrainer(tiny.bert(), training_args(tmp_path, **overrides), train_dataset=tiny.sentiment_dataset(32),
-                       dp_config=DPConfig(noise_multiplier=1.0),
-                       per_example_loss=lambda model, outputs, labels: F.cross_entropy(outputs.logits, labels,
-                                                                                      reduction="none"))
-
-
-def test_predict_with_generate_is_refused(tmp_path):
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, use_cpu=True,
-                                    report_to="none")
-    with pytest.raises(ValueError, match="predict_with_generate.*model.generate"):
-        PrivateTrainer(tiny.gpt2(), args, train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0))
-
-
-@pytest.mark.parametrize("strategy", ["sequential", "batch_rebalance"])
-def test_sampling_strategies_other_than_poisson_are_refused(tmp_path, strategy):
-    with pytest.raises(ValueError, match=f"train_sampling_strategy='{strategy}'.*Poisson.*group_by_length"):
-        make_trainer(tmp_path, train_sampling_strategy=strategy)
 
 
 def test_group_by_length_sorts_each_poisson_batch_into_chunks(tmp_path):

@@ -34,7 +34,7 @@ from ..engine import PerExampleGradientEngine, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
-from ..privacy.plan import PrivacyPlan, Stage, resolve_delta
+from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
 
 logger = get_logger(__name__)
 
@@ -89,19 +89,8 @@ class MethodConfig:
     )
 
     def __post_init__(self) -> None:
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError(
-                "Give exactly one of target_epsilon (σ is calibrated to it) and noise_multiplier (ε is reported); "
-                f"got target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}."
-            )
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
-        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
-            raise ValueError(
-                f"noise_multiplier must be > 0, got {self.noise_multiplier}: without noise there is no guarantee."
-            )
-        if self.target_delta is not None and not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}.")
+        check_budget(self.target_epsilon, self.noise_multiplier)
+        check_target_delta(self.target_delta)
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
         if self.accountant not in ("prv", "rdp"):

@@ -61,19 +61,50 @@ _UNBOUNDED_STEPS = 10**7
 TAIL_SHARE = 0.1
 
 
+def check_budget(target_epsilon: float | None, noise_multiplier: float | None) -> None:
+    """Exactly one of target_epsilon (> 0) and noise_multiplier (finite, > 0): the rule of a DP config and of a plan."""
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError(
+            "Give exactly one of target_epsilon (σ is calibrated to it) and noise_multiplier (ε is reported); "
+            f"got target_epsilon={target_epsilon}, noise_multiplier={noise_multiplier}."
+        )
+    if target_epsilon is not None and not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
+    if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(
+            f"noise_multiplier must be finite and > 0, got {noise_multiplier}: without noise there is no guarantee."
+        )
+
+
+def check_target_delta(delta: float | None) -> None:
+    """A δ given by the user lies in (0, 1) (None: 1/(2N) once N is known, see `resolve_delta`)."""
+    if delta is not None and not 0 < delta < 1:
+        raise ValueError(f"target_delta must be in (0, 1), got {delta}.")
+
+
 def resolve_delta(dataset_size: int, delta: float | None = None) -> float:
     """δ for a dataset of N examples: None → 1/(2N); a δ ≥ 1/N (it would allow publishing one record) is refused."""
     if int(dataset_size) != dataset_size or dataset_size < 1:
         raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}.")
+    check_target_delta(delta)
     resolved = float(delta) if delta is not None else 1.0 / (2 * dataset_size)
-    if not 0 < resolved < 1:
-        raise ValueError(f"delta must be in (0, 1), got {resolved}.")
     if resolved >= 1.0 / dataset_size:
         raise ValueError(
             f"target_delta={resolved:g} is not below 1/N = {1.0 / dataset_size:g} for N={dataset_size}: such a δ "
             "permits leaking whole records. Use a smaller δ or leave it None for 1/(2N)."
         )
     return resolved
+
+
+def check_expected_batch(expected_batch_size: int, dataset_size: int) -> None:
+    """The expected logical batch is a positive integer no larger than N (q = batch / N ≤ 1)."""
+    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive integer, got {expected_batch_size}.")
+    if expected_batch_size > dataset_size:
+        raise ValueError(
+            f"Expected logical batch {expected_batch_size} (per_device_train_batch_size × "
+            f"gradient_accumulation_steps × world_size) exceeds the dataset size {dataset_size}."
+        )
 
 
 def _sigma_floor(releases: int, delta: float) -> float | None:
@@ -263,12 +294,7 @@ class PrivacyPlan:
         check_accountant(accountant)
         self.delta = resolve_delta(dataset_size, delta)
         self.dataset_size = int(dataset_size)
-        if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
-            raise ValueError(f"expected_batch_size must be a positive integer, got {expected_batch_size}.")
-        if expected_batch_size > dataset_size:
-            raise ValueError(
-                f"Expected logical batch {expected_batch_size} exceeds the dataset size {dataset_size}."
-            )
+        check_expected_batch(expected_batch_size, dataset_size)
         self.expected_batch_size = int(expected_batch_size)
         self.sample_rate = self.expected_batch_size / self.dataset_size
         self.steps_per_epoch = steps_per_epoch(self.sample_rate)
@@ -282,15 +308,7 @@ class PrivacyPlan:
             if not (math.isfinite(epochs) and epochs > 0):
                 raise ValueError(f"epochs must be finite and > 0, got {epochs}.")
             self.planned_steps = math.ceil(epochs * self.steps_per_epoch)
-        if (target_epsilon is None) == (noise_multiplier is None):
-            raise ValueError(
-                "Give exactly one of target_epsilon (σ is calibrated to it) and noise_multiplier (ε is reported); "
-                f"got target_epsilon={target_epsilon}, noise_multiplier={noise_multiplier}."
-            )
-        if target_epsilon is not None and not target_epsilon > 0:
-            raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
-        if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-            raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier}.")
+        check_budget(target_epsilon, noise_multiplier)
         self.accountant = accountant
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)

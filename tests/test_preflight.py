@@ -1,0 +1,305 @@
+"""Every refusal made when a private trainer is built (hf_private/preflight.py), one row each.
+
+A row is (id, how to build the bad setting, expected exception, a fragment of its message). The build gets
+`tmp_path` and `monkeypatch` and builds a private trainer on the tiny BERT and the demo task (`_build`), changing only
+what the row is about. What must still be accepted next to a refusal is in `ACCEPTED`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers.trainer
+from datasets import Dataset
+from torch.utils.data import IterableDataset
+from transformers import (
+    DataCollatorForLanguageModeling,
+    DataCollatorWithPadding,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainingArguments,
+)
+
+from hf_private import DPConfig, PrivateTrainer, privatize
+from hf_private.model_support import UnsupportedModelError
+from hf_private.preflight import _PRIVATE_PATH_METHODS
+from tests import tiny
+from tests.helpers import training_args
+
+N = 96  # examples of the default training set
+# Trainer methods on the private training path: a user's override of any of them is refused
+GUARDED = ("training_step", "get_train_dataloader", "_get_train_sampler", "create_optimizer", "floating_point_ops")
+_DEFAULT = object()
+
+
+def _build(tmp_path, cls: type[Trainer] = PrivateTrainer, *, model: Any = _DEFAULT, dataset: Any = _DEFAULT,
+           dp: Any = None, args: Any = _DEFAULT, **trainer_kwargs: Any) -> Trainer:
+    """A private trainer of class `cls`; `args` is a dict of overrides of tests.helpers.training_args, the arguments
+    themselves, or None (Trainer makes its default ones)."""
+    args = {} if args is _DEFAULT else args
+    tok = tiny.tokenizer()
+    return cls(
+        tiny.bert() if model is _DEFAULT else model,
+        training_args(tmp_path, **args) if isinstance(args, dict) else args,
+        train_dataset=tiny.sentiment_dataset(N) if dataset is _DEFAULT else dataset,
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0) if dp is None else dp,
+        **trainer_kwargs,
+    )
+
+
+def _per_example_loss(model, outputs, labels):
+    return F.cross_entropy(outputs.logits, labels, reduction="none")
+
+
+def _override(self, *args, **kwargs):
+    raise AssertionError("a refused override is never called")
+
+
+def _user_trainer(name: str) -> type[Trainer]:
+    """A user's Trainer subclass overriding `name`, made private by privatize()."""
+    return privatize(type("UserTrainer", (Trainer,), {name: _override}))
+
+
+def _private_subclass(name: str) -> type[Trainer]:
+    """A subclass of PrivateTrainer overriding `name`."""
+    return type("SubclassedPrivateTrainer", (PrivateTrainer,), {name: _override})
+
+
+# ---------------------------------------------------------------------- bad settings built by the rows
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from tiny.sentiment_dataset(8)
+
+
+def _with_float_label(value: float) -> Dataset:
+    data = tiny.sentiment_dataset(16).to_dict()
+    data["label"] = [float(x) for x in data["label"]]
+    data["label"][3] = value
+    return Dataset.from_dict(data)
+
+
+def _items_with_float_label(value: float) -> list[dict]:
+    return [{**row, "labels": torch.tensor(row["label"])} for row in _with_float_label(value)]
+
+
+def _bert_with_batch_norm():
+    model = tiny.bert()
+    model.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 2))
+    return model
+
+
+def _t5():
+    return T5ForConditionalGeneration(T5Config(vocab_size=tiny.VOCAB_SIZE, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                               num_heads=2, dropout_rate=0.0, pad_token_id=0,
+                                               decoder_start_token_id=0))
+
+
+def _split_over_devices():
+    model = tiny.bert()
+    model.hf_device_map = {"bert.embeddings": 0, "bert.encoder": 1, "classifier": 1}  # as device_map="auto" sets it
+    return model
+
+
+def _sharded_at_load():
+    model = tiny.bert()
+    model._is_distributed_loading_by_transformers = True  # as from_pretrained(distributed_config=...) sets it
+    return model
+
+
+def _scheduler():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def _several_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    _build(tmp_path)
+
+
+def _trainer_flag(flag: str) -> Callable:
+    """Neither FSDP nor DeepSpeed can start on a CPU machine, so switch on Trainer's own flag for it."""
+    def build(tmp_path, monkeypatch):
+        set_up = Trainer.create_accelerator_and_postprocess
+
+        def with_flag(self):
+            set_up(self)
+            setattr(self, flag, True)
+
+        monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", with_flag)
+        _build(tmp_path)
+    return build
+
+
+def _default_arguments(tmp_path, monkeypatch):
+    """args=None: Trainer makes its default TrainingArguments, checked once Trainer is built."""
+    monkeypatch.setattr(transformers.trainer, "TrainingArguments",
+                        lambda output_dir: training_args(tmp_path, train_sampling_strategy="sequential"))
+    _build(tmp_path, args=None)
+
+
+class Row(NamedTuple):
+    id: str
+    build: Callable[[Any, pytest.MonkeyPatch], Any]  # (tmp_path, monkeypatch): builds the trainer
+    error: type[Exception]
+    fragment: str
+
+
+class Fresh(NamedTuple):
+    """A keyword of `_build` made when the row runs (a model, a dataset), not when the table is collected."""
+
+    make: Callable[[], Any]
+
+
+def _row(id: str, error: type[Exception], fragment: str, **build: Any) -> Row:
+    """A row whose build is `_build(tmp_path, **build)`, `Fresh` keywords made then."""
+    def run(tmp_path, monkeypatch):
+        return _build(tmp_path, **{k: v.make() if isinstance(v, Fresh) else v for k, v in build.items()})
+    return Row(id, run, error, fragment)
+
+
+PARALLELISM = ("hf_private supports one process per device (DDP through `accelerate launch --multi_gpu "
+               "--num_processes N`, or torchrun), each holding the whole model.")
+
+ROWS = [
+    # ------------------------------------------------------------------ trainer class and keywords
+    _row("dp-config-not-a-method-config", TypeError, "dp_config must be a DPConfig (or a method config), got dict.",
+         dp={"noise_multiplier": 1.0}),
+    *[_row(f"privatize-overrides-{name}", TypeError, f"UserTrainer overrides {name}(), which private training needs",
+           cls=_user_trainer(name)) for name in GUARDED],
+    *[_row(f"subclass-overrides-{name}", TypeError,
+           f"SubclassedPrivateTrainer overrides {name}(), which private training needs", cls=_private_subclass(name))
+      for name in GUARDED],
+    _row("privatize-overrides-compute_loss-without-per_example_loss", TypeError,
+         "UserTrainer overrides compute_loss(), which private training replaces by a per-example loss",
+         cls=_user_trainer("compute_loss")),
+    _row("subclass-overrides-compute_loss-without-per_example_loss", TypeError,
+         "SubclassedPrivateTrainer overrides compute_loss(), which private training replaces by a per-example loss",
+         cls=_private_subclass("compute_loss")),
+    _row("compute_loss_func", ValueError, "compute_loss_func is not supported: Trainer calls it with the whole batch",
+         compute_loss_func=lambda outputs, labels, **kw: outputs.loss),
+    _row("optimizers-with-an-optimizer", ValueError, "Pass optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})",
+         optimizers=Fresh(lambda: (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None))),
+    _row("optimizers-with-a-scheduler", ValueError, "optimizers=(optimizer, scheduler) is not supported",
+         optimizers=Fresh(lambda: (None, _scheduler()))),
+    _row("model_init", ValueError, "model_init (hyperparameter search) is not supported: pass the model itself.",
+         model_init=tiny.bert),
+    # ------------------------------------------------------------------ TrainingArguments
+    _row("fp16", ValueError, "fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.",
+         args=dict(fp16=True)),
+    _row("gradient_checkpointing", ValueError, "Activation checkpointing re-runs forward hooks",
+         args=dict(gradient_checkpointing=True)),
+    _row("activation_checkpointing", ValueError, "Activation checkpointing re-runs forward hooks",
+         args=dict(activation_checkpointing=True)),
+    _row("torch_compile", ValueError, "torch_compile=True is not supported", args=dict(torch_compile=True)),
+    *[_row(f"train_sampling_strategy-{strategy}", ValueError,
+           f"train_sampling_strategy='{strategy}' is not supported: the privacy guarantee assumes every logical "
+           "batch is a Poisson sample", args=dict(train_sampling_strategy=strategy))
+      for strategy in ("sequential", "batch_rebalance")],
+    Row("predict_with_generate-without-Seq2SeqTrainer",
+        lambda tmp_path, monkeypatch: PrivateTrainer(
+            tiny.gpt2(), Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, use_cpu=True,
+                                                  report_to="none"),
+            train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0)),
+        ValueError, "predict_with_generate is a Seq2SeqTrainer setting that PrivateTrainer would ignore"),
+    _row("label_smoothing-with-per_example_loss", ValueError,
+         "label_smoothing_factor=0.1 is applied by the default per-example loss only; with your own per_example_loss, "
+         "smooth the labels inside it", args=dict(label_smoothing_factor=0.1), per_example_loss=_per_example_loss),
+    Row("default-arguments-made-by-Trainer", _default_arguments, ValueError,
+        "train_sampling_strategy='sequential' is not supported"),
+    # ------------------------------------------------------------------ model
+    _row("no-model", ValueError, "PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.",
+         model=None),
+    _row("DataParallel-wrapper", ValueError,
+         f"Pass the model itself, not a DataParallel wrapper: Trainer wraps it for DDP and PrivateTrainer reduces the "
+         f"clipped gradients itself. {PARALLELISM}", model=Fresh(lambda: torch.nn.DataParallel(tiny.bert()))),
+    _row("encoder-decoder", UnsupportedModelError,
+         "T5ForConditionalGeneration is an encoder-decoder model (config.is_encoder_decoder=True", model=Fresh(_t5)),
+    _row("BatchNorm", ValueError, "BatchNorm layers ['classifier.0'] mix examples in train mode",
+         model=Fresh(_bert_with_batch_norm)),
+    # ------------------------------------------------------------------ dataset and labels
+    _row("no-train_dataset", ValueError, "PrivateTrainer needs train_dataset: its size N sets the sampling rate and δ.",
+         dataset=None),
+    _row("IterableDataset", ValueError, "IterableDataset has no known size", dataset=Fresh(_Stream)),
+    _row("empty-train_dataset", ValueError, "train_dataset is empty.",
+         dataset=Fresh(lambda: Dataset.from_dict({"input_ids": [], "attention_mask": [], "label": []}))),
+    *[_row(f"{name}-label-in-an-arrow-column", ValueError,
+           "train_dataset has non-finite float labels (NaN or inf): 1 in column 'label'.",
+           model=Fresh(lambda: tiny.bert(num_labels=1)), dataset=Fresh(partial(_with_float_label, value)))
+      for name, value in (("nan", float("nan")), ("inf", float("inf")))],
+    *[_row(f"{name}-label-in-dataset-items", ValueError,
+           "train_dataset has non-finite float labels (NaN or inf): 1 in column 'labels'",
+           model=Fresh(lambda: tiny.bert(num_labels=1)),
+           dataset=Fresh(partial(_items_with_float_label, value)))
+      for name, value in (("nan", float("nan")), ("inf", float("inf")))],
+    _row("delta-not-below-one-over-N", ValueError, f"target_delta={1 / N:g} is not below 1/N",
+         dp=DPConfig(target_epsilon=1.0, target_delta=1 / N)),
+    # ------------------------------------------------------------------ release settings
+    *[_row(f"include_num_input_tokens_seen-{setting}", ValueError,
+           f"include_num_input_tokens_seen={read!r}: the token count of each Poisson batch is an un-noised "
+           "function of the private data", args=dict(include_num_input_tokens_seen=setting))
+      for setting, read in (("all", "all"), ("non_padding", "non_padding"), (True, "all"))],
+    # refused before Trainer would create the Hub repo (the tests are offline)
+    *[_row(f"push-hub_strategy-{strategy}", ValueError, f"hub_strategy='{strategy}' uploads whole checkpoints",
+           args=dict(push_to_hub=True, hub_model_id="me/x", hub_strategy=strategy))
+      for strategy in ("checkpoint", "all_checkpoints")],
+    # ------------------------------------------------------------------ parallelism and launch (the built Trainer)
+    Row("several-GPUs-in-one-process", _several_gpus, ValueError,
+        f"torch DataParallel (several GPUs in one process) is not supported: {PARALLELISM}"),
+    *[Row(flag, _trainer_flag(flag), ValueError,
+          f"DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: {PARALLELISM}")
+      for flag in ("is_deepspeed_enabled", "is_fsdp_enabled")],
+    _row("model-split-over-devices", ValueError,
+         f"Model or tensor parallelism (one model split over several devices) is not supported: {PARALLELISM}",
+         model=Fresh(_split_over_devices)),
+    _row("model-sharded-at-load", ValueError, "Model or tensor parallelism", model=Fresh(_sharded_at_load)),
+    _row("expected-batch-exceeds-N", ValueError,
+         f"Expected logical batch 104 (per_device_train_batch_size × gradient_accumulation_steps × world_size) "
+         f"exceeds the dataset size {N}.", args=dict(per_device_train_batch_size=8, gradient_accumulation_steps=13)),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_refused_at_construction(row: Row, tmp_path, monkeypatch):
+    with pytest.raises(row.error) as refused:
+        row.build(tmp_path, monkeypatch)
+    assert type(refused.value) is row.error and row.fragment in str(refused.value)
+
+
+def test_every_row_has_its_own_id_and_every_guarded_method_its_rows():
+    assert len({row.id for row in ROWS}) == len(ROWS)
+    assert set(GUARDED) == set(_PRIVATE_PATH_METHODS)
+
+
+# ---------------------------------------------------------------------- accepted next to a refusal
+def _seq2seq_trainer(tmp_path):
+    """privatize(Seq2SeqTrainer) honours predict_with_generate in its own evaluation."""
+    tok = tiny.tokenizer()
+    return privatize(Seq2SeqTrainer)(
+        tiny.gpt2(), Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True, use_cpu=True,
+                                              report_to="none", save_strategy="no"),
+        train_dataset=tiny.lm_dataset(32), data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        processing_class=tok, dp_config=DPConfig(noise_multiplier=1.0))
+
+
+ACCEPTED = {
+    "privatize-overrides-compute_loss-with-per_example_loss":
+        lambda tmp_path: _build(tmp_path, _user_trainer("compute_loss"), per_example_loss=_per_example_loss),
+    "subclass-overrides-compute_loss-with-per_example_loss":
+        lambda tmp_path: _build(tmp_path, _private_subclass("compute_loss"), per_example_loss=_per_example_loss),
+    "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_accepted_at_construction(name, tmp_path):
+    trainer = ACCEPTED[name](tmp_path)
+    assert trainer.planned_steps > 0
