@@ -8,7 +8,7 @@ sets measured on the released weights are published.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -24,6 +24,9 @@ from .model_card import (
     write_model_card,
 )
 from .optimizer import noisy_optimizer
+
+if TYPE_CHECKING:
+    from .run import PrivacyRun
 
 # metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
 Evaluations = dict[str, tuple[str, dict[str, float]]]
@@ -48,6 +51,14 @@ class RunFacts:
     evaluations: Evaluations
     reloaded_best: dict[str, Any] | None  # `reloaded_checkpoint` of the best checkpoint put back, if any
     global_step: int
+
+    @classmethod
+    def of_run(cls, run: PrivacyRun, **trainer_facts: Any) -> RunFacts:
+        """The run's own facts, with the trainer's (adapter format, hub id, optimizer, evaluations, ...)."""
+        trained = run.trained_parameter_names
+        return cls(report=run.privacy_report(), audit=run.audit, model=run.model, trained_tensors=len(trained),
+                   trained_fraction=run.share_of_model(trained), citations=run.method.citations(),
+                   planned_steps=run.planned_steps, expected_batch_size=run.expected_batch_size, **trainer_facts)
 
 
 def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from=None, tags=None, dataset=None,

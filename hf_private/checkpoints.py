@@ -14,13 +14,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .adapters import save_private_adapter
 from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
 from .privacy import PrivacyLedger
 
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+
+
+def resolve_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> str:
+    """Trainer's `resume_from_checkpoint`: a checkpoint folder, or True for the newest one in `output_dir`."""
+    checkpoint = get_last_checkpoint(output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+    if checkpoint is None:
+        raise ValueError(f"No checkpoint found in {output_dir} to resume from.")
+    return checkpoint
 
 
 def save_private_checkpoint(model: nn.Module, output_dir: str, trained_names: Iterable[str], processing_class,

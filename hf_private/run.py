@@ -452,6 +452,10 @@ class PrivacyRun:
         """The card's `privacy.audit` block: the last attached audit's entry (a lower bound, never the guarantee)."""
         return self._audits[-1].card_entry() if self._audits else None
 
+    @audit.setter
+    def audit(self, result: AuditResult) -> None:
+        self.attach_audit(result)
+
     def save(self, output_dir: str) -> None:
         """The ledger, the method config and the method's state beside the weights (what a resume continues)."""
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())

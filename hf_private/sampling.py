@@ -150,6 +150,21 @@ class EmptySafeCollator:
         return dict(self._empty)
 
 
+def slice_examples(value: Any, size: int, start: int, stop: int) -> Any:
+    """Examples start:stop of a collated batch entry of `size` examples (an entry of another shape as it is)."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == size:
+        return value[start:stop]
+    return value
+
+
+def chunk_lengths(args: Any, dataset: Any, processing_class: Any) -> torch.Tensor | None:
+    """Lengths for length-sorted chunks when TrainingArguments asks to group by length (else None)."""
+    if getattr(args, "train_sampling_strategy", "random") != "group_by_length":
+        return None
+    names = getattr(processing_class, "model_input_names", None) or ["input_ids"]
+    return example_lengths(dataset, args.length_column_name, names[0])
+
+
 def example_lengths(dataset: Any, length_column: str, input_name: str) -> torch.Tensor:
     """One length per example, for length-sorted chunks: the `length_column` if the dataset has one, else the
     length of each example's `input_name` (as Trainer's group_by_length computes them)."""

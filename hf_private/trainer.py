@@ -17,15 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput
 
 from .adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
 from .artifacts import has_trainer_weights
-from .audit import AuditResult
 from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
-from .checkpoints import save_private_checkpoint
+from .checkpoints import resolve_checkpoint, save_private_checkpoint
 from .engine import PerExampleGradientEngine
-from .engine.independence import PROBE_EXAMPLES, RTOL, RTOL_LOW_PRECISION, check_example_independence, spread_by_length
+from .engine.independence import PROBE_EXAMPLES, probe_example_independence, spread_by_length
 from .example_rows import rows_per_example
 from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import Evaluations, TrainingRows, pad_token_id
@@ -37,9 +36,10 @@ from .methods import MethodConfig
 from .optimizer import noisy_optimizer
 from .preflight import check_before_trainer, check_built_trainer
 from .run import PrivacyRun
-from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, example_lengths
+from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, chunk_lengths, slice_examples
 
 logger = get_logger(__name__)
+
 
 class _FromRun:
     """A trainer attribute that is the privacy run's own (`trainer.privacy_run`), under the trainer's public name."""
@@ -50,6 +50,9 @@ class _FromRun:
     def __get__(self, trainer: Any, owner: type | None = None) -> Any:
         return self if trainer is None else getattr(trainer.privacy_run, self.name)
 
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(trainer.privacy_run, self.name, value)
+
 
 class PrivateTrainingMixin:
     """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
@@ -57,11 +60,10 @@ class PrivateTrainingMixin:
 
     loss_is_scaled_for_ga = True  # our loss is a per-example sum; Trainer must not rescale it
 
-    plan, ledger, engine, stage, delta, expected_batch_size = (_FromRun() for _ in range(6))
-    sample_rate, steps_per_epoch, planned_steps = (_FromRun() for _ in range(3))
-    noise_multiplier, mechanism_name, trained_parameter_names, has_formal_guarantee = (_FromRun() for _ in range(4))
-    training_steps, record_release, suspend_training_engine, privacy_report, attach_audit = (
-        _FromRun() for _ in range(5))
+    # The run's state and actions under the trainer's public names: `trainer.plan` is `trainer.privacy_run.plan`.
+    (plan, ledger, engine, stage, delta, expected_batch_size, sample_rate, steps_per_epoch, planned_steps,
+     noise_multiplier, mechanism_name, has_formal_guarantee, training_steps, trained_parameter_names, record_release,
+     suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
 
     def __init__(self, model: nn.Module | None = None, args=None, *trainer_args: Any, dp_config: MethodConfig,
                  per_example_loss: PerExampleLoss | None = None, **trainer_kwargs: Any) -> None:
@@ -101,10 +103,7 @@ class PrivateTrainingMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
-        lengths = None  # for length-sorted chunks when TrainingArguments asks to group by length
-        if getattr(self.args, "train_sampling_strategy", "random") == "group_by_length":
-            names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
-            lengths = example_lengths(self.train_dataset, self.args.length_column_name, names[0])
+        lengths = chunk_lengths(self.args, self.train_dataset, self.processing_class)
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
             rank=self.args.process_index, world_size=self.args.world_size,
@@ -160,7 +159,7 @@ class PrivateTrainingMixin:
         chunk = self.args.per_device_train_batch_size
         total = torch.zeros((), device=self.args.device)
         for start in range(0, size, chunk):
-            part = {k: _slice(v, size, start, start + chunk) for k, v in inputs.items()}
+            part = {k: slice_examples(v, size, start, start + chunk) for k, v in inputs.items()}
             examples = min(chunk, size - start)
             with engine.recording(examples, rows):
                 total = total + super().training_step(model, part, None)
@@ -171,22 +170,19 @@ class PrivateTrainingMixin:
 
     def _probe_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int,
                                     engine: PerExampleGradientEngine) -> None:
-        """Examples recomputed alone must get the norms they had in a chunk: this real chunk, then a probe chunk of
-        training examples spread over their lengths (which a length-sorted or unpadded real chunk may not show)."""
-        low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
-        rtol = RTOL_LOW_PRECISION if low_precision else RTOL
-
-        def summed_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-            with self.compute_loss_context_manager():
-                return self.summed_loss(model, batch)[0]
-
-        check_example_independence(engine, model, self._prepare_inputs(inputs), summed_loss, examples, rows, rtol=rtol)
+        """Examples recomputed alone must get the norms they had in this chunk and in a chunk of training examples
+        spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
         indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
         probe = self._prepare_inputs(dict(collate([dataset[i] for i in indices])))
-        check_example_independence(engine, model, probe, summed_loss, len(indices), rows_per_example(model, probe),
-                                   rtol=rtol)
+        low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
+        chunks = [(self._prepare_inputs(inputs), examples, rows), (probe, len(indices), rows_per_example(model, probe))]
+        probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
         self.privacy_run.needs_independence_probe = False
+
+    def _summed_loss_for_probe(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            return self.summed_loss(model, batch)[0]
 
     def _stop_for_budget(self) -> None:
         self.privacy_run.stop_for_budget()
@@ -195,13 +191,8 @@ class PrivateTrainingMixin:
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         if resume_from_checkpoint:
-            checkpoint = (
-                get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
-            )
-            if checkpoint is None:
-                raise ValueError(f"No checkpoint found in {self.args.output_dir} to resume from.")
-            self.privacy_run.resume(checkpoint, self.args.output_dir)
-            resume_from_checkpoint = checkpoint
+            resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+            self.privacy_run.resume(resume_from_checkpoint, self.args.output_dir)
         requested = self.args.max_steps if self.args.max_steps > 0 else self.planned_steps
         if not self.privacy_run.begin(requested, resumed=bool(resume_from_checkpoint)):
             # No step is possible: load the checkpoint's weights (what save/push will publish), train nothing.
@@ -223,15 +214,6 @@ class PrivateTrainingMixin:
         """0: Trainer's count (6 × tokens × parameters) is an exact function of each Poisson batch's private token
         count, and it is saved in trainer_state.json and returned as `total_flos`."""
         return 0
-
-    @property
-    def audit(self) -> dict[str, Any] | None:
-        """The card's `privacy.audit` block: the last attached audit's entry (a lower bound, never the guarantee)."""
-        return self.privacy_run.audit
-
-    @audit.setter
-    def audit(self, result: AuditResult) -> None:
-        self.attach_audit(result)
 
     # ------------------------------------------------------------------ evaluation: held out or not
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
@@ -315,16 +297,11 @@ class PrivateTrainingMixin:
 
     def _write_card(self, output_dir: str, **publication: Any) -> None:
         """README.md, built by `hf_private.card_facts` from what this run knows (the keywords: create_model_card's)."""
-        run = self.privacy_run
-        write_card(output_dir, RunFacts(
-            report=run.privacy_report(), audit=run.audit, model=self.model, adapter_format=self.adapter_format,
-            trained_tensors=len(self.trained_parameter_names),
-            trained_fraction=run.share_of_model(self.trained_parameter_names), citations=self.dp_method.citations(),
-            hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None), planned_steps=self.planned_steps,
-            expected_batch_size=self.expected_batch_size, learning_rate=self.args.learning_rate,
+        write_card(output_dir, RunFacts.of_run(
+            self.privacy_run, adapter_format=self.adapter_format, learning_rate=self.args.learning_rate,
+            hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None), global_step=self.state.global_step,
             optimizer=optimizer_name(self.optimizer), evaluations=self._evaluations.results,
-            reloaded_best=getattr(self, "_reloaded_best", None), global_step=self.state.global_step,
-        ), **publication)
+            reloaded_best=getattr(self, "_reloaded_best", None)), **publication)
 
 
 class PrivateTrainer(PrivateTrainingMixin, Trainer):
@@ -354,7 +331,6 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
     return _PRIVATE_CLASSES[trainer_class]
 
 
-# ---------------------------------------------------------------------- helpers
 class _LogicalBatchBoundaries(TrainerCallback):
     """Trainer's hooks around every optimizer step.
 
@@ -371,10 +347,3 @@ class _LogicalBatchBoundaries(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.trainer.privacy_run.may_step():
             self.trainer._stop_for_budget()
-
-
-def _slice(value, size: int, start: int, stop: int):
-    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == size:
-        return value[start:stop]
-    return value
-

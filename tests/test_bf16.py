@@ -20,8 +20,7 @@ from torch import nn
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from hf_private import DPConfig, PrivateTrainer
-from hf_private import trainer as trainer_module
-from hf_private.engine import PerExampleGradientEngine, terms
+from hf_private.engine import PerExampleGradientEngine, independence, terms
 from hf_private.engine.independence import RTOL_LOW_PRECISION
 from hf_private.losses import default_per_example_loss
 from tests import tiny
@@ -194,13 +193,13 @@ def test_private_trainer_trains_with_bf16_on_cpu(tmp_path, monkeypatch, name):
     rule = terms.ghost_norm_is_cheaper
     monkeypatch.setattr(terms, "ghost_norm_is_cheaper", lambda *shape: decisions.append(rule(*shape)) or decisions[-1])
     probes = []
-    probe = trainer_module.check_example_independence
+    probe = independence.check_example_independence
 
     def recorded_probe(*args, **kwargs):
         probes.append(kwargs.get("rtol"))
         return probe(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "check_example_independence", recorded_probe)
+    monkeypatch.setattr(independence, "check_example_independence", recorded_probe)
     trainer = PrivateTrainer(
         model=model, args=training_args(tmp_path, bf16=True, max_steps=3, per_device_train_batch_size=8),
         train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),

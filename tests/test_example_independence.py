@@ -244,7 +244,7 @@ def test_left_padding_without_positions_is_refused_on_every_chunk():
 
 def test_probe_runs_again_after_the_trainable_set_switches(tmp_path, monkeypatch):
     """X+BiTFiT: full fine-tuning, then biases only; each trainable set is probed (a real and a spread chunk)."""
-    from hf_private import trainer as trainer_module
+    from hf_private.engine import independence
 
     probed = []
 
@@ -252,7 +252,7 @@ def test_probe_runs_again_after_the_trainable_set_switches(tmp_path, monkeypatch
         probed.append(len(engine.parameters))
         return check_example_independence(engine, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "check_example_independence", counting)
+    monkeypatch.setattr(independence, "check_example_independence", counting)
     dp = BitFitConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, full_finetune_epochs=0.25)
     trainer = PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path, max_steps=4),
                              train_dataset=tiny.sentiment_dataset(64), dp_config=dp,

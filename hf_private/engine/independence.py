@@ -147,3 +147,13 @@ def _attended_tokens(example: Any) -> int | None:
             return int(values.sum()) if key == "attention_mask" else int(values.size)
     return None
 
+
+def probe_example_independence(engine: PerExampleGradientEngine, model: nn.Module,
+                               chunks: Sequence[tuple[Mapping[str, Any], int, int]], summed_loss: SummedLoss,
+                               low_precision: bool) -> None:
+    """`check_example_independence` on each (inputs, examples, rows per example) chunk: a real training chunk and a
+    probe chunk of training examples spread over their lengths (which a length-sorted or unpadded real chunk may not
+    show), at the tolerance the precision allows."""
+    for inputs, examples, rows in chunks:
+        check_example_independence(engine, model, inputs, summed_loss, examples, rows,
+                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL)
