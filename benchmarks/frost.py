@@ -8,12 +8,12 @@ Data and model as `benchmarks.utility`: all of `../shared/data/sst2/train.tsv` (
 config is the paper's (variant MGNA, α = 1, T = 5 rounds at q_ps = 0.02, K = 1, γ = 0.0625, C = 0.1, ε = 8, expected
 batch 1024, 3 epochs).
 
-1. Selection: `create_optimizer()` then `privacy_run.before_step()` (what training does before step 0), i.e. all K·T Poisson
-   rounds of per-example magnitudes, PGM-EST and the picks, timed as a whole; it runs again on a fresh trainer after
-   the DP rounds, so machine load before and after both enter the estimate.
-2. DP-SGD phase: the trainer's own logical step (`privacy_run.before_step`, `training_step` per chunk, `NoisyOptimizer.step`)
-   against a plain `Trainer` on a fresh copy of the model with only the selected tensors trainable, on the same fixed
-   logical batch of exactly `--batch` examples (Poisson batches vary by ~√B, which would blur a per-example time), in
+1. Selection: `create_optimizer()` then `privacy_run.before_step()` (what training does before step 0), i.e. all K·T
+   Poisson rounds of per-example magnitudes, PGM-EST and the picks, timed as a whole; it runs again on a fresh trainer
+   after the DP rounds, so machine load before and after both enter the estimate.
+2. DP-SGD phase: the trainer's own logical step (`privacy_run.before_step`, `training_step` per chunk,
+   `NoisyOptimizer.step`) against a plain `Trainer` on a fresh copy of the model with only the selected tensors
+   trainable, on the same fixed logical batch of exactly `--batch` examples (Poisson batches vary by ~√B, which would blur a per-example time), in
    alternating rounds in one process; peak memory of one steady-state step of each arm in a fresh process.
 3. Extrapolation: total = selection + 3·N·(DP seconds per example); share = selection / total.
 
