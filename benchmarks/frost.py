@@ -14,7 +14,8 @@ batch 1024, 3 epochs).
 2. DP-SGD phase: the trainer's own logical step (`privacy_run.before_step`, `training_step` per chunk,
    `NoisyOptimizer.step`) against a plain `Trainer` on a fresh copy of the model with only the selected tensors
    trainable, on the same fixed logical batch of exactly `--batch` examples (Poisson batches vary by ~√B, which would
-   blur a per-example time), in alternating rounds in one process; peak memory of one steady-state step of each arm in a fresh process.
+   blur a per-example time), in alternating rounds in one process; peak memory of one steady-state step of each arm
+   in a fresh process.
 3. Extrapolation: total = selection + 3·N·(DP seconds per example); share = selection / total.
 
 Results go to `--out` as each piece finishes; a markdown table is printed at the end.
