@@ -40,7 +40,7 @@ class RunFacts:
     audit: dict[str, Any] | None  # the card's privacy.audit block
     model: nn.Module  # the trained model, a PeftModel or a plain transformers model
     adapter_format: str  # 'peft', 'private_adapter' or 'full' (see hf_private.adapters)
-    trained_tensors: int  # tensors trained in any phase: what the saved adapter holds
+    trained_tensors: int  # tensors trained in any stage: what the saved adapter holds
     trained_fraction: float  # their share of the model's values
     citations: tuple[str, ...]
     hub_id: str | None

@@ -3,7 +3,7 @@
 Events are typed (in the spirit of Google dp_accounting's `DpEvent`s), by `MechanismGroup.mechanism`:
 
 * `"poisson_gaussian"` (`POISSON_GAUSSIAN`): a Poisson-subsampled Gaussian mechanism (σ, q), e.g. a DP-SGD
-  step, a DP-FROST selection round, a phase of a two-phase method. What opacus' accountants compose.
+  step, a DP-FROST selection round, a stage of a two-stage method. What opacus' accountants compose.
 * `"no_guarantee"` (`NO_GUARANTEE`): a release with no finite guarantee, with the reason (e.g. DP-FP in paper
   mode trains the encoder below its noise on raw data). Serialised with the accounting stand-in σ = 0, q = 1 (an
   un-noised release of the whole dataset), so that any accountant given the card's numbers, ours or opacus' or
