@@ -17,6 +17,7 @@ from .checkpoints import checkpoint_step
 from .held_out import card_evaluation
 from .model_card import (
     adapter_note,
+    base_model_name,
     build_model_card,
     load_snippet,
     privacy_metadata,
@@ -67,11 +68,13 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
     report = facts.report
     fmt = facts.adapter_format
     base = unwrap_peft(facts.model)
-    base_model = finetuned_from or _base_model_name(base)
+    base_model = finetuned_from or base_model_name(base)
     hub_id = facts.hub_id
     title = model_name or (hub_id.split("/")[-1] if hub_id else None)  # None: the base model and the method
     training = {
         "method": report["method"],
+        "trainer": f"`{report.get('trainer', 'transformers.Trainer')}`, made private by `hf_private.privatize`",
+        "privacy unit": f"one {report.get('unit', 'example')}",
         "dataset": dataset or "private training data (not published)",
         "steps taken": f"{report['steps']} (all counted in ε)" if "epsilon" in report else report["steps"],
         "planned steps": facts.planned_steps,
@@ -164,15 +167,6 @@ def _drop_stale_evaluations(facts: RunFacts, step: int, held_out: dict[str, floa
     return held_out, [*notes, f"Evaluations run during training measured the weights of a later step, not the "
                               f"released weights of step {step}: they are not published here. Run "
                               "`trainer.evaluate()` after training to measure the released weights."]
-
-
-def _base_model_name(base: nn.Module) -> str | None:
-    """The pre-trained model's Hub id or local path, as loaded; None for a model built from config.
-
-    A local path is returned too: `hf_private.model_card` decides what reaches the card (a Hub id only).
-    """
-    name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
-    return name.strip() or None
 
 
 def _task_type(model: nn.Module) -> str | None:

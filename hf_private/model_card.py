@@ -13,7 +13,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .adapters import is_hub_model_id
+from .adapters import is_hub_model_id, unwrap_peft
 from .artifacts import ADAPTER_WEIGHTS_NAME, CARD_NAME, DP_CONFIG_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from .audit import AUDIT_MECHANISM_PREFIX
 from .privacy.rng import Z_MAX
@@ -50,6 +50,23 @@ def default_title(base_model: str | None, method: str, model_class: str, guarant
     return f"{model_class} trained from random initialisation with {method} ({privacy})"
 
 
+def base_model_name(model) -> str | None:
+    """The pre-trained model's Hub id or local path, as loaded; None for a model built from config.
+
+    A local path is returned too: `public_base_model` and the card decide what is published (a Hub id only).
+    """
+    name = getattr(getattr(unwrap_peft(model), "config", None), "_name_or_path", "") or ""
+    return name.strip() or None
+
+
+def public_base_model(base_model: str | None) -> str:
+    """How the report and the ledger name the base model: its Hub id, never a local path."""
+    kind = base_kind(base_model)
+    if kind == HUB:
+        return base_model
+    return "a local model (path withheld)" if kind == LOCAL else "none (random initialisation from a configuration)"
+
+
 def framework_versions() -> dict[str, str]:
     """Installed versions of hf_private and the libraries whose code produced the weights and the guarantee."""
     versions = {}
@@ -75,13 +92,18 @@ def eval_results_metadata(eval_results: Mapping[str, float], *, task_type: str |
             for key, value in eval_results.items()]
 
 
+def not_covered(unit: str = "example") -> tuple[str, ...]:
+    """What the guarantee does not cover, for a run whose privacy unit is `unit`."""
+    return tuple(item.replace("{unit}", unit) for item in NOT_COVERED)
+
+
 NOT_COVERED = (
     "Training-loss values in logs and `trainer_state.json`: they are computed on private data without noise. "
     "Do not publish them.",
     "Hyperparameter tuning or model selection on private data: every extra run or choice spends privacy that "
     "this ε does not count.",
     "Evaluation on private data, and anything else done with the data outside this training run.",
-    "Users who contribute several examples: the unit is one example, so a user with k examples is protected "
+    "Users who contribute several {unit}s: the unit is one {unit}, so a user with k {unit}s is protected "
     "only at about k·ε (group privacy).",
     "Data-dependent preprocessing (e.g. a vocabulary or normalisation statistics computed from the private data).",
 )
@@ -103,15 +125,15 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "guarantee": report["guarantee"],
         "delta": float(report["delta"]),
         "accountant": report["accountant"],
-        "unit": "example",
+        "unit": report.get("unit", "example"),
         "method": method,
         "dataset_size": int(report["dataset_size"]),
         "mechanisms": [dict(m) for m in report["mechanisms"]],
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("sampler_tail_delta", "guarantee_note", "training_epsilon", "forks", "epsilon_with_forks",
-                     "not_a_guarantee", "trainable_fraction", "phases", "method_details"):
+    for optional in ("trainer", "sampler_tail_delta", "guarantee_note", "training_epsilon", "forks",
+                     "epsilon_with_forks", "not_a_guarantee", "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:
@@ -177,7 +199,7 @@ def build_model_card(
         base_model=base_model if kind == HUB else None,
         base_kind=kind,
         adapter_note=adapter_note,
-        not_covered=NOT_COVERED if guaranteed else (),
+        not_covered=not_covered(privacy["unit"]) if guaranteed else (),
         training=training,
         eval_results=eval_results,
         eval_notes=eval_notes,

@@ -39,6 +39,7 @@ from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer_utils import HubStrategy
 
 from .artifacts import DP_CONFIG_NAME, LEDGER_NAME
+from .integrations import TrainerFamily, family_of
 from .label_checks import LabelCounts, count_labels
 from .logs import get_logger
 from .methods import MethodConfig
@@ -56,6 +57,7 @@ class Preflight:
     dataset_size: int  # N: sets the sampling rate and δ
     delta: float  # δ of the guarantee, resolved for N
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
+    unit: str = "example"  # the privacy unit, as the trainer family names the training set's rows
 
 
 def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
@@ -63,15 +65,16 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
                          train_dataset: Any, trainer_kwargs: dict[str, Any]) -> Preflight:
     """Every refusal that needs no built Trainer, before it creates the Hub repo and before the model is touched."""
     custom_loss = per_example_loss is not None
+    family = family_of(trainer_class)
     check_dp_config(dp_config)
-    check_subclass(trainer_class, mixin, custom_loss)
-    check_trainer_kwargs(trainer_kwargs)
+    check_subclass(trainer_class, mixin, custom_loss, family)
+    check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
-        check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels)
+        check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, model)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family.unit(train_dataset))
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
@@ -79,7 +82,8 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
     """What needs the built Trainer (its default arguments, its accelerator's parallelism, the world size); returns
     the expected logical batch (per_device_train_batch_size × gradient_accumulation_steps × world_size)."""
     if not args_given:
-        check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer))
+        check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
+                        trainer.model)
     check_parallelism(trainer)
     args = trainer.args
     check_process_count(args.world_size)
@@ -95,7 +99,7 @@ PER_EXAMPLE_LOSS_HINT = (
 )
 # Trainer methods a class privatize() wraps (or a subclass of the private class) must not override: the private
 # training path runs in them. compute_loss may be overridden for evaluation when per_example_loss gives the training
-# loss.
+# loss. A trainer family's own classes may override those its family declares compatible (`compatible_overrides`).
 _PRIVATE_PATH_METHODS = {
     "training_step": "it runs forward/backward in physical chunks with each example's gradient clipped",
     "get_train_dataloader": "it draws the Poisson batches the accountant assumes",
@@ -110,19 +114,24 @@ def check_dp_config(dp_config: Any) -> None:
         raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
 
 
-def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool) -> None:
+def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool,
+                   family: TrainerFamily | None = None) -> None:
     """Refuse a trainer class whose own methods would replace or bypass the private training path: the classes it
-    derives from between the mixin and Trainer (what privatize() wrapped), and any subclass of the private class."""
+    derives from between the mixin and Trainer (what privatize() wrapped), and any subclass of the private class.
+    The family's own classes (TRL's SFTTrainer) may override what the family declares compatible, and their
+    compute_loss then serves evaluation: the family gives the per-unit training loss."""
+    family = family or family_of(trainer_class)
     for cls in trainer_class.__mro__:
         if cls in (mixin, Trainer, object) or not issubclass(cls, Trainer):
             continue
+        compatible = family.compatible_overrides if family.owns(cls) else {}
         for name, reason in _PRIVATE_PATH_METHODS.items():
-            if name in cls.__dict__:
+            if name in cls.__dict__ and name not in compatible:
                 raise TypeError(
                     f"{cls.__name__} overrides {name}(), which private training needs: {reason}. Remove the "
                     "override (evaluation, metrics, callbacks and the data collator may be customised freely)."
                 )
-        if "compute_loss" in cls.__dict__ and not custom_loss:
+        if "compute_loss" in cls.__dict__ and not custom_loss and "compute_loss" not in compatible:
             raise TypeError(
                 f"{cls.__name__} overrides compute_loss(), which private training replaces by a per-example loss: a "
                 "batch-mean loss shrinks every example's signal by the batch size against the noise and couples "
@@ -131,8 +140,11 @@ def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool)
             )
 
 
-def check_trainer_kwargs(kwargs: dict[str, Any]) -> None:
-    """Trainer keywords that cannot be honoured under DP-SGD."""
+def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily | None = None, dp_config: Any = None) -> None:
+    """Trainer keywords that cannot be honoured under DP-SGD, then the family's own (with this DP method)."""
+    for keyword in (family.refused_keywords if family is not None else ()):
+        if keyword.is_refused(kwargs.get(keyword.name), dp_config):
+            raise ValueError(f"{keyword.name} is not supported with {type(dp_config).__name__}: {keyword.reason}")
     if kwargs.get("compute_loss_func") is not None:
         raise ValueError(
             "compute_loss_func is not supported: Trainer calls it with the whole batch and expects one reduced loss, "
@@ -155,10 +167,20 @@ _LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
 
 
 def check_arguments(args: TrainingArguments, max_grad_norm: float, custom_loss: bool,
-                    trainer_class: type[Trainer] = Trainer) -> None:
-    """The training settings, then what a run may publish."""
+                    trainer_class: type[Trainer] = Trainer, model: nn.Module | None = None) -> None:
+    """The training settings (the trainer family's own first), then what a run may publish."""
+    check_family_settings(args, family_of(trainer_class), model)
     check_training_args(args, max_grad_norm, custom_loss, trainer_class)
     check_release_settings(args)
+
+
+def check_family_settings(args: TrainingArguments, family: TrainerFamily, model: nn.Module | None) -> None:
+    """The settings of a trainer family (TRL's SFTConfig) that would change what is clipped, refused by name."""
+    for setting in family.refused_settings:
+        if setting.is_on(args, model):
+            value = getattr(args, setting.name, None)
+            raise ValueError(f"{setting.name}={value!r} is not supported by private {family.name} training: "
+                             f"{setting.reason}")
 
 
 def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_loss: bool,
@@ -238,6 +260,12 @@ def check_model(model: nn.Module | None) -> None:
     """The model itself (not a wrapper), of a supported family, without layers that mix examples."""
     if model is None:
         raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
+    if isinstance(model, str):
+        raise ValueError(
+            f"Pass the model itself, not its name {model!r}: the model is checked (and the DP method may choose "
+            "what trains) before the trainer is built. Load it first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)."
+        )
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise ValueError(
             f"Pass the model itself, not a {type(model).__name__} wrapper: Trainer wraps it for DDP and "

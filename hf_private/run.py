@@ -20,9 +20,11 @@ from .audit import AuditResult, compose_audits
 from .checkpoints import load_dp_config_dict, load_ledger, load_method_state, save_privacy_record
 from .engine import PerExampleGradientEngine, trainable_parameters
 from .forks import find_fork
+from .integrations import trainer_name
 from .logs import get_logger
 from .method_run import MethodRun
 from .methods import DPMethod, MethodConfig
+from .model_card import base_model_name, public_base_model
 from .optimizer import NoisyOptimizer
 from .prediction_collapse import RunSettings
 from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
@@ -54,9 +56,9 @@ class PrivacyRun:
 
     def __init__(self, config: MethodConfig, method: DPMethod, model: nn.Module, steps: TrainingSteps,
                  dataset_size: int, delta: float, expected_batch_size: int,
-                 dataset_fingerprint: str | None = None) -> None:
+                 dataset_fingerprint: str | None = None, unit: str = "example") -> None:
         """`dataset_size`, `delta` (resolved from the config) and `expected_batch_size` as `hf_private.preflight`
-        checked them."""
+        checked them; `unit` is the privacy unit as the trainer's family names it (`hf_private.integrations`)."""
         args = steps.args
         self._config = config  # saved with every checkpoint and compared on resume; its fields are read here only
         self.method, self.model, self.dataset_size = method, model, dataset_size
@@ -71,6 +73,10 @@ class PrivacyRun:
         )
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(dataset_size, self.delta, self.accountant)
+        # what the guarantee is about, in the report, the ledger and the card
+        self.subject = {"unit": unit, "trainer": trainer_name(type(steps)),
+                        "base_model": public_base_model(base_model_name(model))}
+        self.ledger.subject = dict(self.subject)
         self.optimizer: NoisyOptimizer | None = None
         self.engine = self._new_engine()
         self._engine_suspended = False
@@ -192,6 +198,7 @@ class PrivacyRun:
     def resume(self, checkpoint: str, output_dir: str) -> None:
         """Continue the checkpoint's ledger and method state; say what changed and whether this forks the run."""
         self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.accountant)
+        self.ledger.subject = dict(self.subject)
         self._warn_if_config_changed(checkpoint)
         self._note_fork(output_dir, checkpoint)
         self.method.load_state_dict(load_method_state(checkpoint))
@@ -376,7 +383,7 @@ class PrivacyRun:
         report.update(
             steps=self.training_steps(),  # optimizer steps; a method's own releases are in `mechanisms`
             method=self.method.name,
-            unit="example",
+            **self.subject,
             target_epsilon=self.target_epsilon,
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.plan.sample_rate,

@@ -25,13 +25,13 @@ from .card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_car
 from .checkpoints import resolve_checkpoint, save_private_checkpoint
 from .engine import PerExampleGradientEngine
 from .engine.independence import PROBE_EXAMPLES, probe_example_independence, spread_by_length
-from .example_rows import rows_per_example
 from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import Evaluations, TrainingRows, pad_token_id
 from .hub import AllowListedUpload, push_checkpoint, push_release
+from .integrations import family_of
 from .label_checks import log_ignored_labels
 from .logs import get_logger
-from .losses import PerExampleLoss, check_per_example_losses, default_per_example_loss
+from .losses import PerExampleLoss, check_per_example_losses
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
 from .preflight import check_before_trainer, check_built_trainer
@@ -79,12 +79,11 @@ class PrivateTrainingMixin:
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
-        expected_batch_size = check_built_trainer(self, args is not None, dp_config, per_example_loss,
-                                                  self.dataset_size)
-        self.per_example_loss = per_example_loss or partial(
-            default_per_example_loss, label_smoothing=self.args.label_smoothing_factor)
+        expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, self.dataset_size)
+        self.trainer_family = family = family_of(type(self))  # the unit, its rows and loss (hf_private.integrations)
+        self.per_example_loss = per_example_loss or family.per_unit_loss(self.args)
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
-                                      expected_batch_size, getattr(self.train_dataset, "_fingerprint", None))
+                                      expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
         self._evaluations = Evaluations(TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
@@ -155,7 +154,7 @@ class PrivateTrainingMixin:
         `engine`; the summed loss. The first chunk of ≥ 2 examples of the run, and the first after every switch of the
         trainable set, is probed for example independence, together with a probe chunk from the training set."""
         size = batch_size_of(inputs)
-        rows = rows_per_example(model, inputs)
+        rows = self.trainer_family.rows_per_unit(model, inputs)
         chunk = self.args.per_device_train_batch_size
         total = torch.zeros((), device=self.args.device)
         for start in range(0, size, chunk):
@@ -176,7 +175,8 @@ class PrivateTrainingMixin:
         indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
         probe = self._prepare_inputs(dict(collate([dataset[i] for i in indices])))
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
-        chunks = [(self._prepare_inputs(inputs), examples, rows), (probe, len(indices), rows_per_example(model, probe))]
+        probe_rows = self.trainer_family.rows_per_unit(model, probe)
+        chunks = [(self._prepare_inputs(inputs), examples, rows), (probe, len(indices), probe_rows)]
         probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
         self.privacy_run.needs_independence_probe = False
 

@@ -167,6 +167,9 @@ class PrivacyLedger:
         self.mechanisms: list[MechanismGroup] = []
         # Lines of training this run's line split from (`hf_private.forks`): released from the same data, never ours.
         self.forks: list[dict[str, Any]] = []
+        # What the guarantee is about (the privacy unit, the trainer, the public base model): descriptive, never read
+        # by the accounting.
+        self.subject: dict[str, Any] = {}
         self._bound: tuple[float, str] | None = None
         # epsilon_ahead's last evaluation: (history key, steps of the last group it assumed, its bound).
         self._ahead: tuple[tuple, int, tuple[float, str]] | None = None
@@ -318,6 +321,8 @@ class PrivacyLedger:
         }
         if self.forks:
             state["forks"] = self.forks
+        if self.subject:
+            state["subject"] = dict(self.subject)
         return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -334,6 +339,7 @@ class PrivacyLedger:
         self._configure(d["dataset_size"], d["delta"], d["accountant"])
         self.mechanisms = mechanisms
         self.forks = list(d.get("forks", []))
+        self.subject = dict(d.get("subject", {}))
         self._bound = None
 
     def save(self, path: str | os.PathLike[str]) -> None:
