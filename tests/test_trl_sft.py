@@ -1,0 +1,278 @@
+"""DP SFT: `privatize(trl.SFTTrainer)` on a tiny Llama and a word-level chat tokenizer built in memory.
+
+One unit is one sequence (a text, a prompt with its completion, a conversation), and its loss is its own mean over
+its own trained tokens, never TRL's share of the batch's tokens (`num_items_in_batch`). The sensitivity tests go
+through the public API: one SGD step at q = 1 (the whole training set is the batch), under a test seed so the noise
+replays and cancels between two runs; the released sum is (W₀ − W₁)·B/lr. Each has a mutation test beside it that
+puts the batch-level normalisation back and shows the same check failing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from huggingface_hub import ModelCard  # noqa: E402
+from peft import LoraConfig, PeftModel  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import hf_private.trainer  # noqa: E402
+from hf_private import DPConfig, privatize  # noqa: E402
+from hf_private.demo import NEGATIVE, NEUTRAL, POSITIVE  # noqa: E402
+from hf_private.engine.reducers import FlatL2ClipReducer  # noqa: E402
+from hf_private.integrations import family_of  # noqa: E402
+from hf_private.losses import IGNORE_INDEX  # noqa: E402
+from tests import tiny  # noqa: E402
+
+SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 0-3 as tiny.llama's
+# The assistant's turn, its end-of-turn token included, inside {% generation %}: what assistant_only_loss trains.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} <|end|> "
+    "{% else %}<|assistant|> {% generation %}{{ m['content'] }} <|end|>{% endgeneration %} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+SEED = 20261207
+PrivateSFTTrainer = privatize(SFTTrainer)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {word: i for i, word in enumerate((*SPECIAL, *POSITIVE, *NEGATIVE, *NEUTRAL))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+                                        eos_token="<eos>", additional_special_tokens=list(SPECIAL[4:]))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def sft_config(tmp_path, **overrides) -> SFTConfig:
+    defaults = dict(per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1,
+                    report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                    disable_tqdm=True, bf16=False, gradient_checkpointing=False, max_length=32)
+    return SFTConfig(str(tmp_path), **{**defaults, **overrides})
+
+
+def sft_trainer(tmp_path, dataset, *, model=None, dp=None, per_example_loss=None, trainer_kwargs=None, **config):
+    extra = {"per_example_loss": per_example_loss} if per_example_loss is not None else {}
+    return PrivateSFTTrainer(model if model is not None else tiny.llama(), sft_config(tmp_path, **config),
+                             train_dataset=dataset, processing_class=chat_tokenizer(),
+                             dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+                             **extra, **(trainer_kwargs or {}))
+
+
+# ---------------------------------------------------------------------- the three dataset kinds
+def _words(rng, k: int) -> str:
+    return " ".join(rng.choice(NEUTRAL) for _ in range(k))
+
+
+def texts(n: int = 32) -> Dataset:
+    import random
+    rng = random.Random(0)
+    return Dataset.from_dict({"text": [f"{_words(rng, rng.randint(2, 8))} {rng.choice(POSITIVE)}" for _ in range(n)]})
+
+
+def prompt_completions(n: int = 32) -> Dataset:
+    import random
+    rng = random.Random(1)
+    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 8)) for _ in range(n)],
+                              "completion": [f" {rng.choice(POSITIVE)} {rng.choice(NEGATIVE)}" for _ in range(n)]})
+
+
+def conversations(n: int = 32) -> Dataset:
+    import random
+    rng = random.Random(2)
+    return Dataset.from_dict({"messages": [
+        [{"role": "user", "content": _words(rng, rng.randint(2, 6))},
+         {"role": "assistant", "content": f"{rng.choice(POSITIVE)} {_words(rng, rng.randint(0, 2))}".strip()}]
+        for _ in range(n)]})
+
+
+KINDS = {
+    "text": (texts, {}, "sequence"),
+    "prompt-completion": (prompt_completions, {}, "prompt-completion pair"),
+    "conversational": (conversations, {"assistant_only_loss": True}, "conversation"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_trains_privately_on_each_dataset_kind(kind, tmp_path):
+    make, config, unit = KINDS[kind]
+    torch.set_num_threads(1)
+    trainer = sft_trainer(tmp_path, make(), **config)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] < float("inf")
+    assert report["unit"] == unit and report["trainer"] == "trl.SFTTrainer"
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    # SFT's own training metrics are un-noised functions of the private batches: never logged in training
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert "epsilon" in logged and not logged & {"entropy", "mean_token_accuracy", "num_tokens", "grad_norm"}
+
+
+def _trained_tokens(trainer) -> list[int]:
+    return [sum(label != IGNORE_INDEX for label in labels) for labels in trainer.train_dataset["labels"]]
+
+
+def test_completion_only_loss_and_assistant_only_loss_mask_what_is_trained(tmp_path):
+    full = sft_trainer(tmp_path / "a", prompt_completions(8), completion_only_loss=False)
+    completion = sft_trainer(tmp_path / "b", prompt_completions(8))  # TRL's default for prompt-completion: True
+    lengths = [len(ids) for ids in completion.train_dataset["input_ids"]]
+    assert _trained_tokens(full) == lengths
+    assert _trained_tokens(completion) == [3] * 8  # two completion words and <eos>
+    all_turns = sft_trainer(tmp_path / "c", conversations(8))
+    assistant = sft_trainer(tmp_path / "d", conversations(8), assistant_only_loss=True)
+    assert _trained_tokens(all_turns) == [len(ids) for ids in all_turns.train_dataset["input_ids"]]
+    assert all(0 < a < b for a, b in zip(_trained_tokens(assistant), _trained_tokens(all_turns)))
+
+    # the per-unit loss is each sequence's own mean over its trained tokens: masked prompt tokens change nothing
+    batch = completion.data_collator([completion.train_dataset[i] for i in range(2)])
+    model = completion.model
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    losses = completion.per_example_loss(model, outputs, batch["labels"])
+    for b in range(2):
+        keep = batch["labels"][b, 1:] != IGNORE_INDEX
+        own = F.cross_entropy(outputs.logits[b, :-1][keep], batch["labels"][b, 1:][keep])
+        torch.testing.assert_close(losses[b], own)
+
+
+def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path):
+    torch.set_num_threads(1)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = sft_trainer(tmp_path, conversations(), assistant_only_loss=True, learning_rate=5e-2,
+                          trainer_kwargs={"peft_config": lora})
+    trainer.train()
+    assert trainer.adapter_format == "peft"
+    trainer.save_model(str(tmp_path / "adapter"))
+    card = ModelCard.load(tmp_path / "adapter" / "README.md")
+    assert card.data.to_dict()["privacy"]["unit"] == "conversation"
+    assert "one training conversation" in card.text and "trl.SFTTrainer" in card.text
+
+    reloaded = PeftModel.from_pretrained(tiny.llama(), str(tmp_path / "adapter")).eval()
+    trained = trainer.model.eval()
+    prompt = chat_tokenizer().apply_chat_template([{"role": "user", "content": "the movie was"}],
+                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**prompt).logits, trained(**prompt).logits)
+        generated = reloaded.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 4
+
+
+# ---------------------------------------------------------------------- refusals (rows in tests/test_preflight.py)
+@pytest.mark.parametrize("setting, value, fragment", [
+    ("packing", True, "packing=True is not supported by private trl.SFTTrainer training: packing puts several"),
+    ("padding_free", True, "padding_free=True is not supported"),
+    ("use_liger_kernel", True, "use_liger_kernel=True is not supported"),
+    ("loss_type", "dft", "loss_type='dft' is not supported"),
+    ("activation_offloading", True, "activation_offloading=True is not supported"),
+    ("gradient_checkpointing", True, "Activation checkpointing re-runs forward hooks"),
+])
+def test_sft_settings_that_change_what_is_clipped_are_refused_by_name(setting, value, fragment, tmp_path):
+    with pytest.raises(ValueError) as refused:
+        sft_trainer(tmp_path, texts(8), **{setting: value})
+    assert fragment in str(refused.value)
+
+
+def test_the_family_is_found_by_class_and_knows_its_own_overrides():
+    family = family_of(PrivateSFTTrainer)
+    assert family.name == "trl.SFTTrainer" and family.owns(SFTTrainer)
+    assert {"training_step", "compute_loss"} <= set(family.compatible_overrides)
+    user = privatize(type("MySFT", (SFTTrainer,), {"training_step": lambda self, *a, **k: None}))
+    assert family_of(user) is family and not family.owns(user.__mro__[2])
+
+
+# ---------------------------------------------------------------------- sensitivity through the public API
+def _pc(prompt: int, completion: int, offset: int = 0) -> dict:
+    """A prompt-completion row with `prompt` and `completion` words (the completion trained, the prompt masked)."""
+    words = list(NEUTRAL) + list(POSITIVE) + list(NEGATIVE)
+    return {"prompt": " ".join(words[(offset + i) % len(words)] for i in range(prompt)),
+            "completion": " " + " ".join(words[(offset + 3 * i + 1) % len(words)] for i in range(completion))}
+
+
+SHORT = [_pc(1, 1, i) for i in range(6)]  # short sequences, one trained word each
+LONG = [_pc(8, 12 - i, 5 * i) for i in range(6)]  # long prompts and completions of different lengths
+ADDED = _pc(2, 24, 7)  # the example added: many trained tokens
+
+
+def batch_normalised_loss(model, outputs, labels):
+    """TRL's training normalisation put back: each sequence's token losses over the trained tokens of its batch."""
+    logits, labels = outputs.logits[:, :-1].float(), labels[:, 1:]
+    tokens = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return tokens.sum(1) / (labels != IGNORE_INDEX).sum()
+
+
+def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Tensor:
+    """Σ of the clipped per-example gradients plus the replayed noise, read off one SGD step at q = 1."""
+    torch.set_num_threads(1)
+    model = tiny.llama()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    trainer = sft_trainer(tmp_path, Dataset.from_list(rows), model=model, per_example_loss=loss,
+                          dp=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
+                          per_device_train_batch_size=len(rows), max_steps=1, learning_rate=1.0, optim="sgd",
+                          lr_scheduler_type="constant", weight_decay=0.0)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
+    return (before - after) * len(rows)
+
+
+def sensitivity(tmp_path, rows: list[dict], clip: float, loss=None) -> float:
+    """‖released sum with ADDED − without‖: the noise is the same in both, so it cancels."""
+    return float((released_sum(tmp_path / "with", [*rows, ADDED], clip, loss)
+                  - released_sum(tmp_path / "without", rows, clip, loss)).norm())
+
+
+def contributions(tmp_path, clip: float, loss=None) -> list[torch.Tensor]:
+    """ADDED's contribution to the released sum, next to short batch-mates and next to long ones."""
+    return [released_sum(tmp_path / f"{name}+", [*mates, ADDED], clip, loss)
+            - released_sum(tmp_path / name, mates, clip, loss) for name, mates in (("short", SHORT), ("long", LONG))]
+
+
+# ADDED's own-mean gradient has norm ≈ 1.7 (the bound is then tight); the short ones ≈ 7, the long ones ≈ 2.5.
+CLIP = 1.0
+
+
+def test_adding_one_example_moves_the_released_sum_by_at_most_C(tmp_path):
+    for mates in (SHORT, LONG, SHORT + LONG):
+        assert sensitivity(tmp_path, mates, CLIP) <= CLIP * (1 + 1e-4)
+
+
+def test_the_sensitivity_test_fails_when_the_batch_normalisation_is_put_back(tmp_path, monkeypatch):
+    """Short batch-mates: the long example added dilutes their (aligned) contributions by the batch's token count.
+    The independence probe refuses such a loss on the first chunk; switched off, the bound is what catches it."""
+    with pytest.raises(ValueError, match="its gradient depends on the other examples"):
+        sensitivity(tmp_path / "probed", SHORT, CLIP, batch_normalised_loss)
+    monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
+    assert sensitivity(tmp_path, SHORT, CLIP, batch_normalised_loss) > 1.5 * CLIP
+
+
+def test_the_sensitivity_test_fails_without_the_per_example_clip(tmp_path, monkeypatch):
+    """Each example's own-mean loss, but nothing clipped (the noise still at σ·C): the added example moves the sum
+    by its own gradient's norm, ≈ 1.7·C. (One row is one unit in SFT, so the row's clip is the unit's clip.)"""
+    original = FlatL2ClipReducer.__init__
+    monkeypatch.setattr(FlatL2ClipReducer, "__init__", lambda self, max_grad_norm: original(self, float("inf")))
+    assert sensitivity(tmp_path, SHORT, CLIP) > 1.5 * CLIP
+
+
+# Above every per-example gradient norm here (≤ 8): nothing is clipped, so a batch-level normalisation shows as more
+# than a scale.
+HUGE = 20.0
+
+
+def test_an_examples_contribution_does_not_depend_on_its_batch_mates(tmp_path):
+    next_to_short, next_to_long = contributions(tmp_path, HUGE)
+    assert next_to_short.norm() > 0
+    torch.testing.assert_close(next_to_short, next_to_long, rtol=0, atol=1e-3 * float(next_to_short.norm()))
+
+
+def test_the_independence_test_fails_when_the_batch_normalisation_is_put_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
+    next_to_short, next_to_long = contributions(tmp_path, HUGE, batch_normalised_loss)
+    assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
+
