@@ -28,7 +28,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_private import DPConfig, PrivateTrainer, privatize
+from hf_private import BitFitConfig, DPConfig, PrivateTrainer, privatize
 from hf_private.model_support import UnsupportedModelError
 from hf_private.preflight import _PRIVATE_PATH_METHODS
 from tests import tiny
@@ -146,6 +146,37 @@ def _default_arguments(tmp_path, monkeypatch):
     _build(tmp_path, args=None)
 
 
+def _sft(dp: Any = None, model: Callable = tiny.llama, **config: Any) -> Callable:
+    """A row's build: privatize(trl.SFTTrainer) on the tiny Llama and conversations, `config` in its SFTConfig
+    (`peft_config` and other trainer keywords go to the trainer)."""
+    def build(tmp_path, monkeypatch):
+        trl = pytest.importorskip("trl")
+        keywords = {k: config.pop(k).make() for k in ("peft_config",) if k in config}
+        defaults = dict(report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
+        args = trl.SFTConfig(str(tmp_path), **{**defaults, **config})
+        return privatize(trl.SFTTrainer)(model(), args, train_dataset=tiny.conversations(16),
+                                         processing_class=tiny.chat_tokenizer(),
+                                         dp_config=dp or DPConfig(noise_multiplier=1.0), **keywords)
+    return build
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=tiny.VOCAB_SIZE, hidden_size=32, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                            num_local_experts=2, num_experts_per_tok=1))
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+SFT = "is not supported by private trl.SFTTrainer training: "
+
+
 class Row(NamedTuple):
     id: str
     build: Callable[[Any, pytest.MonkeyPatch], Any]  # (tmp_path, monkeypatch): builds the trainer
@@ -215,7 +246,25 @@ ROWS = [
          "smooth the labels inside it", args=dict(label_smoothing_factor=0.1), per_example_loss=_per_example_loss),
     Row("default-arguments-made-by-Trainer", _default_arguments, ValueError,
         "train_sampling_strategy='sequential' is not supported"),
+    # ------------------------------------------------------------------ TRL SFTConfig (hf_private.integrations.trl_sft)
+    Row("sft-packing", _sft(packing=True, max_length=16), ValueError,
+        f"packing=True {SFT}packing puts several sequences in one row"),
+    Row("sft-padding_free", _sft(padding_free=True, max_length=None), ValueError,
+        f"padding_free=True {SFT}padding_free flattens the whole batch into one row"),
+    Row("sft-use_liger_kernel", _sft(use_liger_kernel=True), ValueError,
+        f"use_liger_kernel=True {SFT}Liger kernels replace the model's layers"),
+    Row("sft-loss_type-dft", _sft(loss_type="dft"), ValueError, f"loss_type='dft' {SFT}only loss_type='nll'"),
+    Row("sft-activation_offloading", _sft(activation_offloading=True), ValueError,
+        f"activation_offloading=True {SFT}offloading repacks the tensors saved for backward"),
+    Row("sft-moe-router_aux_loss", _sft(model=_tiny_mixtral), ValueError,
+        f"router_aux_loss_coef=None {SFT}the Mixture-of-Experts load-balancing loss"),
+    Row("sft-gradient_checkpointing-SFTConfig-default", _sft(gradient_checkpointing=True), ValueError,
+        "Activation checkpointing re-runs forward hooks"),
+    Row("sft-peft_config-with-a-method-choosing-what-trains",
+        _sft(dp=BitFitConfig(noise_multiplier=1.0), peft_config=Fresh(_lora)), ValueError,
+        "peft_config is not supported with BitFitConfig: peft_config lets TRL choose what trains"),
     # ------------------------------------------------------------------ model
+    _row("model-given-by-name", ValueError, "Pass the model itself, not its name 'some/model'", model="some/model"),
     _row("no-model", ValueError, "PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.",
          model=None),
     _row("DataParallel-wrapper", ValueError,
@@ -296,6 +345,7 @@ ACCEPTED = {
     "subclass-overrides-compute_loss-with-per_example_loss":
         lambda tmp_path: _build(tmp_path, _private_subclass("compute_loss"), per_example_loss=_per_example_loss),
     "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,
+    "sft-peft_config-with-DPConfig": lambda tmp_path: _sft(peft_config=Fresh(_lora))(tmp_path, None),
 }
 
 

@@ -3,8 +3,9 @@
 One unit is one sequence (a text, a prompt with its completion, a conversation), and its loss is its own mean over
 its own trained tokens, never TRL's share of the batch's tokens (`num_items_in_batch`). The sensitivity tests go
 through the public API: one SGD step at q = 1 (the whole training set is the batch), under a test seed so the noise
-replays and cancels between two runs; the released sum is (W₀ − W₁)·B/lr. Each has a mutation test beside it that
-puts the batch-level normalisation back and shows the same check failing.
+replays and cancels between two runs; the released sum is (W₀ − W₁)·B/lr. Mutation tests beside them put TRL's
+batch-level normalisation back (both checks then fail) or take the per-example clip away (the bound then fails).
+The settings SFT refuses are rows of tests/test_preflight.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch.nn.functional as F  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from huggingface_hub import ModelCard  # noqa: E402
 from peft import LoraConfig, PeftModel  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import hf_private.trainer  # noqa: E402
@@ -30,25 +29,8 @@ from hf_private.integrations import family_of  # noqa: E402
 from hf_private.losses import IGNORE_INDEX  # noqa: E402
 from tests import tiny  # noqa: E402
 
-SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 0-3 as tiny.llama's
-# The assistant's turn, its end-of-turn token included, inside {% generation %}: what assistant_only_loss trains.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} <|end|> "
-    "{% else %}<|assistant|> {% generation %}{{ m['content'] }} <|end|>{% endgeneration %} {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
 SEED = 20261207
 PrivateSFTTrainer = privatize(SFTTrainer)
-
-
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {word: i for i, word in enumerate((*SPECIAL, *POSITIVE, *NEGATIVE, *NEUTRAL))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-                                        eos_token="<eos>", additional_special_tokens=list(SPECIAL[4:]))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def sft_config(tmp_path, **overrides) -> SFTConfig:
@@ -61,42 +43,16 @@ def sft_config(tmp_path, **overrides) -> SFTConfig:
 def sft_trainer(tmp_path, dataset, *, model=None, dp=None, per_example_loss=None, trainer_kwargs=None, **config):
     extra = {"per_example_loss": per_example_loss} if per_example_loss is not None else {}
     return PrivateSFTTrainer(model if model is not None else tiny.llama(), sft_config(tmp_path, **config),
-                             train_dataset=dataset, processing_class=chat_tokenizer(),
+                             train_dataset=dataset, processing_class=tiny.chat_tokenizer(),
                              dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
                              **extra, **(trainer_kwargs or {}))
 
 
 # ---------------------------------------------------------------------- the three dataset kinds
-def _words(rng, k: int) -> str:
-    return " ".join(rng.choice(NEUTRAL) for _ in range(k))
-
-
-def texts(n: int = 32) -> Dataset:
-    import random
-    rng = random.Random(0)
-    return Dataset.from_dict({"text": [f"{_words(rng, rng.randint(2, 8))} {rng.choice(POSITIVE)}" for _ in range(n)]})
-
-
-def prompt_completions(n: int = 32) -> Dataset:
-    import random
-    rng = random.Random(1)
-    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 8)) for _ in range(n)],
-                              "completion": [f" {rng.choice(POSITIVE)} {rng.choice(NEGATIVE)}" for _ in range(n)]})
-
-
-def conversations(n: int = 32) -> Dataset:
-    import random
-    rng = random.Random(2)
-    return Dataset.from_dict({"messages": [
-        [{"role": "user", "content": _words(rng, rng.randint(2, 6))},
-         {"role": "assistant", "content": f"{rng.choice(POSITIVE)} {_words(rng, rng.randint(0, 2))}".strip()}]
-        for _ in range(n)]})
-
-
 KINDS = {
-    "text": (texts, {}, "sequence"),
-    "prompt-completion": (prompt_completions, {}, "prompt-completion pair"),
-    "conversational": (conversations, {"assistant_only_loss": True}, "conversation"),
+    "text": (tiny.texts, {}, "sequence"),
+    "prompt-completion": (tiny.prompt_completions, {}, "prompt-completion pair"),
+    "conversational": (tiny.conversations, {"assistant_only_loss": True}, "conversation"),
 }
 
 
@@ -121,13 +77,13 @@ def _trained_tokens(trainer) -> list[int]:
 
 
 def test_completion_only_loss_and_assistant_only_loss_mask_what_is_trained(tmp_path):
-    full = sft_trainer(tmp_path / "a", prompt_completions(8), completion_only_loss=False)
-    completion = sft_trainer(tmp_path / "b", prompt_completions(8))  # TRL's default for prompt-completion: True
+    full = sft_trainer(tmp_path / "a", tiny.prompt_completions(8), completion_only_loss=False)
+    completion = sft_trainer(tmp_path / "b", tiny.prompt_completions(8))  # TRL's default for prompt-completion: True
     lengths = [len(ids) for ids in completion.train_dataset["input_ids"]]
     assert _trained_tokens(full) == lengths
     assert _trained_tokens(completion) == [3] * 8  # two completion words and <eos>
-    all_turns = sft_trainer(tmp_path / "c", conversations(8))
-    assistant = sft_trainer(tmp_path / "d", conversations(8), assistant_only_loss=True)
+    all_turns = sft_trainer(tmp_path / "c", tiny.conversations(8))
+    assistant = sft_trainer(tmp_path / "d", tiny.conversations(8), assistant_only_loss=True)
     assert _trained_tokens(all_turns) == [len(ids) for ids in all_turns.train_dataset["input_ids"]]
     assert all(0 < a < b for a, b in zip(_trained_tokens(assistant), _trained_tokens(all_turns)))
 
@@ -145,7 +101,7 @@ def test_completion_only_loss_and_assistant_only_loss_mask_what_is_trained(tmp_p
 def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path):
     torch.set_num_threads(1)
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = sft_trainer(tmp_path, conversations(), assistant_only_loss=True, learning_rate=5e-2,
+    trainer = sft_trainer(tmp_path, tiny.conversations(), assistant_only_loss=True, learning_rate=5e-2,
                           trainer_kwargs={"peft_config": lora})
     trainer.train()
     assert trainer.adapter_format == "peft"
@@ -156,7 +112,7 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
 
     reloaded = PeftModel.from_pretrained(tiny.llama(), str(tmp_path / "adapter")).eval()
     trained = trainer.model.eval()
-    prompt = chat_tokenizer().apply_chat_template([{"role": "user", "content": "the movie was"}],
+    prompt = tiny.chat_tokenizer().apply_chat_template([{"role": "user", "content": "the movie was"}],
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**prompt).logits, trained(**prompt).logits)
@@ -164,21 +120,7 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 4
 
 
-# ---------------------------------------------------------------------- refusals (rows in tests/test_preflight.py)
-@pytest.mark.parametrize("setting, value, fragment", [
-    ("packing", True, "packing=True is not supported by private trl.SFTTrainer training: packing puts several"),
-    ("padding_free", True, "padding_free=True is not supported"),
-    ("use_liger_kernel", True, "use_liger_kernel=True is not supported"),
-    ("loss_type", "dft", "loss_type='dft' is not supported"),
-    ("activation_offloading", True, "activation_offloading=True is not supported"),
-    ("gradient_checkpointing", True, "Activation checkpointing re-runs forward hooks"),
-])
-def test_sft_settings_that_change_what_is_clipped_are_refused_by_name(setting, value, fragment, tmp_path):
-    with pytest.raises(ValueError) as refused:
-        sft_trainer(tmp_path, texts(8), **{setting: value})
-    assert fragment in str(refused.value)
-
-
+# ---------------------------------------------------------------------- the family (its refusals: test_preflight.py)
 def test_the_family_is_found_by_class_and_knows_its_own_overrides():
     family = family_of(PrivateSFTTrainer)
     assert family.name == "trl.SFTTrainer" and family.owns(SFTTrainer)

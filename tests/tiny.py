@@ -6,6 +6,7 @@ import random
 
 import torch
 from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -13,6 +14,7 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerFast,
     RobertaConfig,
     RobertaForMultipleChoice,
     RobertaForSequenceClassification,
@@ -88,3 +90,53 @@ def llama(**kw) -> LlamaForCausalLM:
                          num_key_value_heads=1, intermediate_size=64, max_position_embeddings=SEQ_LEN + 4,
                          bos_token_id=2, eos_token_id=3, pad_token_id=0, **kw)
     return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------- SFT: a chat tokenizer, TRL's dataset kinds
+CHAT_SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 0-3 as tiny.llama's
+# The assistant's turn, its end-of-turn token included, inside {% generation %}: what assistant_only_loss trains.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} <|end|> "
+    "{% else %}<|assistant|> {% generation %}{{ m['content'] }} <|end|>{% endgeneration %} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of the demo words with a chat template whose assistant turns are marked for
+    `return_assistant_tokens_mask` (TRL's assistant_only_loss)."""
+    vocab = {word: i for i, word in enumerate((*CHAT_SPECIAL, *demo.POSITIVE, *demo.NEGATIVE, *demo.NEUTRAL))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+                                        eos_token="<eos>", additional_special_tokens=list(CHAT_SPECIAL[4:]))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _words(rng, k: int) -> str:
+    return " ".join(rng.choice(demo.NEUTRAL) for _ in range(k))
+
+
+def texts(n: int = 32) -> Dataset:
+    """Plain text (TRL's language-modeling kind)."""
+    rng = random.Random(0)
+    return Dataset.from_dict({"text": [f"{_words(rng, rng.randint(2, 8))} {rng.choice(demo.POSITIVE)}"
+                                       for _ in range(n)]})
+
+
+def prompt_completions(n: int = 32) -> Dataset:
+    """A prompt and its completion (TRL trains the completion only, by default)."""
+    rng = random.Random(1)
+    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 8)) for _ in range(n)],
+                              "completion": [f" {rng.choice(demo.POSITIVE)} {rng.choice(demo.NEGATIVE)}"
+                                             for _ in range(n)]})
+
+
+def conversations(n: int = 32) -> Dataset:
+    """A user turn and an assistant turn each (`messages`, through the chat template)."""
+    rng = random.Random(2)
+    return Dataset.from_dict({"messages": [
+        [{"role": "user", "content": _words(rng, rng.randint(2, 6))},
+         {"role": "assistant", "content": f"{rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".strip()}]
+        for _ in range(n)]})
