@@ -10,6 +10,9 @@ The settings SFT refuses are rows of tests/test_preflight.py.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("trl")
@@ -218,3 +221,24 @@ def test_the_independence_test_fails_when_the_batch_normalisation_is_put_back(tm
     next_to_short, next_to_long = contributions(tmp_path, HUGE, batch_normalised_loss)
     assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
 
+
+
+# ---------------------------------------------------------------------- the README's script
+def test_readme_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The python block under "DP SFT with TRL", executed unchanged: a LoRA adapter trained privately on
+    prompt-completion pairs, saved with a card naming the unit, the trainer and ε."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = re.split(r"\n#{2,4} ", readme.split("\n### DP SFT with TRL\n", 1)[1], maxsplit=1)[0]
+    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script, "README.md (DP SFT with TRL)", "exec"), namespace)
+
+    assert "prompt-completion pair" in capsys.readouterr().out
+    report = namespace["trainer"].privacy_report()
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0
+    card = ModelCard.load(tmp_path / "out-sft" / "README.md")
+    assert card.data.to_dict()["privacy"]["epsilon"] == pytest.approx(report["epsilon"])
+    assert "one training prompt-completion pair" in card.text and "trl.SFTTrainer" in card.text
+    assert (tmp_path / "out-sft" / "adapter_model.safetensors").is_file()
