@@ -36,6 +36,16 @@ SEED = 20261207
 PrivateSFTTrainer = privatize(SFTTrainer)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The matrices are tiny: more threads only synchronise. Restored after, since the thread count changes float
+    summation order, and tests/test_pinned_numbers.py pins results bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def sft_config(tmp_path, **overrides) -> SFTConfig:
     defaults = dict(per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1,
                     report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
@@ -62,7 +72,6 @@ KINDS = {
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_trains_privately_on_each_dataset_kind(kind, tmp_path):
     make, config, unit = KINDS[kind]
-    torch.set_num_threads(1)
     trainer = sft_trainer(tmp_path, make(), **config)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -102,7 +111,6 @@ def test_completion_only_loss_and_assistant_only_loss_mask_what_is_trained(tmp_p
 
 
 def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path):
-    torch.set_num_threads(1)
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = sft_trainer(tmp_path, tiny.conversations(), assistant_only_loss=True, learning_rate=5e-2,
                           trainer_kwargs={"peft_config": lora})
@@ -154,7 +162,6 @@ def batch_normalised_loss(model, outputs, labels):
 
 def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Tensor:
     """Σ of the clipped per-example gradients plus the replayed noise, read off one SGD step at q = 1."""
-    torch.set_num_threads(1)
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
     trainer = sft_trainer(tmp_path, Dataset.from_list(rows), model=model, per_example_loss=loss,
@@ -231,7 +238,6 @@ def test_readme_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
     section = re.split(r"\n#{2,4} ", readme.split("\n### DP SFT with TRL\n", 1)[1], maxsplit=1)[0]
     script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     namespace: dict = {"__name__": "__main__"}
     exec(compile(script, "README.md (DP SFT with TRL)", "exec"), namespace)
 
