@@ -14,23 +14,20 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from huggingface_hub import ModelCard
+from peft import LoraConfig, PeftModel
+from trl import SFTConfig, SFTTrainer  # the test extra installs trl: CI must run these, never skip them
 
-pytest.importorskip("trl")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from huggingface_hub import ModelCard  # noqa: E402
-from peft import LoraConfig, PeftModel  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
-
-import hf_private.trainer  # noqa: E402
-from hf_private import DPConfig, privatize  # noqa: E402
-from hf_private.demo import NEGATIVE, NEUTRAL, POSITIVE  # noqa: E402
-from hf_private.engine.reducers import FlatL2ClipReducer  # noqa: E402
-from hf_private.integrations import family_of  # noqa: E402
-from hf_private.losses import IGNORE_INDEX  # noqa: E402
-from tests import tiny  # noqa: E402
+import hf_private.trainer
+from hf_private import DPConfig, privatize
+from hf_private.demo import NEGATIVE, NEUTRAL, POSITIVE
+from hf_private.engine.reducers import FlatL2ClipReducer
+from hf_private.integrations import family_of
+from hf_private.losses import IGNORE_INDEX
+from tests import tiny
 
 SEED = 20261207
 PrivateSFTTrainer = privatize(SFTTrainer)
