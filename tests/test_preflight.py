@@ -150,7 +150,8 @@ def _sft(dp: Any = None, model: Callable = tiny.llama, **config: Any) -> Callabl
     """A row's build: privatize(trl.SFTTrainer) on the tiny Llama and conversations, `config` in its SFTConfig
     (`peft_config` and other trainer keywords go to the trainer)."""
     def build(tmp_path, monkeypatch):
-        trl = pytest.importorskip("trl")
+        import trl  # the test extra installs it: a missing trl fails here, it is never skipped
+
         keywords = {k: config.pop(k).make() for k in ("peft_config",) if k in config}
         defaults = dict(report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
         args = trl.SFTConfig(str(tmp_path), **{**defaults, **config})
