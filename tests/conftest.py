@@ -7,7 +7,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
+
+
+@pytest.fixture
+def single_thread():
+    """One torch thread for tests of tiny models (more threads only synchronise on a shared machine); restored after,
+    since the thread count changes float summation order and tests/test_pinned_numbers.py pins results bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from transformers import DataCollatorWithPadding, TrainingArguments
 
@@ -49,3 +52,17 @@ def trainable_partitions(model) -> list[list[torch.nn.Parameter]]:
     params = dict(model.named_parameters())
     groups = [[params[n] for n in p.parameter_names if params[n].requires_grad] for p in model_partitions(model)]
     return [group for group in groups if group]
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def run_readme_block(heading: str, tmp_path, monkeypatch) -> dict:
+    """The first python block under a README heading (e.g. "### DP SFT with TRL"), up to the next heading, executed
+    unchanged in `tmp_path`: its namespace."""
+    section = re.split(r"\n#{2,4} ", README.read_text().split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script, f"README.md ({heading.lstrip('# ')})", "exec"), namespace)
+    return namespace

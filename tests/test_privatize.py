@@ -12,8 +12,6 @@ callbacks and collator, and trains privately.
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,20 +36,15 @@ from hf_private.demo import sentiment_texts
 from hf_private.model_support import UnsupportedModelError
 from hf_private.optimizer import NoisyOptimizer, noisy_optimizer
 from tests import tiny
-from tests.helpers import training_args
+from tests.helpers import run_readme_block, training_args
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPT = 5  # prompt tokens: the first 2-4 words of a review, left-padded to this length
 GENERATED = PROMPT + 4  # generation_max_length: prompt and 4 new tokens
 TRAIN_SIZE, BATCH = 64, 8  # 8 steps of an expected 8 examples
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny models' matrices are small: more threads only synchronise (and the machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- privatize(Seq2SeqTrainer) on a decoder-only model
@@ -245,17 +238,12 @@ def test_encoder_decoder_models_stay_refused_by_the_private_seq2seq_trainer(tmp_
 
 
 # ---------------------------------------------------------------- the README's script
-README = (Path(__file__).parents[1] / "README.md").read_text()
 
 
 def test_readme_privatize_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "Any Trainer: privatize()", executed unchanged: a decoder-only model trained privately
     with privatize(Seq2SeqTrainer), evaluated by generation, and a card publishing that metric with ε."""
-    section = re.split(r"\n#{2,4} ", README.split("\n### Any Trainer: privatize()\n", 1)[1], maxsplit=1)[0]
-    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__main__"}
-    exec(compile(script, "README.md (Any Trainer: privatize())", "exec"), namespace)
+    namespace = run_readme_block("### Any Trainer: privatize()", tmp_path, monkeypatch)
 
     assert "'eval_verdict_accuracy':" in capsys.readouterr().out
     trainer = namespace["trainer"]

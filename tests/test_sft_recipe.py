@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from huggingface_hub import ModelCard
 
 from hf_private import instruction_demo
@@ -19,16 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 import sft  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 QUIET = ["--disable_tqdm", "true", "--accountant", "rdp"]
 SMALL = ["--train_size", "512", "--eval_size", "20", "--num_train_epochs", "1", "--expected_batch_size", "64", *QUIET]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_task_is_generated_deterministically_and_held_out():

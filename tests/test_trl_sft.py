@@ -10,9 +10,6 @@ The settings SFT refuses are rows of tests/test_preflight.py.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,19 +25,14 @@ from hf_private.engine.reducers import FlatL2ClipReducer
 from hf_private.integrations import family_of
 from hf_private.losses import IGNORE_INDEX
 from tests import tiny
+from tests.helpers import run_readme_block
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 SEED = 20261207
 PrivateSFTTrainer = privatize(SFTTrainer)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The matrices are tiny: more threads only synchronise. Restored after, since the thread count changes float
-    summation order, and tests/test_pinned_numbers.py pins results bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sft_config(tmp_path, **overrides) -> SFTConfig:
@@ -231,12 +223,7 @@ def test_the_independence_test_fails_when_the_batch_normalisation_is_put_back(tm
 def test_readme_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "DP SFT with TRL", executed unchanged: a LoRA adapter trained privately on
     prompt-completion pairs, saved with a card naming the unit, the trainer and ε."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = re.split(r"\n#{2,4} ", readme.split("\n### DP SFT with TRL\n", 1)[1], maxsplit=1)[0]
-    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__main__"}
-    exec(compile(script, "README.md (DP SFT with TRL)", "exec"), namespace)
+    namespace = run_readme_block("### DP SFT with TRL", tmp_path, monkeypatch)
 
     assert "prompt-completion pair" in capsys.readouterr().out
     report = namespace["trainer"].privacy_report()
