@@ -45,7 +45,8 @@ DPO_NOT_YET = ("--trainer dpo: DP DPO is not implemented yet (the preference-pai
 # The offline demo's settings (one run each on the demo task, not a paper's): 10000 pairs, 5 epochs of logical
 # batches of 256 (195 steps, σ = 0.59 at ε = 8) and one learning rate for both runs: at 5e-3 held-out exact match is
 # 0.38 private and 0.74 non-private (trivial 0.26); at 2e-2 the private run reaches 0.62 but the non-private one
-# diverges (0.23). Measured on 2 busy CPU cores: 42 s in one process, 67 s under a 2-process accelerate launch.
+# diverges (0.23). Measured on 2 CPU cores: 34 s wall under a 2-process accelerate launch on an idle machine (67 s
+# while a test suite ran beside it), 42 s in one process on a busy one.
 DEMO_ARGS = ["--output_dir", "outputs/sft-demo", "--num_train_epochs", "5", "--learning_rate", "5e-3",
              "--per_device_train_batch_size", "256", "--per_device_eval_batch_size", "256", "--logging_steps", "20",
              "--max_length", str(MAX_LENGTH), "--use_cpu", "true"]
