@@ -57,7 +57,8 @@ class Preflight:
     dataset_size: int  # N: sets the sampling rate and δ
     delta: float  # δ of the guarantee, resolved for N
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
-    unit: str = "example"  # the privacy unit, as the trainer family names the training set's rows
+    family: TrainerFamily  # the trainer class's family (hf_private.integrations): its unit, rows and per-unit loss
+    unit: str  # the privacy unit, as the family names the training set's rows
 
 
 def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
@@ -73,22 +74,22 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     dataset_size = check_dataset(train_dataset)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
-        check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, model)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family.unit(train_dataset))
+        check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, family.unit(train_dataset))
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
-                        dataset_size: int) -> int:
+                        checked: Preflight) -> int:
     """What needs the built Trainer (its default arguments, its accelerator's parallelism, the world size); returns
     the expected logical batch (per_device_train_batch_size × gradient_accumulation_steps × world_size)."""
     if not args_given:
         check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
-                        trainer.model)
+                        checked.family, trainer.model)
     check_parallelism(trainer)
     args = trainer.args
     check_process_count(args.world_size)
     expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    check_expected_batch(expected_batch_size, dataset_size)
+    check_expected_batch(expected_batch_size, checked.dataset_size)
     return expected_batch_size
 
 
@@ -114,13 +115,11 @@ def check_dp_config(dp_config: Any) -> None:
         raise TypeError(f"dp_config must be a DPConfig (or a method config), got {type(dp_config).__name__}.")
 
 
-def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool,
-                   family: TrainerFamily | None = None) -> None:
+def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool, family: TrainerFamily) -> None:
     """Refuse a trainer class whose own methods would replace or bypass the private training path: the classes it
     derives from between the mixin and Trainer (what privatize() wrapped), and any subclass of the private class.
     The family's own classes (TRL's SFTTrainer) may override what the family declares compatible, and their
     compute_loss then serves evaluation: the family gives the per-unit training loss."""
-    family = family or family_of(trainer_class)
     for cls in trainer_class.__mro__:
         if cls in (mixin, Trainer, object) or not issubclass(cls, Trainer):
             continue
@@ -140,9 +139,9 @@ def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool,
             )
 
 
-def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily | None = None, dp_config: Any = None) -> None:
+def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily, dp_config: MethodConfig) -> None:
     """Trainer keywords that cannot be honoured under DP-SGD, then the family's own (with this DP method)."""
-    for keyword in (family.refused_keywords if family is not None else ()):
+    for keyword in family.refused_keywords:
         if keyword.is_refused(kwargs.get(keyword.name), dp_config):
             raise ValueError(f"{keyword.name} is not supported with {type(dp_config).__name__}: {keyword.reason}")
     if kwargs.get("compute_loss_func") is not None:
@@ -166,10 +165,10 @@ def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily | None = 
 _LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
 
 
-def check_arguments(args: TrainingArguments, max_grad_norm: float, custom_loss: bool,
-                    trainer_class: type[Trainer] = Trainer, model: nn.Module | None = None) -> None:
+def check_arguments(args: TrainingArguments, max_grad_norm: float, custom_loss: bool, trainer_class: type[Trainer],
+                    family: TrainerFamily, model: nn.Module | None) -> None:
     """The training settings (the trainer family's own first), then what a run may publish."""
-    check_family_settings(args, family_of(trainer_class), model)
+    check_family_settings(args, family, model)
     check_training_args(args, max_grad_norm, custom_loss, trainer_class)
     check_release_settings(args)
 

@@ -28,7 +28,6 @@ from .engine.independence import PROBE_EXAMPLES, probe_example_independence, spr
 from .head_choice import warn_if_cls_head_on_mean_encoder
 from .held_out import Evaluations, TrainingRows, pad_token_id
 from .hub import AllowListedUpload, push_checkpoint, push_release
-from .integrations import family_of
 from .label_checks import log_ignored_labels
 from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses
@@ -79,9 +78,9 @@ class PrivateTrainingMixin:
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
-        expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, self.dataset_size)
-        self.trainer_family = family = family_of(type(self))  # the unit, its rows and loss (hf_private.integrations)
-        self.per_example_loss = per_example_loss or family.per_unit_loss(self.args)
+        expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
+        self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
+        self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         self.add_callback(_LogicalBatchBoundaries(self))
