@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from ..methods import DPMethod, method_class
 from .base import RefusedKeyword, RefusedSetting, TrainerFamily
 
 PACKING_ISSUE = "exact per-document clipping of packed rows is not implemented yet (the packing issue lifts this)"
@@ -41,9 +42,7 @@ def _changes_what_trains(value: Any, dp_config: Any) -> bool:
     itself (DP-LoRA, BiTFiT, FROST, sparse low-rank, DP-FP) would fight it."""
     if value is None:
         return False
-    from ..methods import DPMethod
-
-    method = type(dp_config.build_method())
+    method = method_class(dp_config.method)
     return method.wrap_model is not DPMethod.wrap_model or method.prepare_model is not DPMethod.prepare_model
 
 
