@@ -40,7 +40,7 @@ from glue_data import (  # noqa: E402
     prepare,
     task_spec,
 )
-from paper_defaults import split_batch  # noqa: E402
+from paper_defaults import method_name, split_batch  # noqa: E402
 
 from hf_private import PrivateTrainer, median_gradient_norm, public_calibration_texts  # noqa: E402
 from hf_private.methods import MethodConfig, RecipeDefaults, method_class, registered_methods  # noqa: E402
@@ -96,12 +96,7 @@ class RecipeArguments:
                 valid = False
             if not valid:
                 raise SystemExit(f"--clip_norm must be a positive number or 'auto', got {self.clip_norm!r}.")
-        # Short names work too: frost is dp-frost, sparse_lowrank sparse-lowrank, dpfp dp-fp.
-        wanted = self.method.replace("_", "").replace("-", "").lower()
-        for name in registered_methods():
-            if wanted in (name.replace("-", ""), name.replace("-", "").removeprefix("dp")):
-                self.method = name
-                break
+        self.method = method_name(self.method)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

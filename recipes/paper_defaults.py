@@ -1,4 +1,5 @@
-"""Splitting a method's logical batch over processes and accumulation steps.
+"""What the recipes share: a method's name from its flag, and its logical batch split over processes and
+accumulation steps.
 
 The paper defaults themselves are declared by each method (`DPMethod.recipe_defaults`, in its folder). The expected
 batch size B is the paper's logical batch: q = B/N. The recipe splits it into physical chunks of at most
@@ -8,6 +9,18 @@ batch size B is the paper's logical batch: q = B/N. The recipe splits it into ph
 from __future__ import annotations
 
 import math
+
+from hf_private.methods import registered_methods
+
+
+def method_name(flag: str) -> str:
+    """The registered name a `--method` flag means; short names work too (frost is dp-frost, sparse_lowrank
+    sparse-lowrank, dpfp dp-fp, lora dp-lora). An unknown flag comes back as it is, for the caller to refuse."""
+    wanted = flag.replace("_", "").replace("-", "").lower()
+    for name in registered_methods():
+        if wanted in (name.replace("-", ""), name.replace("-", "").removeprefix("dp")):
+            return name
+    return flag
 
 
 def split_batch(expected_batch_size: int, max_physical: int, world_size: int) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from paper_defaults import split_batch  # noqa: E402
+from paper_defaults import method_name, split_batch  # noqa: E402
 
 from hf_private import privatize  # noqa: E402
 from hf_private.instruction_demo import (  # noqa: E402
@@ -78,11 +78,7 @@ class RecipeArguments:
     non_private: bool = field(default=True, metadata={"help": "Also train the non-private comparison run."})
 
     def __post_init__(self) -> None:
-        wanted = self.method.replace("_", "").replace("-", "").lower()
-        for name in registered_methods():
-            if wanted in (name.replace("-", ""), name.replace("-", "").removeprefix("dp")):
-                self.method = name
-                break
+        self.method = method_name(self.method)
 
 
 def parse_args(argv: list[str]) -> tuple[RecipeArguments, SFTConfig]:
