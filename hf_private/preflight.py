@@ -69,6 +69,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     family = family_of(trainer_class)
     check_dp_config(dp_config)
     check_subclass(trainer_class, mixin, custom_loss, family)
+    check_custom_loss(custom_loss, family)
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
@@ -137,6 +138,15 @@ def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool,
                 f"examples through its normaliser. {PER_EXAMPLE_LOSS_HINT} Your compute_loss then serves evaluation "
                 "only."
             )
+
+
+def check_custom_loss(custom_loss: bool, family: TrainerFamily) -> None:
+    if custom_loss and not family.accepts_per_example_loss:
+        raise ValueError(
+            f"per_example_loss is not supported by private {family.name} training: its unit's loss is not a function "
+            "of (model, outputs, labels) but the family's own (DPO's pair loss, chosen by DPOConfig.loss_type), "
+            "computed for each unit alone. Choose the loss in the trainer's config and drop per_example_loss."
+        )
 
 
 def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily, dp_config: MethodConfig) -> None:

@@ -9,6 +9,7 @@ evaluation and `push_to_hub` work as usual.
 
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 from typing import Any
@@ -64,18 +65,22 @@ class PrivateTrainingMixin:
      noise_multiplier, mechanism_name, has_formal_guarantee, training_steps, trained_parameter_names, record_release,
      suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
 
-    def __init__(self, model: nn.Module | None = None, args=None, *trainer_args: Any, dp_config: MethodConfig,
-                 per_example_loss: PerExampleLoss | None = None, **trainer_kwargs: Any) -> None:
-        train_dataset = trainer_kwargs.get("train_dataset", trainer_args[1] if len(trainer_args) > 1 else None)
+    def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
+                 **trainer_kwargs: Any) -> None:
+        call = _bind_to_trainer(type(self), trainer_args, trainer_kwargs)  # by name: DPOTrainer's 2nd is ref_model
+        given = call.arguments
+        model, args = given.get("model"), given.get("args")
         # before Trainer, which creates the Hub repo when push_to_hub is set (see preflight)
         checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
-                                       train_dataset, trainer_kwargs)
+                                       given.get("train_dataset"),
+                                       {k: v for k, v in given.items() if k not in ("model", "args")})
         self.dp_method = dp_config.build_method()
         warn_if_cls_head_on_mean_encoder(model)
         self.dataset_size = checked.dataset_size
         model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        given["model"] = model
+        super().__init__(*call.args, **call.kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
@@ -96,7 +101,7 @@ class PrivateTrainingMixin:
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
-        return dataset, EmptySafeCollator(self.data_collator, dataset[0])
+        return dataset, EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
@@ -119,21 +124,18 @@ class PrivateTrainingMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
             labels = inputs.get("labels")  # before Trainer's label smoother pops them
+            if labels is None:  # nothing to count for the collapse warning (DPO: no labels)
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
             self._evaluations.predictions.add(model, outputs, labels)
             return (loss, outputs) if return_outputs else loss
-        if "labels" not in inputs:
-            raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
         loss, outputs = self.summed_loss(model, inputs)
         return (loss, outputs) if return_outputs else loss
 
     def summed_loss(self, model: nn.Module, inputs: dict) -> tuple[torch.Tensor, Any]:
-        """Σ_b ℓ_b with the per-example loss, in whatever mode the model is (the independence probe runs eval)."""
-        inputs = dict(inputs)
-        examples = batch_size_of(inputs)
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        losses = check_per_example_losses(self.per_example_loss(model, outputs, labels), examples)
+        """Σ_u ℓ_u with the family's per-unit loss, in whatever mode the model is (the independence probe runs eval)."""
+        losses, outputs = self.trainer_family.unit_losses(self, model, inputs)
+        losses = check_per_example_losses(losses, batch_size_of(inputs))
         # A non-finite ℓ_b gets zero gradient through where(), and the engine zeroes whatever NaN still reaches its
         # terms; the logged loss must not become NaN exactly when that record is sampled either.
         return torch.where(torch.isfinite(losses), losses, 0.0).sum(), outputs
@@ -328,6 +330,21 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
             "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
         })
     return _PRIVATE_CLASSES[trainer_class]
+
+
+def _bind_to_trainer(cls: type, trainer_args: tuple, trainer_kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """The call's arguments by name, bound to the nearest `__init__` after the mixin that names its parameters (a
+    subclass that passes `*args, **kwargs` on is skipped): TRL's DPOTrainer takes `ref_model` second."""
+    after_mixin = cls.__mro__[cls.__mro__.index(PrivateTrainingMixin) + 1:]
+    for klass in after_mixin:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        signature = inspect.signature(init)
+        parameters = list(signature.parameters.values())[1:]  # without self
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+            return signature.replace(parameters=parameters).bind_partial(*trainer_args, **trainer_kwargs)
+    raise TypeError(f"{cls.__name__}: no __init__ in its classes names its parameters (model, args, ...).")
 
 
 class _LogicalBatchBoundaries(TrainerCallback):

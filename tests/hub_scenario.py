@@ -1,8 +1,9 @@
 """Client side of tests/test_hub.py, run in a subprocess because huggingface_hub reads HF_ENDPOINT at import.
 
-Pushes a DP-BiTFiT adapter (`PrivateTrainer.push_to_hub`) and a DP-LoRA adapter (the recipe's `--push_to_hub`),
-downloads each into a fresh directory, loads it onto a fresh base, compares logits with the trained model and
-re-reads the privacy block from the Hub card. Prints one JSON line of findings; asserts fail the process.
+Pushes a DP-BiTFiT adapter (`PrivateTrainer.push_to_hub`), a DP-LoRA adapter (the recipe's `--push_to_hub`) and
+LoRA adapters trained with the privatized TRL SFT and DPO trainers, downloads each into a fresh directory, loads it
+onto a fresh base, compares logits with the trained model and re-reads the privacy block from the Hub card. Prints
+one JSON line of findings; asserts fail the process.
 With strategy names after the work directory, pushes with each `hub_strategy` from an output directory littered with
 what `save_state()`, `save_metrics()`, a logging integration and the user leave there (`push_with_strategy`).
 """
@@ -23,6 +24,8 @@ from tests import tiny
 from tests.helpers import eval_logits, training_args
 
 BITFIT_REPO, LORA_REPO = "me/tiny-bitfit-dp", "me/demo-lora-dp"
+TRL_REPOS = {"sft": "me/tiny-sft-dp", "dpo": "me/tiny-dpo-dp"}
+TRL_UNITS = {"sft": "conversation", "dpo": "preference pair"}
 
 
 def _batch(tokenizer, texts) -> dict:
@@ -87,6 +90,43 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     return {"lora_epsilon": privacy["epsilon"]}
 
 
+def trl_round_trip(workdir: str, kind: str) -> dict:
+    """A private LoRA adapter trained with TRL's SFTTrainer (conversations) or DPOTrainer (preference pairs),
+    pushed; loaded from the Hub with stock PEFT it gives the trained model's logits, and the Hub card names the unit
+    and the trainer."""
+    import trl
+    from peft import LoraConfig
+
+    from hf_private import DPConfig, privatize
+
+    repo = TRL_REPOS[kind]
+    config = dict(output_dir=os.path.join(workdir, kind), max_steps=2, per_device_train_batch_size=8, report_to="none",
+                  use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", learning_rate=5e-2,
+                  push_to_hub=True, hub_model_id=repo, disable_tqdm=True, max_length=32)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    dp = DPConfig(target_epsilon=8.0)
+    if kind == "sft":
+        trainer = privatize(trl.SFTTrainer)(
+            tiny.llama(), trl.SFTConfig(**config, assistant_only_loss=True), train_dataset=tiny.conversations(64),
+            processing_class=tiny.chat_tokenizer(), peft_config=lora, dp_config=dp)
+    else:
+        trainer = privatize(trl.DPOTrainer)(
+            tiny.llama(), None, trl.DPOConfig(**config), train_dataset=tiny.preference_pairs(64),
+            processing_class=tiny.chat_tokenizer(), peft_config=lora, dp_config=dp)
+    trainer.train()
+    trainer.push_to_hub()
+
+    batch = _batch(tiny.chat_tokenizer(), ["the movie was", "a film"])
+    from_hub = PeftModel.from_pretrained(tiny.llama(), repo)
+    assert torch.equal(eval_logits(from_hub, batch), eval_logits(trainer.model, batch)), f"{kind}: Hub adapter differs"
+    card = ModelCard.load(repo)
+    privacy = card.data.to_dict()["privacy"]
+    assert privacy["epsilon"] == trainer.privacy_report()["epsilon"] and privacy["unit"] == TRL_UNITS[kind], privacy
+    assert f"one training {TRL_UNITS[kind]}" in card.text and f"trl.{kind.upper()}Trainer" in card.text
+    assert workdir not in str(card)
+    return {f"{kind}_epsilon": privacy["epsilon"]}
+
+
 def _leave_junk(trainer: PrivateTrainer) -> None:
     """Files that must never reach the Hub: trainer state (losses), metrics, an event file, the user's notes."""
     output_dir = trainer.args.output_dir
@@ -120,5 +160,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         findings = {strategy: push_with_strategy(sys.argv[1], strategy) for strategy in sys.argv[2:]}
     else:
-        findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1])}
+        findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1]),
+                    **trl_round_trip(sys.argv[1], "sft"), **trl_round_trip(sys.argv[1], "dpo")}
     print(json.dumps(findings))

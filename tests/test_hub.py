@@ -53,8 +53,13 @@ def test_push_download_load_and_read_the_card(tmp_path):
             assert card_steps == _steps(json.loads(files["privacy_ledger.json"])) > 0
         lora = hub.repos["me/demo-lora-dp"]
         assert {"adapter_model.safetensors", "adapter_config.json", "dp_config.json", "README.md"} <= set(lora)
+        for repo in ("me/tiny-sft-dp", "me/tiny-dpo-dp"):  # TRL's trainers: the adapter and card, nothing else
+            assert {"adapter_model.safetensors", "adapter_config.json", "dp_config.json", "README.md"} <= set(
+                hub.repos[repo]), (repo, sorted(hub.repos[repo]))
+            assert not set(hub.repos[repo]) & JUNK, sorted(hub.repos[repo])
         assert set(hub.unhandled) <= EXPECTED_UNHANDLED, hub.unhandled
     assert "private_adapter.safetensors" in findings["bitfit_files"]
+    assert 0 < findings["sft_epsilon"] <= 8.0 and 0 < findings["dpo_epsilon"] <= 8.0
     assert 0 < findings["bitfit_epsilon"] <= 3.0 and 0 < findings["lora_epsilon"] <= 8.0
 
 

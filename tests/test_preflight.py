@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from hf_private import BitFitConfig, DPConfig, PrivateTrainer, privatize
+from hf_private.integrations.trl_dpo import PAIR_LOSSES
 from hf_private.model_support import UnsupportedModelError
 from hf_private.preflight import _PRIVATE_PATH_METHODS
 from tests import tiny
@@ -178,6 +179,26 @@ def _lora():
 SFT = "is not supported by private trl.SFTTrainer training: "
 
 
+def _dpo(dp: Any = None, per_example_loss: Any = None, **config: Any) -> Callable:
+    """A row's build: privatize(trl.DPOTrainer) on the tiny Llama (its reference: a second one) and preference
+    pairs, `config` in its DPOConfig."""
+    def build(tmp_path, monkeypatch):
+        import trl
+
+        keywords = {k: config.pop(k).make() for k in ("peft_config",) if k in config}
+        if per_example_loss is not None:
+            keywords["per_example_loss"] = per_example_loss
+        defaults = dict(report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
+        args = trl.DPOConfig(str(tmp_path), **{**defaults, **config})
+        return privatize(trl.DPOTrainer)(tiny.llama(), tiny.llama(), args, train_dataset=tiny.preference_pairs(16),
+                                         processing_class=tiny.chat_tokenizer(),
+                                         dp_config=dp or DPConfig(noise_multiplier=1.0), **keywords)
+    return build
+
+
+DPO = "is not supported by private trl.DPOTrainer training: "
+
+
 class Row(NamedTuple):
     id: str
     build: Callable[[Any, pytest.MonkeyPatch], Any]  # (tmp_path, monkeypatch): builds the trainer
@@ -261,6 +282,22 @@ ROWS = [
         f"router_aux_loss_coef=None {SFT}the Mixture-of-Experts load-balancing loss"),
     Row("sft-gradient_checkpointing-SFTConfig-default", _sft(gradient_checkpointing=True), ValueError,
         "Activation checkpointing re-runs forward hooks"),
+    # ------------------------------------------------------------------ TRL DPOConfig (hf_private.integrations.trl_dpo)
+    Row("dpo-loss_type-aot", _dpo(loss_type="aot"), ValueError,
+        f"loss_type=['aot'] {DPO}'aot': it sorts the batch's log-ratios"),
+    Row("dpo-loss_type-aot_unpaired-among-others", _dpo(loss_type=["sigmoid", "aot_unpaired"]), ValueError,
+        f"loss_type=['sigmoid', 'aot_unpaired'] {DPO}"),
+    Row("dpo-padding_free", _dpo(padding_free=True), ValueError,
+        f"padding_free=True {DPO}padding_free flattens the batch's rows into one"),
+    Row("dpo-use_liger_kernel", _dpo(use_liger_kernel=True), ValueError,
+        f"use_liger_kernel=True {DPO}Liger kernels replace the model's layers"),
+    Row("dpo-activation_offloading", _dpo(activation_offloading=True), ValueError,
+        f"activation_offloading=True {DPO}offloading repacks"),
+    Row("dpo-per_example_loss", _dpo(per_example_loss=lambda model, outputs, labels: outputs.logits.sum((1, 2))),
+        ValueError, "per_example_loss is not supported by private trl.DPOTrainer training"),
+    Row("dpo-peft_config-with-a-method-choosing-what-trains",
+        _dpo(dp=BitFitConfig(noise_multiplier=1.0), peft_config=Fresh(_lora)), ValueError,
+        "peft_config is not supported with BitFitConfig"),
     Row("sft-peft_config-with-a-method-choosing-what-trains",
         _sft(dp=BitFitConfig(noise_multiplier=1.0), peft_config=Fresh(_lora)), ValueError,
         "peft_config is not supported with BitFitConfig: peft_config lets TRL choose what trains"),
@@ -347,6 +384,8 @@ ACCEPTED = {
         lambda tmp_path: _build(tmp_path, _private_subclass("compute_loss"), per_example_loss=_per_example_loss),
     "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,
     "sft-peft_config-with-DPConfig": lambda tmp_path: _sft(peft_config=Fresh(_lora))(tmp_path, None),
+    "dpo-every-per-pair-loss-type": lambda tmp_path: _dpo(loss_type=list(PAIR_LOSSES), label_smoothing=0.1)(
+        tmp_path, None),
 }
 
 

@@ -133,6 +133,16 @@ def prompt_completions(n: int = 32) -> Dataset:
                                              for _ in range(n)]})
 
 
+def preference_pairs(n: int = 32) -> Dataset:
+    """A prompt with a chosen and a rejected completion (TRL's DPO kind): positive words chosen, negative rejected."""
+    rng = random.Random(3)
+    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 6)) for _ in range(n)],
+                              "chosen": [f" {rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".rstrip()
+                                         for _ in range(n)],
+                              "rejected": [f" {rng.choice(demo.NEGATIVE)} {_words(rng, rng.randint(0, 2))}".rstrip()
+                                           for _ in range(n)]})
+
+
 def conversations(n: int = 32) -> Dataset:
     """A user turn and an assistant turn each (`messages`, through the chat template)."""
     rng = random.Random(2)

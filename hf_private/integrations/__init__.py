@@ -16,6 +16,7 @@ __all__ = ["RefusedKeyword", "RefusedSetting", "TrainerFamily", "family_of", "tr
 # dotted name of the family's root class → the module (in this package) whose FAMILY describes it
 _FAMILIES = {
     "trl.trainer.sft_trainer.SFTTrainer": "trl_sft",
+    "trl.trainer.dpo_trainer.DPOTrainer": "trl_dpo",
 }
 _TRANSFORMERS = TrainerFamily()
 

@@ -7,8 +7,9 @@ changes; a family tells it:
 * the privacy unit, as the report, the ledger and the card name it ("example", "conversation", "preference pair");
 * how many consecutive rows of a collated chunk make one unit (DPO: 2, chosen then rejected), so the engine clips the
   unit, not each row;
-* the per-unit training loss used when the user gives no `per_example_loss`: each unit's own loss, never a batch
-  share of it;
+* how the training chunks are collated (DPO: each pair's chosen and rejected rows stacked) and each unit's loss
+  computed from a chunk: each unit's own loss, never a batch share of it (`per_unit_loss` when the user gives no
+  `per_example_loss`, for the families whose loss reads the model's outputs and the labels);
 * which of the family's own methods on the private training path are compatible with it, and why;
 * the family's own settings that would change what is clipped or publish un-noised data: refused by name, with the
   reason and the fix (`hf_private.preflight` raises; the family only declares them).
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..example_rows import rows_per_example
@@ -58,6 +60,8 @@ class TrainerFamily:
     compatible_overrides: Mapping[str, str] = {}
     refused_settings: tuple[RefusedSetting, ...] = ()
     refused_keywords: tuple[RefusedKeyword, ...] = ()
+    #: whether a user's `per_example_loss(model, outputs, labels)` can be the unit's loss (not for a pair loss)
+    accepts_per_example_loss = True
 
     def unit(self, train_dataset: Any) -> str:
         """The privacy unit, as "one training <unit>" reads on the card."""
@@ -67,9 +71,24 @@ class TrainerFamily:
         """Consecutive rows of a collated chunk that belong to one unit (the engine clips their sum)."""
         return rows_per_example(model, inputs)
 
-    def per_unit_loss(self, args: Any) -> PerExampleLoss:
-        """ℓ_u(model, outputs, labels) → one loss per unit, when the user passes no `per_example_loss`."""
+    def per_unit_loss(self, args: Any) -> PerExampleLoss | None:
+        """ℓ_u(model, outputs, labels) → one loss per unit, when the user passes no `per_example_loss` (None: the
+        family's `unit_losses` does not read one)."""
         return partial(default_per_example_loss, label_smoothing=args.label_smoothing_factor)
+
+    def training_collator(self, collate_fn: Callable[[list], Mapping[str, Any]]) -> Callable:
+        """How a training chunk is collated: the trainer's own collator, unless the family regroups the rows."""
+        return collate_fn
+
+    def unit_losses(self, trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
+        """One loss per unit of a training chunk and the model's outputs: `trainer.per_example_loss` of the outputs
+        and the labels."""
+        if "labels" not in inputs:
+            raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        return trainer.per_example_loss(model, outputs, labels), outputs
 
     def owns(self, cls: type) -> bool:
         return dotted_name(cls) in self.own_classes

@@ -19,31 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
-from ..methods import DPMethod, method_class
-from .base import RefusedKeyword, RefusedSetting, TrainerFamily
-
-PACKING_ISSUE = "exact per-document clipping of packed rows is not implemented yet (the packing issue lifts this)"
-
-
-def _moe_aux_loss(args: Any, model: nn.Module) -> bool:
-    """Whether SFTTrainer would add a Mixture-of-Experts load-balancing loss (its own rule, read before it runs)."""
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = getattr(args, "router_aux_loss_coef", None)
-    if coef is None:
-        coef = getattr(text_config, "router_aux_loss_coef", 0.0)
-    return hasattr(text_config, "output_router_logits") and coef != 0.0
-
-
-def _changes_what_trains(value: Any, dp_config: Any) -> bool:
-    """A PEFT config lets TRL choose what trains; a DP method that wraps the model or chooses its trainable set
-    itself (DP-LoRA, BiTFiT, FROST, sparse low-rank, DP-FP) would fight it."""
-    if value is None:
-        return False
-    method = method_class(dp_config.method)
-    return method.wrap_model is not DPMethod.wrap_model or method.prepare_model is not DPMethod.prepare_model
+from .base import RefusedSetting, TrainerFamily
+from .trl_shared import KERNEL_AND_BATCH_SETTINGS, PACKING_ISSUE, PEFT_CONFIG
 
 
 class SFTFamily(TrainerFamily):
@@ -69,30 +46,12 @@ class SFTFamily(TrainerFamily):
             "padding_free flattens the whole batch into one row, so per-example clipping would clip the batch. "
             "Set padding_free=False (each sequence is padded to a row of its own)."),
         RefusedSetting(
-            "use_liger_kernel", lambda args, model: bool(getattr(args, "use_liger_kernel", False)),
-            "Liger kernels replace the model's layers and loss with fused kernels that have no per-example gradient "
-            "rule here, so nothing could be clipped per example. Set use_liger_kernel=False."),
-        RefusedSetting(
             "loss_type", lambda args, model: getattr(args, "loss_type", "nll") != "nll",
             "only loss_type='nll' has a per-sequence loss here (each sequence's mean negative log-likelihood over "
             "its own trained tokens). Set loss_type='nll'."),
-        RefusedSetting(
-            "activation_offloading", lambda args, model: bool(getattr(args, "activation_offloading", False)),
-            "offloading repacks the tensors saved for backward, including those the per-example gradient hooks "
-            "read, which has not been verified to keep each example's gradient exact. Set "
-            "activation_offloading=False."),
-        RefusedSetting(
-            "router_aux_loss_coef", _moe_aux_loss,
-            "the Mixture-of-Experts load-balancing loss is computed over the router statistics of the whole batch, "
-            "which couples examples, and it is not part of the per-sequence loss. Set router_aux_loss_coef=0.0."),
+        *KERNEL_AND_BATCH_SETTINGS,
     )
-    refused_keywords = (
-        RefusedKeyword(
-            "peft_config", _changes_what_trains,
-            "peft_config lets TRL choose what trains (a PEFT adapter), but this DP method wraps the model or chooses "
-            "its trainable tensors itself. Use DPConfig with peft_config (DP-SGD on the adapter), or this method "
-            "without peft_config."),
-    )
+    refused_keywords = (PEFT_CONFIG,)
 
     def unit(self, train_dataset: Any) -> str:
         """"conversation" (messages, or a conversational prompt and completion), "prompt-completion pair", or
