@@ -10,6 +10,8 @@ the completion is a simple function of the review:
 
 A 2-layer model of width 64 learns it in seconds without privacy, and visibly at ε = 8. Held-out exact match of the
 greedy completion is the metric; the trivial baseline (one fixed answer per instruction) is `majority_exact_match`.
+For DPO each prompt comes with the right completion (chosen) and a plausible wrong one (rejected: the other verdict,
+or the review's other end), `preference_splits`.
 It shows that the pipeline works; it is not a benchmark.
 """
 
@@ -62,10 +64,43 @@ def instruction_pairs(n: int, seed: int = 0) -> dict[str, list[str]]:
     return {"prompt": prompts, "completion": completions}
 
 
+def wrong_answer(instruction: str, review: str, label: int) -> str:
+    """A plausible wrong completion: the other verdict, or the word at the review's other end."""
+    words = review.split()
+    if instruction == "verdict":
+        return VERDICTS[1 - label]
+    return words[0] if instruction == "last" else words[-1]
+
+
+def preference_pairs(n: int, seed: int = 0) -> dict[str, list[str]]:
+    """`n` prompts, each with the right completion (chosen) and a wrong one (rejected); when a review's first and
+    last words are the same, the rejected completion is the other verdict word, so the two always differ."""
+    rng = random.Random(seed)
+    reviews, labels = sentiment_texts(n, seed, contrast=True)
+    rows: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    for review, label in zip(reviews, labels):
+        instruction = rng.choice(INSTRUCTIONS)
+        chosen, rejected = answer(instruction, review, label), wrong_answer(instruction, review, label)
+        if rejected == chosen:
+            rejected = VERDICTS[0] if chosen != VERDICTS[0] else VERDICTS[1]
+        rows["prompt"].append(f"{instruction} : {review}")
+        rows["chosen"].append(f" {chosen}")
+        rows["rejected"].append(f" {rejected}")
+    return rows
+
+
 def instruction_splits(train_size: int = 4000, validation_size: int = 200, seed: int = 1234) -> DatasetDict:
     """`prompt`/`completion` "train" and "validation" splits; a validation prompt that also occurs in training is left
     out (so slightly fewer than `validation_size` may remain), so the split is truly held out."""
-    pairs = instruction_pairs(train_size + validation_size, seed)
+    return _held_out_splits(instruction_pairs(train_size + validation_size, seed), train_size, validation_size)
+
+
+def preference_splits(train_size: int = 4000, validation_size: int = 200, seed: int = 1234) -> DatasetDict:
+    """`prompt`/`chosen`/`rejected` "train" and "validation" splits, held out as `instruction_splits` are."""
+    return _held_out_splits(preference_pairs(train_size + validation_size, seed), train_size, validation_size)
+
+
+def _held_out_splits(pairs: dict[str, list[str]], train_size: int, validation_size: int) -> DatasetDict:
     seen = set(pairs["prompt"][:train_size])
     held_out = [i for i in range(train_size, train_size + validation_size) if pairs["prompt"][i] not in seen]
     return DatasetDict({
@@ -74,13 +109,14 @@ def instruction_splits(train_size: int = 4000, validation_size: int = 200, seed:
     })
 
 
-def majority_exact_match(train: Dataset, validation: Dataset) -> float:
-    """The trivial baseline: per instruction, always answer the training set's most common completion."""
+def majority_exact_match(train: Dataset, validation: Dataset, column: str = "completion") -> float:
+    """The trivial baseline: per instruction, always answer the training set's most common completion (`column`:
+    "chosen" for preference pairs)."""
     common: dict[str, Counter] = {}
-    for prompt, completion in zip(train["prompt"], train["completion"]):
+    for prompt, completion in zip(train["prompt"], train[column]):
         common.setdefault(prompt.split()[0], Counter())[completion.strip()] += 1
     best = {instruction: counts.most_common(1)[0][0] for instruction, counts in common.items()}
-    hits = [best.get(p.split()[0]) == c.strip() for p, c in zip(validation["prompt"], validation["completion"])]
+    hits = [best.get(p.split()[0]) == c.strip() for p, c in zip(validation["prompt"], validation[column])]
     return sum(hits) / max(1, len(hits))
 
 

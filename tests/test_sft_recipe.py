@@ -1,5 +1,6 @@
-"""recipes/sft.py: the offline DP SFT recipe (privatize(trl.SFTTrainer) beside stock SFTTrainer), its generated
-instruction task, the refusal of --trainer dpo, and a 2-process `accelerate launch` that ends with identical ranks."""
+"""recipes/sft.py: the offline DP SFT and DPO recipe (privatize(trl.SFTTrainer) or privatize(trl.DPOTrainer) beside
+the stock trainer), its generated instruction and preference tasks, and a 2-process `accelerate launch` of each that
+ends with identical ranks."""
 
 from __future__ import annotations
 
@@ -48,12 +49,36 @@ def test_default_run_is_offline_and_prints_epsilon_and_both_metrics(tmp_path, ca
     assert 0 < result["epsilon"] <= 8.0 and result["steps"] == result["non_private_steps"] == 8
     for key in ("private_exact_match", "non_private_exact_match", "baseline_exact_match"):
         assert 0.0 <= result[key] <= 1.0
-    assert re.search(r"private \(dp-sgd\)\s+8\.00\s+9\.8e-04\s+8\s+\d\.\d{3}", table), table
+    assert re.search(r"private \(sft, dp-sgd\)\s+8\.00\s+9\.8e-04\s+8\s+\d\.\d{3}", table), table
     assert re.search(r"non-private\s+∞\s+-\s+8\s+\d\.\d{3}", table) and "trivial (majority answer)" in table
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "privacy_ledger.json").is_file()
     privacy = ModelCard.load(tmp_path / "README.md").data.to_dict()["privacy"]
     assert privacy["epsilon"] == pytest.approx(result["epsilon"]) and privacy["guarantee"] == "formal"
     assert privacy["unit"] == "prompt-completion pair"
+
+
+def test_preference_pairs_are_generated_deterministically_with_a_wrong_rejected_answer():
+    data = instruction_demo.preference_splits(300, 50, seed=7)
+    assert data["train"].to_dict() == instruction_demo.preference_splits(300, 50, seed=7)["train"].to_dict()
+    assert not set(data["validation"]["prompt"]) & set(data["train"]["prompt"])
+    for prompt, chosen, rejected in zip(data["train"]["prompt"], data["train"]["chosen"], data["train"]["rejected"]):
+        instruction, _, review = prompt.split(" ", 2)
+        assert chosen != rejected and chosen.startswith(" ") and rejected.startswith(" ")
+        if instruction != "verdict":
+            assert chosen.strip() == review.split()[-1 if instruction == "last" else 0]
+
+
+def test_dpo_run_prints_epsilon_and_both_metrics_and_names_the_pair_as_unit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = sft.main(["--trainer", "dpo", "--output_dir", str(tmp_path), *SMALL])
+    table = capsys.readouterr().out
+    assert 0 < result["epsilon"] <= 8.0 and result["steps"] == result["non_private_steps"] == 8
+    for key in ("private_exact_match", "non_private_exact_match", "private_preference_accuracy",
+                "non_private_preference_accuracy"):
+        assert 0.0 <= result[key] <= 1.0
+    assert re.search(r"private \(dpo, dp-sgd\)\s+8\.00\s+9\.8e-04\s+8\s+\d\.\d{3}\s+\d\.\d{3}", table), table
+    privacy = ModelCard.load(tmp_path / "README.md").data.to_dict()["privacy"]
+    assert privacy["unit"] == "preference pair" and privacy["epsilon"] == pytest.approx(result["epsilon"])
 
 
 def test_lora_writes_a_peft_adapter(tmp_path):
@@ -63,7 +88,6 @@ def test_lora_writes_a_peft_adapter(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--trainer", "dpo"], "DP DPO is not implemented yet.*--trainer sft"),
     (["--trainer", "ppo"], "--trainer must be sft or dpo"),
     (["--method", "adam"], "--method must be one of"),
 ])
@@ -72,12 +96,13 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message)
         sft.main(["--output_dir", str(tmp_path), *argv])
 
 
-def test_two_process_accelerate_launch_ends_with_identical_ranks(tmp_path):
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_two_process_accelerate_launch_ends_with_identical_ranks(tmp_path, trainer):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "recipes/sft.py",
-               "--output_dir", str(tmp_path), *SMALL]
+               "--trainer", trainer, "--output_dir", str(tmp_path), *SMALL]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     digests = dict(re.findall(r"^rank (\d) of 2: (.+)$", run.stderr, re.MULTILINE))

@@ -25,6 +25,7 @@ from hf_private.engine import PerExampleGradientEngine
 from hf_private.integrations import family_of
 from hf_private.integrations.trl_dpo import PAIR_LOSSES, PairCollator, reference_logps, sequence_logps
 from tests import tiny
+from tests.helpers import run_readme_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -291,3 +292,17 @@ def test_the_independence_test_fails_when_trls_batch_mean_is_put_back(tmp_path, 
     monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
     next_to_short, next_to_long = contributions(tmp_path, HUGE)
     assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
+
+
+# ---------------------------------------------------------------------- the README's script
+def test_readme_dpo_script_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The python block under "DP DPO with TRL", executed unchanged: a LoRA adapter trained privately on preference
+    pairs (the adapter-disabled base as reference), saved with a card naming the unit, the trainer and ε."""
+    namespace = run_readme_block("### DP DPO with TRL", tmp_path, monkeypatch)
+    assert "preference pair" in capsys.readouterr().out
+    report = namespace["trainer"].privacy_report()
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0
+    card = ModelCard.load(tmp_path / "out-dpo" / "README.md")
+    assert card.data.to_dict()["privacy"]["epsilon"] == pytest.approx(report["epsilon"])
+    assert "one training preference pair" in card.text and "trl.DPOTrainer" in card.text
+    assert (tmp_path / "out-dpo" / "adapter_model.safetensors").is_file()
