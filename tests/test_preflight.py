@@ -179,7 +179,8 @@ def _lora():
 SFT = "is not supported by private trl.SFTTrainer training: "
 
 
-def _dpo(dp: Any = None, per_example_loss: Any = None, **config: Any) -> Callable:
+def _dpo(dp: Any = None, per_example_loss: Any = None, dataset: Callable = tiny.preference_pairs,
+         **config: Any) -> Callable:
     """A row's build: privatize(trl.DPOTrainer) on the tiny Llama (its reference: a second one) and preference
     pairs, `config` in its DPOConfig."""
     def build(tmp_path, monkeypatch):
@@ -190,7 +191,8 @@ def _dpo(dp: Any = None, per_example_loss: Any = None, **config: Any) -> Callabl
             keywords["per_example_loss"] = per_example_loss
         defaults = dict(report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
         args = trl.DPOConfig(str(tmp_path), **{**defaults, **config})
-        return privatize(trl.DPOTrainer)(tiny.llama(), tiny.llama(), args, train_dataset=tiny.preference_pairs(16),
+        train = dataset() if dataset is not tiny.preference_pairs else dataset(16)
+        return privatize(trl.DPOTrainer)(tiny.llama(), tiny.llama(), args, train_dataset=train,
                                          processing_class=tiny.chat_tokenizer(),
                                          dp_config=dp or DPConfig(noise_multiplier=1.0), **keywords)
     return build
@@ -295,6 +297,8 @@ ROWS = [
         f"activation_offloading=True {DPO}offloading repacks"),
     Row("dpo-per_example_loss", _dpo(per_example_loss=lambda model, outputs, labels: outputs.logits.sum((1, 2))),
         ValueError, "per_example_loss is not supported by private trl.DPOTrainer training"),
+    Row("dpo-vision-preference-data", _dpo(dataset=lambda: tiny.preference_pairs(16).add_column("images", [[]] * 16)),
+        ValueError, "train_dataset is not supported with DPConfig: a vision-language preference dataset"),
     Row("dpo-peft_config-with-a-method-choosing-what-trains",
         _dpo(dp=BitFitConfig(noise_multiplier=1.0), peft_config=Fresh(_lora)), ValueError,
         "peft_config is not supported with BitFitConfig"),

@@ -15,10 +15,10 @@ gradient, per pair, from the frozen `ref_model`, from the base model with the ad
 the dataset (`precompute_ref_log_probs`): no reference quantity depends on another pair.
 
 Refused: the loss types that sort the batch ('aot', 'aot_unpaired': a pair's loss then depends on its batch-mates),
-padding-free batches, Liger kernels, activation offloading, a Mixture-of-Experts load-balancing loss, and a
-`per_example_loss` (the pair loss is DPOConfig's). TRL's training metrics (rewards, margins, log-probabilities) are
-un-noised functions of the private batch: the private path never computes them, so `DPOTrainer.log` finds none to add.
-Evaluation is TRL's own.
+padding-free batches, Liger kernels, activation offloading, a Mixture-of-Experts load-balancing loss, vision-language
+preference data, and a `per_example_loss` (the pair loss is DPOConfig's). TRL's training metrics (rewards, margins,
+log-probabilities) are un-noised functions of the private batch: the private path never computes them, so
+`DPOTrainer.log` finds none to add. Evaluation is TRL's own.
 
 Nothing here is imported unless the trainer class comes from trl.
 """
@@ -36,7 +36,7 @@ from torch import nn
 
 from ..adapters import unwrap_peft
 from ..losses import IGNORE_INDEX
-from .base import RefusedSetting, TrainerFamily
+from .base import RefusedKeyword, RefusedSetting, TrainerFamily
 from .trl_shared import KERNEL_AND_BATCH_SETTINGS, PACKING_ISSUE, PEFT_CONFIG
 
 #: rows of one preference pair in a collated training chunk: chosen, then rejected
@@ -238,7 +238,13 @@ class DPOFamily(TrainerFamily):
             f"{PACKING_ISSUE}. Set padding_free=False."),
         *KERNEL_AND_BATCH_SETTINGS,
     )
-    refused_keywords = (PEFT_CONFIG,)
+    refused_keywords = (
+        PEFT_CONFIG,
+        RefusedKeyword(
+            "train_dataset", lambda dataset, dp_config: _has_images(dataset),
+            "a vision-language preference dataset ('image' or 'images' in its rows) is collated by TRL's vision "
+            "collator, whose image tensors have no per-pair grouping here. Train on text preference pairs."),
+    )
 
     def unit(self, train_dataset: Any) -> str:
         return "preference pair"
@@ -286,6 +292,14 @@ class DPOFamily(TrainerFamily):
         if args.use_weighting:
             losses = losses * wpo_weights(outputs.logits, token_logps, completion_mask)
         return losses, outputs
+
+
+def _has_images(dataset: Any) -> bool:
+    try:
+        first = next(iter(dataset))
+    except (TypeError, StopIteration):
+        return False
+    return isinstance(first, Mapping) and ("image" in first or "images" in first)
 
 
 def _loss_types(args: Any) -> list[str]:
