@@ -74,10 +74,12 @@ class PairCollator:
 # ---------------------------------------------------------------------- log-probabilities of the completions
 def completion_token_logps(logits: torch.Tensor, input_ids: torch.Tensor,
                            completion_mask: torch.Tensor) -> torch.Tensor:
-    """log p(token_t | tokens before t) at each completion token (0 elsewhere), [R, T - 1], in float32."""
+    """log p(token_t | tokens before t) at each completion token (0 elsewhere), [R, T - 1], in float32.
+
+    As the label's logit minus the log-sum-exp: autograd then keeps no [R, T, V] log-softmax beside the logits."""
     labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
-    log_probs = logits[:, :-1].float().log_softmax(-1)
-    token = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    shifted = logits[:, :-1]
+    token = shifted.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).float() - shifted.float().logsumexp(-1)
     return token * (labels != IGNORE_INDEX)
 
 
