@@ -67,8 +67,8 @@ class PrivateTrainingMixin:
 
     def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
                  **trainer_kwargs: Any) -> None:
-        call = _bind_to_trainer(type(self), trainer_args, trainer_kwargs)  # by name: DPOTrainer's 2nd is ref_model
-        given = call.arguments
+        names = _positional_names(type(self))  # DPOTrainer's second positional parameter is ref_model
+        given = {**dict(zip(names, trainer_args)), **trainer_kwargs}
         model, args = given.get("model"), given.get("args")
         # before Trainer, which creates the Hub repo when push_to_hub is set (see preflight)
         checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
@@ -79,8 +79,12 @@ class PrivateTrainingMixin:
         self.dataset_size = checked.dataset_size
         model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
-        given["model"] = model
-        super().__init__(*call.args, **call.kwargs)
+        if "model" in names[:len(trainer_args)]:
+            trainer_args = tuple(model if name == "model" else value for name, value in zip(names, trainer_args)
+                                 ) + trainer_args[len(names):]
+        else:
+            trainer_kwargs["model"] = model
+        super().__init__(*trainer_args, **trainer_kwargs)
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
@@ -332,19 +336,17 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
     return _PRIVATE_CLASSES[trainer_class]
 
 
-def _bind_to_trainer(cls: type, trainer_args: tuple, trainer_kwargs: dict[str, Any]) -> inspect.BoundArguments:
-    """The call's arguments by name, bound to the nearest `__init__` after the mixin that names its parameters (a
-    subclass that passes `*args, **kwargs` on is skipped): TRL's DPOTrainer takes `ref_model` second."""
-    after_mixin = cls.__mro__[cls.__mro__.index(PrivateTrainingMixin) + 1:]
-    for klass in after_mixin:
+def _positional_names(cls: type) -> list[str]:
+    """The names the trainer gives its positional parameters: those of the nearest `__init__` after the mixin that
+    names them (a subclass that passes `*args` on is skipped; its own keywords pass through untouched)."""
+    for klass in cls.__mro__[cls.__mro__.index(PrivateTrainingMixin) + 1:]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        signature = inspect.signature(init)
-        parameters = list(signature.parameters.values())[1:]  # without self
-        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
-            return signature.replace(parameters=parameters).bind_partial(*trainer_args, **trainer_kwargs)
-    raise TypeError(f"{cls.__name__}: no __init__ in its classes names its parameters (model, args, ...).")
+        parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
+        if not any(p.kind is p.VAR_POSITIONAL for p in parameters):
+            return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return []
 
 
 class _LogicalBatchBoundaries(TrainerCallback):

@@ -192,6 +192,26 @@ def test_a_user_trainer_keeps_its_metric_and_callback_and_trains_privately(tmp_p
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
 
 
+class FlaggedTrainer(Trainer):
+    """A user's Trainer that passes Trainer's arguments on as *args, **kwargs and takes a keyword of its own."""
+
+    def __init__(self, *args, shout: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shout = shout
+
+
+def test_a_user_trainer_with_args_and_its_own_keyword_gets_both(tmp_path):
+    """Positional arguments are named as Trainer names them (the model is wrapped in its place), the user's own
+    keyword reaches the user's __init__."""
+    tok = tiny.tokenizer()
+    trainer = privatize(FlaggedTrainer)(
+        tiny.bert(), training_args(tmp_path), DataCollatorWithPadding(tok), tiny.sentiment_dataset(TRAIN_SIZE),
+        processing_class=tok, shout=True, dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0))
+    assert trainer.shout and trainer.dataset_size == TRAIN_SIZE and trainer.args.output_dir == str(tmp_path)
+    trainer.train()
+    assert trainer.training_steps() > 0
+
+
 # ---------------------------------------------------------------- what privatize() takes and returns
 def test_privatize_returns_one_private_subclass_per_trainer_class():
     assert privatize(Trainer) is PrivateTrainer
