@@ -1,7 +1,7 @@
 """DP SFT and DP DPO through TRL's own trainers: time and peak memory per example, private against non-private.
 
-    python -m benchmarks.trl_speed --trainer sft dpo --modes full lora --seq-len 512 --steps 3 --rounds 3 \\
-        --out benchmarks/results/trl_speed_cpu_t512.json
+    python -m benchmarks.trl_speed --trainer sft dpo --modes full lora --seq-len 512 --steps 4 --rounds 4 \\
+        [--arms non-private private plain-loss] --out benchmarks/results/trl_speed_cpu_t512.json
 
 Each (trainer, mode) row compares stock `trl.SFTTrainer` (or `trl.DPOTrainer`) with `privatize()` of the same class
 and `DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)` (a fixed σ: nothing to calibrate), on the same model, data,
@@ -9,6 +9,16 @@ and `DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)` (a fixed σ: nothing to 
 non-private arm's fixed batch as its expectation (q = B·GA/N). Full fine-tuning, or PEFT LoRA through the trainer's own
 `peft_config` (r = 8, alpha 16, q_proj and v_proj). Everything else is the trainers' defaults, in fp32 on the CPU
 (the non-private arm keeps Trainer's global-norm clipping at 1.0; the private arm replaces it by the per-example clip).
+
+What "the same trainer" computes differs in one place. Stock TRL 1.16 trainers compute the training loss through TRL's
+fused LM head (`trl.trainer.utils.add_fused_lm_head`, `trl/kernels/chunked_logprob.py`): log-probabilities (and, for
+SFT, entropy and top-1 for its metrics) in vocabulary tiles without materialising the logits, a Triton kernel on GPU
+and tiled torch ops on CPU. The private arm never calls `SFTTrainer.compute_loss` (`hf_private.integrations.trl_sft`):
+it runs the model's own forward (full logits) and a per-sequence loss. On CPU the tiled fallback is the slower and
+larger of the two, so next to stock SFTTrainer the private arm can come out faster and leaner. `--arms ... plain-loss`
+adds an informational SFT reference that isolates the cost of privacy: stock SFTTrainer with transformers.Trainer's
+`compute_loss` (the model's own loss on its full logits; no fused head, no SFT metrics), alternated with the others
+and reported beside the main ratios (`plain_time_ratio`, `plain_memory_ratio`).
 
 Model: a Llama built from `LlamaConfig`, randomly initialised (speed does not depend on the weights): 8 layers, width
 512, 8 heads of 64 (no grouped-query attention), MLP width 1376 (Llama's 8/3·d rounded up to a multiple of 32, as
@@ -35,6 +45,8 @@ example-independence probe). Peak memory: the process high-water mark (VmHWM, `b
 measured step, read at the last. Every run is its own fresh process (spawn), so no arm's high-water mark or allocator
 pages reach another's; the arms alternate (non-private, private, non-private, ...) for `--rounds` rounds so machine
 load hits both alike, and the table reports the median over rounds and the private/non-private ratio of medians.
+One torch thread per run by default (`--threads`): on a shared 2-core machine two threads make every small op wait
+for both, which slows the private arm's many small ops (noise, per-example norms) far more than the GEMMs.
 
 Each row is written to `--out` as soon as it completes, merged with the rows already in the file (same trainer and
 mode: replaced); `--resume` skips the rows already there instead.
@@ -69,6 +81,7 @@ logger = logging.getLogger("benchmarks.trl_speed")
 
 CPU = torch.device("cpu")
 ARMS = ("non-private", "private")
+PLAIN = "plain-loss"  # opt-in SFT reference: stock SFTTrainer with Trainer's compute_loss (see the module docstring)
 TRAINERS = ("sft", "dpo")
 MODES = ("full", "lora")
 SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")  # ids 0-3; data ids are drawn from the rest
@@ -187,6 +200,10 @@ def build_trainer(spec: dict, output_dir: str):
         kwargs["ref_model"] = copy.deepcopy(model)  # a random model has no Hub id to rebuild the reference from
     if spec["arm"] == "non-private":
         return trainer_class(**kwargs)
+    if spec["arm"] == PLAIN:
+        if spec["trainer"] != "sft":
+            raise ValueError(f"the {PLAIN} arm is an SFT reference (DPO's loss is DPOTrainer's own)")
+        return plain_loss_class(trainer_class)(**kwargs)
     dp_config = DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP)
     if spec["trainer"] == "sft":
         return privatize(trainer_class)(**kwargs, dp_config=dp_config)
@@ -196,6 +213,14 @@ def build_trainer(spec: dict, output_dir: str):
         raise PrivateArmUnavailable(
             f"the private DPO arm cannot run in this checkout: privatize(trl.DPOTrainer)(...) raised "
             f"{type(err).__name__}: {err} (`--arms non-private` runs the non-private arm alone)") from err
+
+
+def plain_loss_class(trainer_class: type) -> type:
+    """`trainer_class` with transformers.Trainer's compute_loss: the model's own loss on its full logits, in place of
+    TRL's fused chunked LM head and its entropy and token-accuracy metrics; everything else is the class's own."""
+    from transformers import Trainer
+
+    return type(f"PlainLoss{trainer_class.__name__}", (trainer_class,), {"compute_loss": Trainer.compute_loss})
 
 
 class PrivateArmUnavailable(RuntimeError):
@@ -330,8 +355,8 @@ def run_arm(spec: dict) -> dict:
     if len(seconds) != spec["steps"]:
         raise RuntimeError(f"{spec['arm']} arm measured {len(seconds)} steps of {spec['steps']} (it ran "
                            f"{len(meter.seconds)} in all, {meter.first_measured} before measuring): raise --spare")
-    if spec["arm"] == "non-private" and set(meter.examples) != {spec["batch_size"] * spec["grad_accum"]}:
-        raise RuntimeError(f"non-private steps trained {meter.examples} examples, expected B·GA each")
+    if spec["arm"] != "private" and set(meter.examples) != {spec["batch_size"] * spec["grad_accum"]}:
+        raise RuntimeError(f"{spec['arm']} steps trained {meter.examples} examples, expected B·GA each")
     result = {
         "arm": spec["arm"], "s_per_example": sum(seconds) / max(1, sum(examples)),
         "peak_bytes": meter.peak, "rss_at_reset_bytes": meter.rss_at_reset,
@@ -383,7 +408,7 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
                dataset_size=expected * planned_steps(spec), arms={})
     for arm, arm_runs in runs.items():
         row["arms"][arm] = {"median_s_per_example": statistics.median(r["s_per_example"] for r in arm_runs),
-                            "median_peak_bytes": statistics.median(r["peak_bytes"] for r in arm_runs),
+                            "median_peak_bytes": int(statistics.median(r["peak_bytes"] for r in arm_runs)),
                             "runs": arm_runs}
     if set(ARMS) <= set(runs):
         private, public = row["arms"]["private"], row["arms"]["non-private"]
@@ -391,6 +416,12 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
         row["memory_ratio"] = private["median_peak_bytes"] / public["median_peak_bytes"]
         row["round_time_ratios"] = [p["s_per_example"] / n["s_per_example"]
                                     for p, n in zip(runs["private"], runs["non-private"])]
+    if {"private", PLAIN} <= set(runs):
+        private, plain = row["arms"]["private"], row["arms"][PLAIN]
+        row["plain_time_ratio"] = private["median_s_per_example"] / plain["median_s_per_example"]
+        row["plain_memory_ratio"] = private["median_peak_bytes"] / plain["median_peak_bytes"]
+        row["plain_round_time_ratios"] = [p["s_per_example"] / n["s_per_example"]
+                                          for p, n in zip(runs["private"], runs[PLAIN])]
     return row
 
 
@@ -421,30 +452,38 @@ def write_results(path: str, saved: dict) -> None:
     os.replace(tmp, path)  # a run stopped mid-write keeps the previous file
 
 
-def table_cells(row: dict) -> list[str]:
-    """trainer, mode, T, B x GA, s/example of each arm and their ratio, peak MiB of each arm and their ratio."""
+def table_cells(row: dict, reference: str = "non-private", prefix: str = "") -> list[str]:
+    """trainer, mode, T, B x GA, s/example of the reference arm and the private arm and their ratio, peak MiB of each
+    and their ratio."""
     arms = row["arms"]
 
     def value(arm: str, key: str, scale: float, fmt: str) -> str:
         return format(arms[arm][key] / scale, fmt) if arm in arms else "-"
 
     def ratio(key: str) -> str:
-        return f"{row[key]:.2f}x" if key in row else "-"
+        return f"{row[prefix + key]:.2f}x" if prefix + key in row else "-"
 
     return [row["trainer"], row["mode"], str(row["seq_len"]), f"{row['batch_size']}x{row['grad_accum']}",
-            value("non-private", "median_s_per_example", 1, ".3f"), value("private", "median_s_per_example", 1, ".3f"),
-            ratio("time_ratio"), value("non-private", "median_peak_bytes", 2**20, ".0f"),
+            value(reference, "median_s_per_example", 1, ".3f"), value("private", "median_s_per_example", 1, ".3f"),
+            ratio("time_ratio"), value(reference, "median_peak_bytes", 2**20, ".0f"),
             value("private", "median_peak_bytes", 2**20, ".0f"), ratio("memory_ratio")]
 
 
 def print_table(rows: list[dict]) -> None:
-    lines = [["trainer", "mode", "T", "B x GA", "non-private s/ex", "private s/ex", "ratio", "non-private MiB",
-              "private MiB", "ratio"], *(table_cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    for i, line in enumerate(lines):
-        print("  ".join(cell.rjust(w) if j > 1 else cell.ljust(w) for j, (cell, w) in enumerate(zip(line, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    tables = [("non-private", "", rows)]
+    plain_rows = [row for row in rows if PLAIN in row["arms"]]
+    if plain_rows:
+        tables.append((PLAIN, "plain_", plain_rows))
+    for reference, prefix, table_rows in tables:
+        lines = [["trainer", "mode", "T", "B x GA", f"{reference} s/ex", "private s/ex", "ratio", f"{reference} MiB",
+                  "private MiB", "ratio"], *(table_cells(row, reference, prefix) for row in table_rows)]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+        print()
+        for i, line in enumerate(lines):
+            print("  ".join(cell.rjust(w) if j > 1 else cell.ljust(w)
+                            for j, (cell, w) in enumerate(zip(line, widths))))
+            if i == 0:
+                print("  ".join("-" * w for w in widths))
 
 
 def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> list[dict]:
@@ -452,8 +491,10 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", nargs="+", default=["sft"], choices=TRAINERS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,
-                        help="arms to run (both for the ratios; non-private alone checks that arm runs)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, PLAIN],
+                        help=f"arms to run, alternated in this order (non-private and private for the ratios; "
+                             f"non-private alone checks that arm runs; {PLAIN}: SFT only, the informational "
+                             f"reference of the module docstring)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per row (per sequence of a DPO pair)")
     parser.add_argument("--batch-size", type=int, default=4, help="per_device_train_batch_size, both arms")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps, both arms")

@@ -19,7 +19,8 @@ TINY = ["--seq-len", "16", "--vocab-size", "64", "--layers", "2", "--hidden", "3
 
 def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
     out = str(tmp_path / "trl_speed.json")
-    argv = [*TINY, "--trainer", "sft", "--modes", "full", "lora", "--out", out]
+    argv = [*TINY, "--trainer", "sft", "--modes", "full", "lora", "--arms", "non-private", "private", "plain-loss",
+            "--out", out]
     rows = trl_speed.main(argv, run_arm_with=trl_speed.run_arm)
     saved = json.loads(open(out).read())["results"]
     assert [(row["trainer"], row["mode"]) for row in saved] == [("sft", "full"), ("sft", "lora")] == [
@@ -27,8 +28,14 @@ def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
     trainable = {}
     for row in saved:
         assert row["time_ratio"] > 0 and row["memory_ratio"] > 0 and row["expected_batch"] == 2
+        assert row["plain_time_ratio"] > 0 and row["plain_memory_ratio"] > 0
         public, private = row["arms"]["non-private"]["runs"][0], row["arms"]["private"]["runs"][0]
-        assert public["step_examples"] == [2] * len(public["step_seconds"]) and public["warmup_steps_run"] == 1
+        for reference in (public, row["arms"]["plain-loss"]["runs"][0]):
+            assert reference["step_examples"] == [2] * len(reference["step_seconds"])
+            assert reference["warmup_steps_run"] == 1
+        # the plain-loss reference trains without TRL's fused LM head, so SFT's metrics are not logged
+        assert "entropy" in public["log_history"][0]
+        assert "entropy" not in row["arms"]["plain-loss"]["runs"][0]["log_history"][0]
         measured = private["step_examples"][private["warmup_steps_run"]:]
         assert len(measured) == 2 and private["s_per_example"] == pytest.approx(
             sum(private["step_seconds"][private["warmup_steps_run"]:]) / max(1, sum(measured)))
