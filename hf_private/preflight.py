@@ -45,6 +45,7 @@ from .logs import get_logger
 from .methods import MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
 from .privacy.plan import check_expected_batch
+from .users import UserIndex
 
 logger = get_logger(__name__)
 
@@ -58,7 +59,7 @@ class Preflight:
     delta: float  # δ of the guarantee, resolved for N
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
     family: TrainerFamily  # the trainer class's family (hf_private.integrations): its unit, rows and per-unit loss
-    unit: str  # the privacy unit, as the family names the training set's rows
+    unit: str  # the privacy unit, as the family names the training set's rows ("user" at user level)
 
 
 def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
@@ -73,10 +74,16 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
+    if dp_config.privacy_unit == "user":  # N counts users: q = B / users, δ below 1/users
+        dataset_size = UserIndex.of(train_dataset, dp_config.user_column).users
+        unit = "user"
+    else:
+        unit = family.unit(train_dataset)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, family.unit(train_dataset))
+        check_user_level_arguments(args, dp_config)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit)
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
@@ -86,6 +93,7 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
     if not args_given:
         check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
                         checked.family, trainer.model)
+        check_user_level_arguments(trainer.args, dp_config)
     check_parallelism(trainer)
     args = trainer.args
     check_process_count(args.world_size)
@@ -311,6 +319,15 @@ def check_supported_model(model: nn.Module) -> None:
         "could not be stated. Use an encoder-only model (BERT, RoBERTa, or an encoder-only T5 head such as "
         "T5ForTokenClassification / T5EncoderModel) or a decoder-only model (GPT-2, Llama) instead."
     )
+
+
+def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:
+    """What user-level sampling cannot honour yet."""
+    if dp_config.privacy_unit != "user":
+        return
+    if getattr(args, "train_sampling_strategy", "random") == "group_by_length":
+        raise ValueError("train_sampling_strategy='group_by_length' is not supported at privacy_unit='user': chunks "
+                         "hold whole users, not examples sorted by length. Use the default 'random'.")
 
 
 # ---------------------------------------------------------------------- dataset and labels

@@ -31,6 +31,7 @@ from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, 
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .privacy.rng import test_stream_seed
 from .sampling import sampling_random
+from .users import user_level_facts
 
 logger = get_logger(__name__)
 
@@ -75,7 +76,7 @@ class PrivacyRun:
         self.ledger = PrivacyLedger(dataset_size, self.delta, self.accountant)
         # what the guarantee is about, in the report, the ledger and the card
         self.subject = {"unit": unit, "trainer": trainer_name(type(steps)),
-                        "base_model": public_base_model(base_model_name(model))}
+                        "base_model": public_base_model(base_model_name(model)), **user_level_facts(config)}
         self.ledger.subject = dict(self.subject)
         self.optimizer: NoisyOptimizer | None = None
         self.engine = self._new_engine()

@@ -1,0 +1,180 @@
+"""User-level DP (`DPConfig(privacy_unit="user", user_column=...)`): the config's rules, the index of users, the ULS
+sampler, and through the public API that one user with many examples moves a released update by at most C.
+
+The sensitivity tests run one SGD step at q = 1 under a test seed, so the noise replays and cancels between a run
+with and a run without the added user; the released sum is (W₀ − W₁)·B/lr. A mutation test beside them clips the
+user's examples apart (each example its own unit): the user then moves the sum by far more than C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from huggingface_hub import ModelCard
+
+import hf_private.trainer
+import hf_private.users
+from hf_private import DPConfig
+from hf_private.privacy.rng import SecretRandom
+from hf_private.users import UserIndex, UserPoissonSampler
+from tests import tiny
+from tests.helpers import make_trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SEED = 20261126
+
+
+def with_users(dataset: Dataset, users: list) -> Dataset:
+    return dataset.add_column("user_id", users)
+
+
+# ---------------------------------------------------------------------- the config's rules
+@pytest.mark.parametrize("fields, message", [
+    ({"user_column": "user_id"}, "user_column='user_id' is set but privacy_unit='example'"),
+    ({"privacy_unit": "person"}, "privacy_unit must be 'example' or 'user'"),
+    ({"privacy_unit": "user"}, "privacy_unit='user' needs user_column"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "batch"}, "user_sampling must be 'user'"),
+    ({"privacy_unit": "user", "user_column": "u", "examples_per_user": 0}, "examples_per_user must be an integer"),
+    ({"privacy_unit": "user", "user_column": "u", "max_examples_per_user": 4}, "max_examples_per_user is ELS's"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example"}, "needs max_examples_per_user"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example", "max_examples_per_user": 2,
+      "examples_per_user": 3}, "examples_per_user is ULS's"),
+])
+def test_the_unit_fields_are_checked_when_the_config_is_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DPConfig(noise_multiplier=1.0, **fields)
+
+
+# ---------------------------------------------------------------------- the users of a training set
+def test_the_index_numbers_users_in_first_seen_order_and_refuses_examples_without_one():
+    index = UserIndex.of(Dataset.from_dict({"user_id": ["b", "a", "b", "c", "a", "b"]}), "user_id")
+    assert index.users == 3 and index.examples == 6 and index.user_of.tolist() == [0, 1, 0, 2, 1, 0]
+    order, starts = index.grouped()
+    assert [order[starts[u]:starts[u + 1]].tolist() for u in range(3)] == [[0, 2, 5], [1, 4], [3]]
+    with pytest.raises(ValueError, match="2 training examples have no user in column 'user_id'"):
+        UserIndex.of(Dataset.from_dict({"user_id": ["a", None, "b", None]}), "user_id")
+    with pytest.raises(ValueError, match="user_column='author' is not a column"):
+        UserIndex.of(Dataset.from_dict({"user_id": ["a"]}), "author")
+
+
+# ---------------------------------------------------------------------- ULS: Poisson over users
+def _heavy_tailed_users(users: int, seed: int = 0) -> UserIndex:
+    rng = np.random.default_rng(seed)
+    counts = np.minimum(rng.zipf(1.8, users), 40)
+    return UserIndex("user_id", rng.permutation(np.repeat(np.arange(users), counts)))
+
+
+def test_uls_samples_users_at_rate_q_with_at_most_k_of_their_own_examples_never_split():
+    index = _heavy_tailed_users(400)
+    sampler = UserPoissonSampler(index, sample_rate=0.05, steps_per_epoch=200, examples_per_user=3, num_chunks=3,
+                                 random=SecretRandom(test_seed=SEED))
+    chunks = list(sampler)
+    assert len(chunks) == len(sampler) == 600
+    sampled_users = []
+    for step in range(200):
+        users_in_step = []
+        for chunk in chunks[3 * step:3 * step + 3]:
+            owners = index.user_of[chunk]
+            runs = [owners[0]] + [u for prev, u in zip(owners, owners[1:]) if u != prev] if len(chunk) else []
+            assert len(runs) == len(set(runs))  # each user's examples consecutive, once
+            for user in runs:
+                assert 1 <= (owners == user).sum() <= 3
+            users_in_step += runs
+        assert len(users_in_step) == len(set(users_in_step))  # a user in one chunk only
+        sampled_users.append(len(users_in_step))
+    # Poisson(q) over users: mean q·U = 20, sd √(U q (1 − q)) ≈ 4.4 per step, ≈ 0.31 for the mean of 200 steps
+    assert abs(np.mean(sampled_users) - 20) < 5 * 0.31
+
+
+def test_two_ranks_draw_the_users_one_process_draws_between_them():
+    index = _heavy_tailed_users(100, seed=1)
+
+    def draw(rank: int, world: int) -> list[list[int]]:
+        sampler = UserPoissonSampler(index, 0.3, 5, examples_per_user=2, rank=rank, world_size=world,
+                                     random=SecretRandom(test_seed=SEED))
+        return [sorted(chunk) for chunk in sampler]
+
+    alone, first, second = draw(0, 1), draw(0, 2), draw(1, 2)
+    for step in range(5):
+        assert sorted(first[step] + second[step]) == alone[step]
+        assert not set(index.user_of[first[step]]) & set(index.user_of[second[step]])
+
+
+# ---------------------------------------------------------------------- through the trainer
+def _user_rows(n_users: int, per_user: int, offset: int = 0) -> tuple[Dataset, list[int]]:
+    data = tiny.sentiment_dataset(n_users * per_user, seed=offset)
+    return data, [offset * 1000 + u for u in range(n_users) for _ in range(per_user)]
+
+
+def user_trainer(tmp_path, dataset: Dataset, users: list, dp: DPConfig | None = None, **args):
+    dp = dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id",
+                        examples_per_user=4)
+    return make_trainer(tmp_path, dataset=with_users(dataset, users), dp=dp, **args)
+
+
+def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_path):
+    data, users = _user_rows(24, 3)
+    trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
+    assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(4 / 24)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["user_column"] == "user_id" and report["examples_per_user"] == 4
+    assert report["dataset_size"] == 24 and report["steps"] == report["planned_steps"] == 6
+    trainer.save_model(str(tmp_path / "out"))
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    privacy = card.data.to_dict()["privacy"]
+    assert privacy["unit"] == "user" and privacy["user_column"] == "user_id" and privacy["examples_per_user"] == 4
+    assert "**one user**" in card.text and "24 users" in card.text and "at most 4 of their examples" in card.text
+    assert "group privacy" not in card.text
+
+
+def released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+    """Σ of the clipped per-user gradients plus the replayed noise, read off one SGD step at q = 1."""
+    model = tiny.bert()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    n_users = len(set(users))
+    dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
+                  user_column="user_id", examples_per_user=k)
+    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
+                           per_device_train_batch_size=n_users, max_steps=1, learning_rate=1.0, optim="sgd",
+                           lr_scheduler_type="constant", weight_decay=0.0)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
+    return (before - after) * n_users
+
+
+MATES, MATE_USERS = _user_rows(6, 2)  # six users with two examples each
+ADDED = tiny.sentiment_dataset(10, seed=9)  # one user with ten
+ADDED_USERS = [777] * 10
+
+
+def _with_added() -> tuple[Dataset, list]:
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([MATES, ADDED]), MATE_USERS + ADDED_USERS
+
+
+def sensitivity(tmp_path, clip: float, k: int) -> float:
+    data, users = _with_added()
+    return float((released_sum(tmp_path / "with", data, users, clip, k)
+                  - released_sum(tmp_path / "without", MATES, MATE_USERS, clip, k)).norm())
+
+
+CLIP = 0.01  # below every example's gradient norm: every user is clipped
+
+
+def test_adding_one_user_with_many_examples_moves_the_released_sum_by_at_most_C(tmp_path):
+    for k in (1, 4, 10):
+        assert sensitivity(tmp_path / str(k), CLIP, k) <= CLIP * (1 + 1e-4)
+
+
+def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_path, monkeypatch):
+    """Each example its own unit (no per-user grouping): the user's k examples each move the sum by up to C."""
+    slices = hf_private.users.unit_slices
+    monkeypatch.setattr(hf_private.trainer, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+    monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
+    assert sensitivity(tmp_path, CLIP, 10) > 3 * CLIP
