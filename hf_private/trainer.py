@@ -199,13 +199,15 @@ class PrivateTrainingMixin:
         spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
         indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
+        if self.user_index is not None:  # a user's examples consecutive, as the sampler keeps them
+            indices.sort(key=lambda i: self.user_index.user_of[i])
         probe = dict(collate([dataset[i] for i in indices]))
         probe_units = [int(n) for n in probe.pop(UNIT_SIZES_KEY, torch.ones(len(indices), dtype=torch.long))]
         probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        chunks = [(self._prepare_inputs(inputs), len(units), rows, units),
-                  (probe, len(probe_units), probe_rows, probe_units)]
+        chunks = [(self._prepare_inputs(inputs), sum(units), rows, units),
+                  (probe, len(indices), probe_rows, probe_units)]
         probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
         self.privacy_run.needs_independence_probe = False
 

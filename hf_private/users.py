@@ -193,6 +193,12 @@ class UnitTagged:
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {**self.dataset[i], UNIT_KEY: int(self.unit_of[i])}
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        """What a DataLoader fetches a batch with (a datasets.Dataset's own would drop the tags)."""
+        fetch = getattr(self.dataset, "__getitems__", None)
+        rows = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+        return [{**row, UNIT_KEY: int(self.unit_of[i])} for row, i in zip(rows, indices)]
+
     def __getattr__(self, name: str) -> Any:  # column_names, features, …: the dataset's own
         return getattr(self.dataset, name)
 

@@ -178,3 +178,60 @@ def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_
     monkeypatch.setattr(hf_private.trainer, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
     monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
     assert sensitivity(tmp_path, CLIP, 10) > 3 * CLIP
+
+
+HUGE = 50.0  # above every user's gradient norm here: nothing is clipped
+OTHER_MATES, OTHER_MATE_USERS = _user_rows(5, 3, offset=3)
+
+
+def test_a_users_contribution_does_not_depend_on_the_other_users(tmp_path):
+    from datasets import concatenate_datasets
+
+    contributions = []
+    for name, mates, mate_users in (("a", MATES, MATE_USERS), ("b", OTHER_MATES, OTHER_MATE_USERS)):
+        both = concatenate_datasets([mates, ADDED])
+        contributions.append(released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
+                             - released_sum(tmp_path / name, mates, mate_users, HUGE, 10))
+    assert contributions[0].norm() > 0
+    torch.testing.assert_close(contributions[0], contributions[1], rtol=0, atol=1e-3 * float(contributions[0].norm()))
+
+
+# ---------------------------------------------------------------------- TRL's trainers at user level
+def test_privatized_sft_trains_conversations_at_user_level(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_private import privatize
+
+    conversations = tiny.conversations(24)
+    users = [u % 7 for u in range(24)]
+    args = SFTConfig(str(tmp_path), per_device_train_batch_size=3, num_train_epochs=1, report_to="none",
+                     save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, max_length=32,
+                     disable_tqdm=True, assistant_only_loss=True)
+    trainer = privatize(SFTTrainer)(
+        tiny.llama(), args, train_dataset=with_users(conversations, users), processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=2))
+    assert trainer.dataset_size == 7
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["trainer"] == "trl.SFTTrainer" and report["steps"] > 0
+
+
+def test_privatized_dpo_trains_preference_pairs_at_user_level(tmp_path):
+    """A user's pairs are grouped as their rows are: a user of n pairs is one unit of 2n rows."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_private import privatize
+
+    pairs = tiny.preference_pairs(24)
+    users = [u % 5 for u in range(24)]
+    args = DPOConfig(str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, report_to="none",
+                     save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, max_length=32,
+                     disable_tqdm=True)
+    trainer = privatize(DPOTrainer)(
+        tiny.llama(), tiny.llama(), args, train_dataset=with_users(pairs, users),
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=3))
+    assert trainer.dataset_size == 5
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["trainer"] == "trl.DPOTrainer" and report["steps"] > 0
