@@ -13,6 +13,7 @@ import pytest
 import torch
 from datasets import Dataset
 from huggingface_hub import ModelCard
+from transformers import TrainerCallback
 
 import hf_private.trainer
 import hf_private.users
@@ -235,3 +236,38 @@ def test_privatized_dpo_trains_preference_pairs_at_user_level(tmp_path):
     trainer.train()
     report = trainer.privacy_report()
     assert report["unit"] == "user" and report["trainer"] == "trl.DPOTrainer" and report["steps"] > 0
+
+
+# ---------------------------------------------------------------------- resume and the budget at user level
+class _Kill(TrainerCallback):
+    """Interrupts training at a step, as a crash or Ctrl-C would."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step:
+            raise KeyboardInterrupt
+
+
+def test_kill_and_resume_continue_the_user_level_ledger_and_the_budget_holds(tmp_path):
+    data, users = _user_rows(30, 2)
+    dp = DPConfig(target_epsilon=2.0, privacy_unit="user", user_column="user_id", examples_per_user=2)
+    settings = dict(dp=dp, max_steps=8, per_device_train_batch_size=6)
+    full = user_trainer(tmp_path / "full", data, users, **settings)
+    full.train()
+
+    interrupted = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
+    interrupted.add_callback(_Kill(at_step=6))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    resumed = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.ledger.total_steps == 8 and resumed.privacy_report()["unit"] == "user"
+    assert resumed.ledger.epsilon() == pytest.approx(full.ledger.epsilon(), rel=1e-12)
+    assert resumed.ledger.epsilon() <= 2.0
+
+    # the budget is spent: asking for more steps trains nothing and spends nothing
+    more = user_trainer(tmp_path / "run", data, users, dp=dp, max_steps=12, per_device_train_batch_size=6)
+    more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-8"))
+    assert more.ledger.total_steps == 8 and more.ledger.epsilon() == pytest.approx(resumed.ledger.epsilon())
