@@ -42,7 +42,7 @@ from .artifacts import DP_CONFIG_NAME, LEDGER_NAME
 from .integrations import TrainerFamily, family_of
 from .label_checks import LabelCounts, count_labels
 from .logs import get_logger
-from .methods import MethodConfig
+from .methods import DPMethod, MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
 from .privacy.plan import check_expected_batch
 from .users import UserIndex
@@ -69,6 +69,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     custom_loss = per_example_loss is not None
     family = family_of(trainer_class)
     check_dp_config(dp_config)
+    check_user_level_method(dp_config)
     check_subclass(trainer_class, mixin, custom_loss, family)
     check_custom_loss(custom_loss, family)
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
@@ -319,6 +320,26 @@ def check_supported_model(model: nn.Module) -> None:
         "could not be stated. Use an encoder-only model (BERT, RoBERTa, or an encoder-only T5 head such as "
         "T5ForTokenClassification / T5EncoderModel) or a decoder-only model (GPT-2, Llama) instead."
     )
+
+
+def check_user_level_method(dp_config: MethodConfig) -> None:
+    """At user level every data-dependent release must sample users (ULS) or be accounted for a user's k examples
+    (ELS): a method's own releases outside the training steps sample examples, and DP-FP's forward noise is scaled to
+    one example's representation."""
+    if dp_config.privacy_unit != "user":
+        return
+    method = dp_config.build_method()
+    own = [stage.name for stage in method.stages() if not stage.training]
+    if own:
+        raise ValueError(
+            f"{type(dp_config).__name__} is not supported at privacy_unit='user' yet: its releases {own} run outside "
+            "the training steps and sample examples, not users, so they would protect one example, not one user. "
+            "Use DPConfig (full or with a PEFT adapter), LoRAConfig, BitFitConfig or SparseLowRankConfig.")
+    if type(method).attach_forward_mechanisms is not DPMethod.attach_forward_mechanisms:
+        raise ValueError(
+            f"{type(dp_config).__name__} is not supported at privacy_unit='user': its forward noise is scaled to one "
+            "example's clipped representation, so one user's examples would add it up several times. Use DPConfig, "
+            "LoRAConfig, BitFitConfig or SparseLowRankConfig.")
 
 
 def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:
