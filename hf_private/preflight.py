@@ -45,7 +45,7 @@ from .logs import get_logger
 from .methods import DPMethod, MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
 from .privacy.plan import check_expected_batch
-from .users import UserIndex
+from .users import UserIndex, capped_size
 
 logger = get_logger(__name__)
 
@@ -75,8 +75,10 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
-    if dp_config.privacy_unit == "user":  # N counts users: q = B / users, δ below 1/users
-        dataset_size = UserIndex.of(train_dataset, dp_config.user_column).users
+    if dp_config.privacy_unit == "user":  # ULS: N counts users (q = B / users); ELS: the examples users keep
+        users = UserIndex.of(train_dataset, dp_config.user_column)
+        dataset_size = (users.users if dp_config.user_sampling == "user"
+                        else capped_size(users, dp_config.max_examples_per_user))
         unit = "user"
     else:
         unit = family.unit(train_dataset)

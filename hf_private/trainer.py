@@ -16,8 +16,9 @@ from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
@@ -94,6 +95,7 @@ class PrivateTrainingMixin:
         # At user level, the users of the training set as the trainer prepared it (TRL may drop rows)
         self.user_index = (UserIndex.of(self.train_dataset, dp_config.user_column)
                            if dp_config.privacy_unit == "user" else None)
+        self._uls = self.user_index is not None and dp_config.user_sampling == "user"
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
@@ -114,12 +116,23 @@ class PrivateTrainingMixin:
         collate = EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
         if self.user_index is None:
             return dataset, collate
-        return UnitTagged(dataset, self.user_index.user_of), UnitCollator(collate)
+        if self._uls:
+            return UnitTagged(dataset, self.user_index.user_of), UnitCollator(collate)
+        kept = self.privacy_run.kept_by_users(self.user_index, self._from_main_process)  # ELS: each user capped
+        return (dataset.select(kept) if hasattr(dataset, "select") else Subset(dataset, kept.tolist())), collate
+
+    def _from_main_process(self, value: Any) -> Any:
+        """`value` as the main process has it, on every process."""
+        if self.args.world_size == 1:
+            return value
+        shared = [value]
+        broadcast_object_list(shared, from_process=0)
+        return shared[0]
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
-        if self.user_index is not None:
+        if self._uls:
             sampler = UserPoissonSampler(
                 self.user_index, self.sample_rate, self.steps_per_epoch, self.dp_config.examples_per_user,
                 self.args.gradient_accumulation_steps, rank=self.args.process_index, world_size=self.args.world_size,
@@ -199,7 +212,7 @@ class PrivateTrainingMixin:
         spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
         indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
-        if self.user_index is not None:  # a user's examples consecutive, as the sampler keeps them
+        if self._uls:  # a user's examples consecutive, as the sampler keeps them
             indices.sort(key=lambda i: self.user_index.user_of[i])
         probe = dict(collate([dataset[i] for i in indices]))
         probe_units = [int(n) for n in probe.pop(UNIT_SIZES_KEY, torch.ones(len(indices), dtype=torch.long))]

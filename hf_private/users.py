@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,30 @@ class UserIndex:
         order = np.argsort(self.user_of, kind="stable")
         starts = np.concatenate([[0], np.cumsum(self.examples_per_user())])
         return order, starts
+
+
+# ---------------------------------------------------------------------- ELS: each user capped once
+def capped_size(index: UserIndex, k: int) -> int:
+    """Examples left once every user keeps at most k: Σ_u min(n_u, k), whichever are kept."""
+    return int(np.minimum(index.examples_per_user(), k).sum())
+
+
+def cap_examples(index: UserIndex, k: int, random: SecretRandom) -> np.ndarray:
+    """The sorted indices of the examples kept when every user keeps at most `k`, those with the smallest of one
+    secret uniform per example (so which ones is independent of the data and of every other user)."""
+    ranks = random.uniform(index.examples).numpy()
+    order = np.lexsort((ranks, index.user_of))  # by user, then by the secret rank
+    starts = np.concatenate([[0], np.cumsum(index.examples_per_user())])
+    position = np.arange(index.examples) - starts[index.user_of[order]]
+    return np.sort(order[position < k])
+
+
+def stages_for(stages: Sequence[Any], config: Any) -> list[Any]:
+    """The method's stages as the unit needs them accounted: under ELS every release samples examples of users who
+    have at most k, so each stage carries k (a mixture of Gaussians per step); otherwise as they are."""
+    if config.privacy_unit != "user" or config.user_sampling != "example":
+        return list(stages)
+    return [replace(stage, examples_per_user=config.max_examples_per_user) for stage in stages]
 
 
 # ---------------------------------------------------------------------- ULS: Poisson over users

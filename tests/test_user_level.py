@@ -15,6 +15,7 @@ from datasets import Dataset
 from huggingface_hub import ModelCard
 from transformers import TrainerCallback
 
+import hf_private.run
 import hf_private.trainer
 import hf_private.users
 from hf_private import DPConfig
@@ -271,3 +272,83 @@ def test_kill_and_resume_continue_the_user_level_ledger_and_the_budget_holds(tmp
     more = user_trainer(tmp_path / "run", data, users, dp=dp, max_steps=12, per_device_train_batch_size=6)
     more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-8"))
     assert more.ledger.total_steps == 8 and more.ledger.epsilon() == pytest.approx(resumed.ledger.epsilon())
+
+
+# ---------------------------------------------------------------------- ELS: each user capped, examples sampled
+def test_the_cap_keeps_at_most_k_examples_of_each_user_drawn_secretly():
+    from hf_private.users import cap_examples, capped_size
+
+    index = _heavy_tailed_users(300, seed=2)
+    kept = cap_examples(index, 3, SecretRandom(test_seed=SEED))
+    counts = np.bincount(index.user_of[kept], minlength=index.users)
+    assert (counts == np.minimum(index.examples_per_user(), 3)).all() and len(kept) == capped_size(index, 3)
+    again = cap_examples(index, 3, SecretRandom(test_seed=SEED + 1))
+    assert not np.array_equal(kept, again)  # which ones comes from the secret stream, not the data's order
+
+
+def els_config(**fields) -> DPConfig:
+    return DPConfig(**{"noise_multiplier": 1.0, "privacy_unit": "user", "user_column": "user_id",
+                       "user_sampling": "example", "max_examples_per_user": 2, **fields})
+
+
+def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]  # 12 users of 5 examples: 24 kept
+    trainer = user_trainer(tmp_path, data, users, dp=els_config(), per_device_train_batch_size=6, max_steps=4)
+    assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(6 / 24)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["user_sampling"] == "example" and report["max_examples_per_user"] == 2
+    assert [m["examples_per_user"] for m in report["mechanisms"]] == [2]
+    record = user_trainer(tmp_path / "k1", data, users, dp=els_config(max_examples_per_user=1),
+                          per_device_train_batch_size=3, max_steps=4)
+    record.train()
+    # the same σ and q: a user with two examples in reach costs more than one with one
+    assert report["epsilon"] > record.privacy_report()["epsilon"]
+
+
+def els_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+    """One SGD step at q = 1 over the capped examples, noise replayed under the test seed."""
+    model = tiny.bert()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    dp = els_config(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=SEED, max_examples_per_user=k)
+    kept = int(np.minimum(np.bincount(np.unique(users, return_inverse=True)[1]), k).sum())
+    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
+                           per_device_train_batch_size=kept, max_steps=1, learning_rate=1.0, optim="sgd",
+                           lr_scheduler_type="constant", weight_decay=0.0)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
+    return (before - after) * kept
+
+
+def test_els_one_user_moves_the_release_by_at_most_k_C_and_the_test_fails_without_the_cap(tmp_path, monkeypatch):
+    from datasets import concatenate_datasets
+
+    both = concatenate_datasets([MATES, ADDED])
+
+    def moved(name: str) -> float:
+        return float((els_released_sum(tmp_path / f"{name}+", both, MATE_USERS + ADDED_USERS, CLIP, 3)
+                      - els_released_sum(tmp_path / name, MATES, MATE_USERS, CLIP, 3)).norm())
+
+    capped = moved("capped")
+    assert CLIP < capped <= 3 * CLIP * (1 + 1e-4)  # the user's 3 kept examples, each clipped to C
+    monkeypatch.setattr(hf_private.run, "cap_examples", lambda index, k, random: np.arange(index.examples))
+    assert moved("uncapped") > 3 * CLIP * (1 + 1e-3)  # all ten examples of the user: beyond the accounted k·C
+
+
+def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]
+    settings = dict(dp=els_config(target_epsilon=4.0, noise_multiplier=None), max_steps=6,
+                    per_device_train_batch_size=6)
+    interrupted = user_trainer(tmp_path, data, users, **settings, save_strategy="steps", save_steps=3)
+    interrupted.add_callback(_Kill(at_step=4))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    kept = interrupted.privacy_run.kept_examples.copy()
+    assert (tmp_path / "checkpoint-3" / "user_cap.json").is_file()
+    resumed = user_trainer(tmp_path, data, users, **settings)
+    resumed.train(resume_from_checkpoint=True)
+    assert np.array_equal(resumed.privacy_run.kept_examples, kept) and resumed.ledger.total_steps == 6
+    assert resumed.ledger.epsilon() <= 4.0
