@@ -7,6 +7,7 @@ N(0, σ²) vs Σ_j Binom(k, q)[j]·N(j, σ²). The setting of the figures below:
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from scipy import stats
 from hf_private.privacy import (
     ELS_POISSON_GAUSSIAN,
     POISSON_GAUSSIAN,
+    BudgetError,
     MechanismGroup,
     PrivacyLedger,
     PrivacyPlan,
@@ -201,6 +203,22 @@ def test_budget_stop_of_an_els_plan():
     assert compute_epsilon([els(k, sigma=sigma, steps=allowed + 1)], DELTA, "prv") > target
     plain = max_steps_within(target, DELTA, sigma, Q)  # the same σ at example level allows far more
     assert plain > 2 * allowed
+
+
+def test_an_els_plan_refuses_a_sigma_below_its_sampler_tail_floor():
+    """The floor on σ counts the ELS tail (shifts up to k·C): at k = 16, q = 0.01, 1000 steps it is ≈ 0.79."""
+    def plan(sigma):
+        return PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, noise_multiplier=sigma,
+                           stages=[Stage("dp-sgd", examples_per_user=16)])
+
+    with pytest.raises(BudgetError, match="finite tail") as refused:
+        plan(0.3)
+    floor = float(re.search(r"every σ ≥ ([0-9.]+)", str(refused.value), re.IGNORECASE).group(1))
+    assert 0.5 < floor < 1.0
+    plan(floor * 1.001)
+    with pytest.raises(BudgetError, match="raise noise_multiplier"):
+        plan(floor * 0.99)
+    PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, noise_multiplier=0.5)  # example level: 0.5 is fine
 
 
 def test_existing_stages_and_plans_are_unchanged():
