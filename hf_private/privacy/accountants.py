@@ -97,14 +97,6 @@ def _events(mechanisms: Sequence[MechanismGroup]) -> list[tuple[float, float, in
     return [(sigma, q, k, n) for (sigma, q, k), n in steps.items()]
 
 
-def _history(mechanisms: Sequence[MechanismGroup]) -> list[tuple[float, float, int]]:
-    """opacus history tuples (σ, q, steps), one per distinct (σ, q), of a history without ELS events of k ≥ 2."""
-    events = _events(mechanisms)
-    if any(k > 1 for _, _, k, _ in events):
-        raise ValueError("An ELS event (examples_per_user ≥ 2) is no Poisson-subsampled Gaussian (σ, q).")
-    return [(sigma, q, n) for sigma, q, _, n in events]
-
-
 def els_fallback(noise_multiplier: float, sample_rate: float, examples_per_user: int) -> tuple[float, float]:
     """(σ', q') of the Poisson-subsampled Gaussian that dominates one ELS release (σ, q, k): σ' = σ/k (sensitivity
     k·C) and q' = 1 − (1 − q)^k (the chance that any of the user's k examples is sampled).
@@ -112,11 +104,12 @@ def els_fallback(noise_multiplier: float, sample_rate: float, examples_per_user:
     Why it dominates, in both directions (add and remove a user). With b_j = Binom(k, q)[j] and Q = N(0, σ²), the
     release is P = Σ_j b_j N(j, σ²) = (1 − q')·Q + q'·M, M = Σ_{j≥1} (b_j/q') N(j, σ²), and the fallback is
     P' = (1 − q')·Q + q'·N(k, σ²). (1) The hockey-stick divergence H_γ is jointly convex, so both H_γ(P‖Q) and
-    H_γ(Q‖P) are at most the M-weighted average over j ≥ 1 of the same divergence with N(j, σ²) in place of M.
-    (2) For j ≤ k the pair (N(0, σ²), N(j, σ²)) is a post-processing of (N(0, σ²), N(k, σ²)) (Blackwell: the
-    Gaussian trade-off curves are ordered by the shift), by one kernel that keeps N(0, σ²); applied to the mixture
-    it maps (Q, P'_k) to (Q, P'_j), so by data processing each term is at most the j = k one, which is P'.
-    Loose: k·C is charged whenever any example of the user is sampled.
+    H_γ(Q‖P) are at most the average, with weights b_j/q' over j ≥ 1, of the same divergence with
+    P'_j = (1 − q')·Q + q'·N(j, σ²) in place of P (Σ_{j≥1} (b_j/q')·P'_j = P). (2) For 1 ≤ j ≤ k the kernel
+    x ↦ (j/k)·x + N(0, σ²(1 − j²/k²)) maps N(0, σ²) to itself and N(k, σ²) to N(j, σ²), hence (Q, P'_k) to
+    (Q, P'_j): by data processing each term is at most the j = k one, and P'_k = P'. Loose: k·C is charged
+    whenever any example of the user is sampled (here it is looser than group privacy of the example-level
+    guarantee, see tests/test_user_level_accounting.py).
     """
     k = int(examples_per_user)
     any_sampled = 1.0 if sample_rate >= 1 else -math.expm1(k * math.log1p(-sample_rate))
@@ -305,8 +298,10 @@ def _pld_epsilon(events: list[tuple[float, float, int, int]], delta: float) -> t
     """ε of the whole history from dp_accounting's PLD accountant, or the RDP bound of `_fallback_history` where
     it cannot run; the second item names the accountant that gave it.
 
-    The same numbers as `PLDAccountant(value_discretization_interval=…)` composing `MixtureOfGaussiansDpEvent(σ,
-    [0..k], Binom(k, q))` (ELS) and `PoissonSampledDpEvent(q, GaussianDpEvent(σ))` (the others) `steps` times each.
+    What `PLDAccountant(value_discretization_interval=_pld_interval(events))` gives composing
+    `MixtureOfGaussiansDpEvent(σ, [0..k], Binom(k, q))` (ELS) and `PoissonSampledDpEvent(q, GaussianDpEvent(σ))`
+    (the others) `steps` times each, built here from the same dp_accounting functions, one release's distribution
+    cached and self-composed.
     """
     try:
         with _quiet():

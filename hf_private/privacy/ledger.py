@@ -11,16 +11,17 @@ Events are typed (in the spirit of Google dp_accounting's `DpEvent`s), by `Mecha
 * `"els_poisson_gaussian"` (`ELS_POISSON_GAUSSIAN`): user-level DP by example-level sampling (ELS, Charles et al.
   2024, arXiv 2407.07737). Every user keeps at most k = `examples_per_user` examples; *examples* are
   Poisson-sampled at rate q, clipped to C, and N(0, σ²C²) is added to the sum. Adding or removing one user moves
-  the sum by J·C, J ~ Binomial(k, q): per release a mixture of Gaussians, N(0, σ²) against Σ_j Binom(k, q)[j]·
-  N(j, σ²) in units of C, which `accountants` composes with dp_accounting's PLD accountant. σ and q are the
-  mechanism's own (the noise multiplier and the per-example rate), so an accountant that ignores the event type
-  and k would *understate* ε: read these events with `MechanismGroup.from_dict`.
+  the sum by at most J·C, J ~ Binomial(k, q): per release a mixture of Gaussians, N(0, σ²) against
+  Σ_j Binom(k, q)[j]·N(j, σ²) in units of C (a user with fewer than k examples is the case where some contribute
+  0; the vector case reduces to this scalar one, Choquette-Choo et al. 2023, Cor. 4.7), which `accountants`
+  composes with dp_accounting's PLD accountant. σ and q are the mechanism's own (the noise multiplier and the
+  per-example rate), so an accountant that ignores the event type and k would *understate* ε: read these events
+  with `MechanismGroup.from_dict`.
 
 The ledger keeps events in order, merging consecutive identical ones into one group, survives checkpoints
-as JSON (format 2; format-1 files, which had Poisson-Gaussian groups only, still load; ELS events added
-`examples_per_user`, an optional field, so format 2 stays: an older hf_private refuses the unknown event type
-rather than misreading it), and answers "what
-is ε now", "what would ε be if" and "is there a formal guarantee at all".
+as JSON (format 2; format-1 files, which had Poisson-Gaussian groups only, still load; ELS events added the
+optional field `examples_per_user`, so format 2 stays: an older hf_private refuses the unknown event type rather
+than misreading it), and answers "what is ε now", "what would ε be if" and "is there a formal guarantee at all".
 """
 
 from __future__ import annotations
