@@ -79,6 +79,7 @@ def run_with_users(spec_json: str) -> dict[str, Any]:
     """One run, with the training subset's sentences dealt to users (the column every design gets; only the
     user-level ones read it)."""
     loaded = json.loads(spec_json)
+    design = loaded.pop("_design")
     run_spec = utility.RunSpec(**loaded)
     load = utility._load_splits
 
@@ -90,7 +91,7 @@ def run_with_users(spec_json: str) -> dict[str, Any]:
     record = utility.run_one(run_spec)
     users = assign_users(record["train_size"])
     counts = np.bincount(users)
-    record.update(design=loaded.get("_design"), users=int(counts.size), max_per_user=int(counts.max()),
+    record.update(design=design, users=int(counts.size), max_per_user=int(counts.max()),
                   median_per_user=float(np.median(counts)), kept_examples=int(np.minimum(counts, K).sum()))
     return record
 
@@ -131,9 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             if (design, epsilon) in done:
                 continue
             payload = {**dataclasses.asdict(spec(design, epsilon, options.data_dir, model_dir)), "_design": design}
-            payload_spec = {k: v for k, v in payload.items() if k != "_design"}
-            run = subprocess.run([sys.executable, "-m", "benchmarks.user_level", "--one",
-                                  json.dumps({**payload_spec, "_design": design})],
+            run = subprocess.run([sys.executable, "-m", "benchmarks.user_level", "--one", json.dumps(payload)],
                                  cwd=utility.REPO, capture_output=True, text=True, check=True)
             record = json.loads(run.stdout.split("RECORD ", 1)[1].splitlines()[0])
             utility.append_record(RESULTS, record)
