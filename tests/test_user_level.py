@@ -129,8 +129,31 @@ def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_p
     card = ModelCard.load(tmp_path / "out" / "README.md")
     privacy = card.data.to_dict()["privacy"]
     assert privacy["unit"] == "user" and privacy["user_column"] == "user_id" and privacy["examples_per_user"] == 4
-    assert "**one user**" in card.text and "24 users" in card.text and "at most 4 of their examples" in card.text
-    assert "group privacy" not in card.text
+    text = " ".join(card.text.split())
+    assert "**one user**" in text and "24 users" in text and "at most 4 of their examples" in text
+    assert "group privacy" not in text
+    # ε recomputes from the card alone with an independent accountant (dp_accounting's PLD, not our PRV)
+    assert independent_epsilon(privacy) == pytest.approx(privacy["epsilon"], rel=0.03)
+
+
+def independent_epsilon(privacy: dict) -> float:
+    """ε of the card's mechanisms by dp_accounting's PLD accountant at δ − the sampler's tail: Poisson-subsampled
+    Gaussians, or under ELS the mixture of Gaussians of a user's J ~ Binomial(k, q) sampled examples."""
+    import math
+
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    for m in privacy["mechanisms"]:
+        k, q, sigma = m.get("examples_per_user"), m["sample_rate"], m["noise_multiplier"]
+        if k is None:
+            event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+        else:
+            probs = [math.comb(k, j) * q**j * (1 - q) ** (k - j) for j in range(k + 1)]
+            event = dp_event.MixtureOfGaussiansDpEvent(sigma, list(range(k + 1)), probs)
+        accountant.compose(dp_event.SelfComposedDpEvent(event, m["steps"]))
+    return accountant.get_epsilon(privacy["delta"] - privacy.get("sampler_tail_delta", 0.0))
 
 
 def released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
@@ -300,6 +323,7 @@ def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
     report = trainer.privacy_report()
     assert report["unit"] == "user" and report["user_sampling"] == "example" and report["max_examples_per_user"] == 2
     assert [m["examples_per_user"] for m in report["mechanisms"]] == [2]
+    assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
     record = user_trainer(tmp_path / "k1", data, users, dp=els_config(max_examples_per_user=1),
                           per_device_train_batch_size=3, max_steps=4)
     record.train()
