@@ -22,7 +22,7 @@ from hf_private import DPConfig
 from hf_private.privacy.rng import SecretRandom
 from hf_private.users import UserIndex, UserPoissonSampler
 from tests import tiny
-from tests.helpers import make_trainer
+from tests.helpers import TRL_TEST_ARGS, make_trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -156,20 +156,24 @@ def independent_epsilon(privacy: dict) -> float:
     return accountant.get_epsilon(privacy["delta"] - privacy.get("sampler_tail_delta", 0.0))
 
 
-def released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
-    """Σ of the clipped per-user gradients plus the replayed noise, read off one SGD step at q = 1."""
+def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int) -> torch.Tensor:
+    """Σ of the clipped per-unit gradients plus the replayed noise, read off one SGD step at q = 1 (`units`: the
+    expected batch, every user under ULS, every kept example under ELS)."""
     model = tiny.bert()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    n_users = len(set(users))
-    dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
-                  user_column="user_id", examples_per_user=k)
     trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
-                           per_device_train_batch_size=n_users, max_steps=1, learning_rate=1.0, optim="sgd",
+                           per_device_train_batch_size=units, max_steps=1, learning_rate=1.0, optim="sgd",
                            lr_scheduler_type="constant", weight_decay=0.0)
     assert trainer.sample_rate == 1.0
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
-    return (before - after) * n_users
+    return (before - after) * units
+
+
+def uls_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+    dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
+                  user_column="user_id", examples_per_user=k)
+    return released_sum(tmp_path, dataset, users, dp, len(set(users)))
 
 
 MATES, MATE_USERS = _user_rows(6, 2)  # six users with two examples each
@@ -185,8 +189,8 @@ def _with_added() -> tuple[Dataset, list]:
 
 def sensitivity(tmp_path, clip: float, k: int) -> float:
     data, users = _with_added()
-    return float((released_sum(tmp_path / "with", data, users, clip, k)
-                  - released_sum(tmp_path / "without", MATES, MATE_USERS, clip, k)).norm())
+    return float((uls_released_sum(tmp_path / "with", data, users, clip, k)
+                  - uls_released_sum(tmp_path / "without", MATES, MATE_USERS, clip, k)).norm())
 
 
 CLIP = 0.01  # below every example's gradient norm: every user is clipped
@@ -215,8 +219,8 @@ def test_a_users_contribution_does_not_depend_on_the_other_users(tmp_path):
     contributions = []
     for name, mates, mate_users in (("a", MATES, MATE_USERS), ("b", OTHER_MATES, OTHER_MATE_USERS)):
         both = concatenate_datasets([mates, ADDED])
-        contributions.append(released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
-                             - released_sum(tmp_path / name, mates, mate_users, HUGE, 10))
+        contributions.append(uls_released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
+                             - uls_released_sum(tmp_path / name, mates, mate_users, HUGE, 10))
     assert contributions[0].norm() > 0
     torch.testing.assert_close(contributions[0], contributions[1], rtol=0, atol=1e-3 * float(contributions[0].norm()))
 
@@ -229,9 +233,8 @@ def test_privatized_sft_trains_conversations_at_user_level(tmp_path):
 
     conversations = tiny.conversations(24)
     users = [u % 7 for u in range(24)]
-    args = SFTConfig(str(tmp_path), per_device_train_batch_size=3, num_train_epochs=1, report_to="none",
-                     save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, max_length=32,
-                     disable_tqdm=True, assistant_only_loss=True)
+    args = SFTConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1,
+                     assistant_only_loss=True)
     trainer = privatize(SFTTrainer)(
         tiny.llama(), args, train_dataset=with_users(conversations, users), processing_class=tiny.chat_tokenizer(),
         dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=2))
@@ -249,9 +252,7 @@ def test_privatized_dpo_trains_preference_pairs_at_user_level(tmp_path):
 
     pairs = tiny.preference_pairs(24)
     users = [u % 5 for u in range(24)]
-    args = DPOConfig(str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, report_to="none",
-                     save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, max_length=32,
-                     disable_tqdm=True)
+    args = DPOConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=2, num_train_epochs=1)
     trainer = privatize(DPOTrainer)(
         tiny.llama(), tiny.llama(), args, train_dataset=with_users(pairs, users),
         processing_class=tiny.chat_tokenizer(),
@@ -332,18 +333,9 @@ def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
 
 
 def els_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
-    """One SGD step at q = 1 over the capped examples, noise replayed under the test seed."""
-    model = tiny.bert()
-    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
     dp = els_config(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=SEED, max_examples_per_user=k)
     kept = int(np.minimum(np.bincount(np.unique(users, return_inverse=True)[1]), k).sum())
-    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
-                           per_device_train_batch_size=kept, max_steps=1, learning_rate=1.0, optim="sgd",
-                           lr_scheduler_type="constant", weight_decay=0.0)
-    assert trainer.sample_rate == 1.0
-    trainer.train()
-    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
-    return (before - after) * kept
+    return released_sum(tmp_path, dataset, users, dp, kept)
 
 
 def test_els_one_user_moves_the_release_by_at_most_k_C_and_the_test_fails_without_the_cap(tmp_path, monkeypatch):
