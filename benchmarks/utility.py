@@ -445,7 +445,9 @@ def _epsilon_curve(report: dict[str, Any], points: int = 16) -> list[list[float]
                 continue
             taken.append(dataclasses.replace(g, steps=min(g.steps, left)))
             left -= g.steps
-        curve.append([step, compute_epsilon(taken, report["delta"], report["accountant"])])
+        # "pld": how the "prv" accountant computed a history with user-level ELS events (accountants.epsilon_bound)
+        accountant = "prv" if report["accountant"] == "pld" else report["accountant"]
+        curve.append([step, compute_epsilon(taken, report["delta"], accountant)])
     return curve
 
 

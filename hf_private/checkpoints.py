@@ -17,7 +17,7 @@ from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .adapters import save_private_adapter
-from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME
+from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME, USER_CAP_NAME
 from .privacy import PrivacyLedger
 
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
@@ -47,6 +47,30 @@ def save_privacy_record(output_dir: str, ledger: PrivacyLedger, dp_config, metho
     if method_state:
         with open(os.path.join(output_dir, METHOD_STATE_NAME), "w") as f:
             json.dump(method_state, f, indent=2, sort_keys=True)
+
+
+def save_user_cap(output_dir: str, kept: Any, config: Any) -> None:
+    """ELS: which examples every user kept (`users.cap_examples`), so a resumed run keeps the very same ones."""
+    with open(os.path.join(output_dir, USER_CAP_NAME), "w") as f:
+        json.dump({"user_column": config.user_column, "max_examples_per_user": config.max_examples_per_user,
+                   "kept": [int(i) for i in kept]}, f)
+
+
+def load_user_cap(checkpoint: str, config: Any) -> list[int]:
+    """The examples an ELS run kept, from its checkpoint; refused when missing or drawn under another cap."""
+    path = os.path.join(checkpoint, USER_CAP_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{checkpoint} has no {USER_CAP_NAME}: an example-level-sampled (ELS) user-level run must keep the "
+            "examples it drew for every user, or a resumed run could draw others and let a user contribute more "
+            "than max_examples_per_user. Resume from a checkpoint written by this version, or start afresh.")
+    with open(path) as f:
+        record = json.load(f)
+    if (record["user_column"], record["max_examples_per_user"]) != (config.user_column, config.max_examples_per_user):
+        raise ValueError(f"{path} was drawn for user_column={record['user_column']!r}, max_examples_per_user="
+                         f"{record['max_examples_per_user']}; this run has {config.user_column!r}, "
+                         f"{config.max_examples_per_user}. Resume with the same settings.")
+    return record["kept"]
 
 
 def load_method_state(checkpoint: str) -> dict[str, Any]:

@@ -94,7 +94,8 @@ def eval_results_metadata(eval_results: Mapping[str, float], *, task_type: str |
 
 def not_covered(unit: str = "example") -> tuple[str, ...]:
     """What the guarantee does not cover, for a run whose privacy unit is `unit`."""
-    return tuple(item.replace("{unit}", unit) for item in NOT_COVERED)
+    items = USER_LEVEL_NOT_COVERED if unit == "user" else NOT_COVERED
+    return tuple(item.replace("{unit}", unit) for item in items)
 
 
 NOT_COVERED = (
@@ -106,6 +107,12 @@ NOT_COVERED = (
     "Users who contribute several {unit}s: the unit is one {unit}, so a user with k {unit}s is protected "
     "only at about k·ε (group privacy).",
     "Data-dependent preprocessing (e.g. a vocabulary or normalisation statistics computed from the private data).",
+)
+# At user level the group-privacy caveat is what the guarantee removes; what it rests on instead is the user column.
+USER_LEVEL_NOT_COVERED = (
+    *(item for item in NOT_COVERED if not item.startswith("Users who contribute")),
+    "Users as the user column names them: one person's examples under two ids count as two users, and are "
+    "protected only at about 2·ε.",
 )
 
 
@@ -132,7 +139,8 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("trainer", "sampler_tail_delta", "guarantee_note", "training_epsilon", "forks",
+    for optional in ("trainer", "user_column", "user_sampling", "examples_per_user", "max_examples_per_user",
+                     "sampler_tail_delta", "guarantee_note", "training_epsilon", "forks",
                      "epsilon_with_forks", "not_a_guarantee", "trainable_fraction", "phases", "method_details"):
         if report.get(optional) is not None:
             block[optional] = report[optional]

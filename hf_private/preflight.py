@@ -42,9 +42,10 @@ from .artifacts import DP_CONFIG_NAME, LEDGER_NAME
 from .integrations import TrainerFamily, family_of
 from .label_checks import LabelCounts, count_labels
 from .logs import get_logger
-from .methods import MethodConfig
+from .methods import DPMethod, MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
 from .privacy.plan import check_expected_batch
+from .users import UserIndex, capped_size
 
 logger = get_logger(__name__)
 
@@ -58,7 +59,7 @@ class Preflight:
     delta: float  # δ of the guarantee, resolved for N
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
     family: TrainerFamily  # the trainer class's family (hf_private.integrations): its unit, rows and per-unit loss
-    unit: str  # the privacy unit, as the family names the training set's rows
+    unit: str  # the privacy unit, as the family names the training set's rows ("user" at user level)
 
 
 def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
@@ -68,15 +69,24 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     custom_loss = per_example_loss is not None
     family = family_of(trainer_class)
     check_dp_config(dp_config)
+    check_user_level_method(dp_config)
     check_subclass(trainer_class, mixin, custom_loss, family)
     check_custom_loss(custom_loss, family)
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
+    if dp_config.privacy_unit == "user":  # ULS: N counts users (q = B / users); ELS: the examples users keep
+        users = UserIndex.of(train_dataset, dp_config.user_column)
+        dataset_size = (users.users if dp_config.user_sampling == "user"
+                        else capped_size(users, dp_config.max_examples_per_user))
+        unit = "user"
+    else:
+        unit = family.unit(train_dataset)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, family.unit(train_dataset))
+        check_user_level_arguments(args, dp_config)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit)
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
@@ -86,6 +96,7 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
     if not args_given:
         check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
                         checked.family, trainer.model)
+        check_user_level_arguments(trainer.args, dp_config)
     check_parallelism(trainer)
     args = trainer.args
     check_process_count(args.world_size)
@@ -311,6 +322,35 @@ def check_supported_model(model: nn.Module) -> None:
         "could not be stated. Use an encoder-only model (BERT, RoBERTa, or an encoder-only T5 head such as "
         "T5ForTokenClassification / T5EncoderModel) or a decoder-only model (GPT-2, Llama) instead."
     )
+
+
+def check_user_level_method(dp_config: MethodConfig) -> None:
+    """At user level every data-dependent release must sample users (ULS) or be accounted for a user's k examples
+    (ELS): a method's own releases outside the training steps sample examples, and DP-FP's forward noise is scaled to
+    one example's representation."""
+    if dp_config.privacy_unit != "user":
+        return
+    method = dp_config.build_method()
+    own = [stage.name for stage in method.stages() if not stage.training]
+    if own:
+        raise ValueError(
+            f"{type(dp_config).__name__} is not supported at privacy_unit='user' yet: its releases {own} run outside "
+            "the training steps and sample examples, not users, so they would protect one example, not one user. "
+            "Use DPConfig (full or with a PEFT adapter), LoRAConfig, BitFitConfig or SparseLowRankConfig.")
+    if type(method).attach_forward_mechanisms is not DPMethod.attach_forward_mechanisms:
+        raise ValueError(
+            f"{type(dp_config).__name__} is not supported at privacy_unit='user': its forward noise is scaled to one "
+            "example's clipped representation, so one user's examples would add it up several times. Use DPConfig, "
+            "LoRAConfig, BitFitConfig or SparseLowRankConfig.")
+
+
+def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:
+    """What user-level sampling cannot honour yet."""
+    if dp_config.privacy_unit != "user":
+        return
+    if getattr(args, "train_sampling_strategy", "random") == "group_by_length":
+        raise ValueError("train_sampling_strategy='group_by_length' is not supported at privacy_unit='user': chunks "
+                         "hold whole users, not examples sorted by length. Use the default 'random'.")
 
 
 # ---------------------------------------------------------------------- dataset and labels

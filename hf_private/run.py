@@ -10,14 +10,23 @@ forward/backward pass comes through `TrainingSteps`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from .adapters import auxiliary_parameter_names, private_adapter_names
 from .audit import AuditResult, compose_audits
-from .checkpoints import load_dp_config_dict, load_ledger, load_method_state, save_privacy_record
+from .checkpoints import (
+    load_dp_config_dict,
+    load_ledger,
+    load_method_state,
+    load_user_cap,
+    save_privacy_record,
+    save_user_cap,
+)
 from .engine import PerExampleGradientEngine, trainable_parameters
 from .forks import find_fork
 from .integrations import trainer_name
@@ -31,6 +40,7 @@ from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, 
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .privacy.rng import test_stream_seed
 from .sampling import sampling_random
+from .users import UserIndex, cap_examples, stages_for, user_level_facts
 
 logger = get_logger(__name__)
 
@@ -69,13 +79,14 @@ class PrivacyRun:
         schedule = {"steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
         self.plan = PrivacyPlan(
             dataset_size, self.expected_batch_size, **schedule, delta=self.delta, accountant=self.accountant,
-            target_epsilon=self.target_epsilon, noise_multiplier=config.noise_multiplier, stages=method.stages(),
+            target_epsilon=self.target_epsilon, noise_multiplier=config.noise_multiplier,
+            stages=stages_for(method.stages(), config),
         )
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(dataset_size, self.delta, self.accountant)
         # what the guarantee is about, in the report, the ledger and the card
         self.subject = {"unit": unit, "trainer": trainer_name(type(steps)),
-                        "base_model": public_base_model(base_model_name(model))}
+                        "base_model": public_base_model(base_model_name(model)), **user_level_facts(config)}
         self.ledger.subject = dict(self.subject)
         self.optimizer: NoisyOptimizer | None = None
         self.engine = self._new_engine()
@@ -92,6 +103,7 @@ class PrivacyRun:
         self._epsilon_log = EpsilonLog(self.ledger, 0)  # the ε of the log lines; begin() starts a new one
         self.budget_exhausted = False
         self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
+        self.kept_examples: np.ndarray | None = None  # ELS: the examples every user keeps, drawn once (kept_by_users)
 
     @property
     def sample_rate(self) -> float:
@@ -197,6 +209,8 @@ class PrivacyRun:
 
     def resume(self, checkpoint: str, output_dir: str) -> None:
         """Continue the checkpoint's ledger and method state; say what changed and whether this forks the run."""
+        if self._els:  # before anything else: without its cap, the run cannot resume at all
+            self.kept_examples = np.asarray(load_user_cap(checkpoint, self._config), dtype=np.int64)
         self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.accountant)
         self.ledger.subject = dict(self.subject)
         self._warn_if_config_changed(checkpoint)
@@ -464,8 +478,23 @@ class PrivacyRun:
         self.attach_audit(result)
 
     def save(self, output_dir: str) -> None:
-        """The ledger, the method config and the method's state beside the weights (what a resume continues)."""
+        """The ledger, the method config and the method's state beside the weights (what a resume continues); under
+        ELS also which examples every user kept."""
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())
+        if self.kept_examples is not None:
+            save_user_cap(output_dir, self.kept_examples, self._config)
+
+    @property
+    def _els(self) -> bool:
+        return self._config.privacy_unit == "user" and self._config.user_sampling == "example"
+
+    def kept_by_users(self, index: UserIndex, share: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """ELS: the examples every user keeps (at most max_examples_per_user each), drawn from the secret stream on
+        the first call and `share`d from the main process, so every process trains on the same ones."""
+        if self.kept_examples is None:
+            self.kept_examples = share(cap_examples(index, self._config.max_examples_per_user,
+                                                    self.sampling_random("user cap")))
+        return self.kept_examples
 
     def collapse_settings(self, learning_rate: float) -> RunSettings:
         """What a collapse warning names as likely causes."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
@@ -37,6 +39,7 @@ from .optimizer import noisy_optimizer
 from .preflight import check_before_trainer, check_built_trainer
 from .run import PrivacyRun
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, chunk_lengths, slice_examples
+from .users import UNIT_SIZES_KEY, UnitCollator, UnitTagged, UserIndex, UserPoissonSampler, unit_slices
 
 logger = get_logger(__name__)
 
@@ -89,6 +92,10 @@ class PrivateTrainingMixin:
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
+        # At user level, the users of the training set as the trainer prepared it (TRL may drop rows)
+        self.user_index = (UserIndex.of(self.train_dataset, dp_config.user_column)
+                           if dp_config.privacy_unit == "user" else None)
+        self._uls = self.user_index is not None and dp_config.user_sampling == "user"
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
@@ -100,16 +107,39 @@ class PrivateTrainingMixin:
         log_ignored_labels(checked.labels)
 
     # ------------------------------------------------------------------ data
-    def training_data(self) -> tuple[Any, EmptySafeCollator]:
-        """The training set as the model reads it (unused columns removed) and its empty-batch-safe collator."""
+    def training_data(self) -> tuple[Any, Callable]:
+        """The training set as the model reads it (unused columns removed) and its empty-batch-safe collator; at user
+        level each example tagged with its user, and each batch told how many examples each of its users has."""
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
-        return dataset, EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
+        collate = EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
+        if self.user_index is None:
+            return dataset, collate
+        if self._uls:
+            return UnitTagged(dataset, self.user_index.user_of), UnitCollator(collate)
+        kept = self.privacy_run.kept_by_users(self.user_index, self._from_main_process)  # ELS: each user capped
+        return (dataset.select(kept) if hasattr(dataset, "select") else Subset(dataset, kept.tolist())), collate
+
+    def _from_main_process(self, value: Any) -> Any:
+        """`value` as the main process has it, on every process."""
+        if self.args.world_size == 1:
+            return value
+        shared = [value]
+        broadcast_object_list(shared, from_process=0)
+        return shared[0]
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
+        if self._uls:
+            sampler = UserPoissonSampler(
+                self.user_index, self.sample_rate, self.steps_per_epoch, self.dp_config.examples_per_user,
+                self.args.gradient_accumulation_steps, rank=self.args.process_index, world_size=self.args.world_size,
+                random=self.privacy_run.sampling_random("training sampling"))
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                              num_workers=self.args.dataloader_num_workers,
+                              pin_memory=self.args.dataloader_pin_memory)
         lengths = chunk_lengths(self.args, self.train_dataset, self.processing_class)
         sampler = PoissonBatchSampler(
             len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
@@ -155,33 +185,42 @@ class PrivateTrainingMixin:
         return total / (self.expected_batch_size / self.args.world_size)
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
-        """Forward/backward `inputs` in chunks of at most per_device_train_batch_size, each example's terms into
-        `engine`; the summed loss. The first chunk of ≥ 2 examples of the run, and the first after every switch of the
-        trainable set, is probed for example independence, together with a probe chunk from the training set."""
+        """Forward/backward `inputs` in chunks of at most per_device_train_batch_size units (examples; users at user
+        level, each with all of its examples), each unit's terms into `engine`; the summed loss. The first chunk of
+        ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for unit independence,
+        together with a probe chunk from the training set."""
+        inputs = dict(inputs)
+        unit_sizes = inputs.pop(UNIT_SIZES_KEY, None)
         size = batch_size_of(inputs)
-        rows = self.trainer_family.rows_per_unit(model, inputs)
-        chunk = self.args.per_device_train_batch_size
+        if unit_sizes is None:
+            unit_sizes = [1] * size
+        rows = self.trainer_family.rows_per_unit(model, inputs)  # rows of one example (DPO: 2)
         total = torch.zeros((), device=self.args.device)
-        for start in range(0, size, chunk):
-            part = {k: slice_examples(v, size, start, start + chunk) for k, v in inputs.items()}
-            examples = min(chunk, size - start)
-            with engine.recording(examples, rows):
+        for start, stop, units in unit_slices(unit_sizes, self.args.per_device_train_batch_size):
+            part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
+            unit_rows = rows if all(n == 1 for n in units) else [n * rows for n in units]
+            with engine.recording(len(units), unit_rows):
                 total = total + super().training_step(model, part, None)
             engine.finish_backward()
-            if examples >= 2 and self.privacy_run.needs_independence_probe:
-                self._probe_example_independence(model, part, examples, rows, engine)
+            if len(units) >= 2 and self.privacy_run.needs_independence_probe:
+                self._probe_example_independence(model, part, units, rows, engine)
         return total
 
-    def _probe_example_independence(self, model: nn.Module, inputs: dict, examples: int, rows: int,
+    def _probe_example_independence(self, model: nn.Module, inputs: dict, units: list[int], rows: int,
                                     engine: PerExampleGradientEngine) -> None:
-        """Examples recomputed alone must get the norms they had in this chunk and in a chunk of training examples
+        """Units recomputed alone must get the norms they had in this chunk and in a chunk of training examples
         spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
         indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
-        probe = self._prepare_inputs(dict(collate([dataset[i] for i in indices])))
+        if self._uls:  # a user's examples consecutive, as the sampler keeps them
+            indices.sort(key=lambda i: self.user_index.user_of[i])
+        probe = dict(collate([dataset[i] for i in indices]))
+        probe_units = [int(n) for n in probe.pop(UNIT_SIZES_KEY, torch.ones(len(indices), dtype=torch.long))]
+        probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        chunks = [(self._prepare_inputs(inputs), examples, rows), (probe, len(indices), probe_rows)]
+        chunks = [(self._prepare_inputs(inputs), sum(units), rows, units),
+                  (probe, len(indices), probe_rows, probe_units)]
         probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
         self.privacy_run.needs_independence_probe = False
 

@@ -6,6 +6,8 @@
 Each rank writes `DIR/rank{R}.pt`: the trainable parameters before and after, the privacy report, and how
 often it wrote the card and the model. The same function runs in one process for the reference run.
 
+Methods: full, lora, bitfit, frost, rgp (and rgp-entropy), users and users-els (DP-SGD at user level, ULS and ELS).
+
 Cases:
   update  noise switched off (monkeypatched, test only): the update must equal the one-process update
   noise   a zero loss, so the applied update is the noise alone: its variance must be σ²C²/(qN)²
@@ -40,6 +42,8 @@ from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests import tiny  # noqa: E402
 
 DATASET_SIZE = 64
+USERS = 20  # at user level (methods "users", "users-els"): 20 users of 2 to 4 examples
+KEPT = 53  # ELS ("users-els"): the examples left when each of them keeps at most 3
 NOISE_MULTIPLIER, CLIP = 1.0, 1.0
 LOGICAL_BATCH, GRAD_ACCUM = 16, 2
 LEARNING_RATE = {"update": 0.05, "noise": 1.0}
@@ -53,6 +57,11 @@ def build(method: str):
         return model, partial(FrostConfig, unfreeze_ratio=0.3, selection_sample_rate=0.25)
     if method in ("rgp", "rgp-entropy"):  # every rank must compute the same carriers from the same weights
         return model, partial(SparseLowRankConfig, variant="rgp", rank=2, sparsity=0.25)
+    if method == "users":  # user level (ULS): users sharded over the ranks, each with up to 3 of their examples
+        return model, partial(DPConfig, privacy_unit="user", user_column="user_id", examples_per_user=3)
+    if method == "users-els":  # user level (ELS): the cap drawn on the main process, shared with the other
+        return model, partial(DPConfig, privacy_unit="user", user_column="user_id", user_sampling="example",
+                              max_examples_per_user=3)
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
@@ -75,8 +84,11 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
         GaussianNoise.add_ = lambda self, tensors, std: None  # test only: compare the deterministic part
     per_example_loss = _zero_loss if case == "noise" else None
     tok = tiny.tokenizer()
+    dataset = tiny.sentiment_dataset(DATASET_SIZE)
+    if method.startswith("users"):
+        dataset = dataset.add_column("user_id", [i % USERS if i < 40 else (i * 7) % 13 for i in range(DATASET_SIZE)])
     trainer = PrivateTrainer(
-        model=model, args=args, train_dataset=tiny.sentiment_dataset(DATASET_SIZE),
+        model=model, args=args, train_dataset=dataset,
         data_collator=DataCollatorWithPadding(tok), dp_config=dp, per_example_loss=per_example_loss,
     )
     before = _trainable(trainer)
@@ -144,7 +156,9 @@ def _count_calls(calls: dict[str, int], model) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy"], required=True)
+    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy", "users",
+                                             "users-els"],
+                        required=True)
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()

@@ -20,6 +20,12 @@ def training_args(output_dir, **overrides) -> TrainingArguments:
     return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
 
 
+# TRL configs (SFTConfig, DPOConfig) in tests: on CPU, nothing saved or reported, and the settings private training
+# needs where TRL's defaults differ (gradient checkpointing and bf16 on by default)
+TRL_TEST_ARGS = dict(report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                     disable_tqdm=True, bf16=False, gradient_checkpointing=False, max_length=32)
+
+
 def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides) -> PrivateTrainer:
     model = model if model is not None else tiny.bert()
     dataset = dataset if dataset is not None else tiny.sentiment_dataset(96)

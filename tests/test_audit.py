@@ -402,3 +402,24 @@ def test_python_dash_m_runs_without_runtime_warning():
                           cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: hf-private-audit" in done.stdout
+
+
+# ---------------------------------------------------------------- at user level: every canary a user of its own
+def _user_level_audit(output_dir, seed: int = 0) -> AuditResult:
+    dp = DPConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000 + seed,
+                  privacy_unit="user", user_column="user_id", examples_per_user=4)
+    tok = tiny.tokenizer()
+    data = tiny.sentiment_dataset(400, seed=1)
+    data = data.add_column("user_id", [i // 4 for i in range(len(data))])  # 100 users of 4 examples
+    return run_audit(
+        tiny.bert, data, dp, training_args(output_dir, **AUDIT_ARGS), canaries=CANARIES, k_plus=K_PLUS, seed=seed,
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+    )
+
+
+def test_user_level_dp_sgd_passes_the_audit_and_an_unnoised_one_fails(tmp_path, monkeypatch):
+    result = _user_level_audit(tmp_path / "sound")
+    assert result.epsilon_lower_bound < CLAIMED_EPSILON and not result.refutes_claim
+    BUGS["noise-not-added"](monkeypatch)
+    broken = _user_level_audit(tmp_path / "broken")
+    assert broken.epsilon_lower_bound > CLAIMED_EPSILON and broken.refutes_claim, broken.bounds

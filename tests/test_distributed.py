@@ -17,7 +17,7 @@ import torch
 from tests import distributed_worker as worker
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["full", "lora", "bitfit", "frost", "rgp"]
+METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els"]
 # RGP's update is a projection of the released noise onto its carriers, not the noise itself (test_sparse_lowrank.py)
 NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
@@ -72,9 +72,11 @@ def test_two_processes_update_like_one(update_runs):
 
 
 def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
-    _, (rank0, rank1), single = update_runs
+    method, (rank0, rank1), single = update_runs
     assert rank0["report"] == rank1["report"]
-    assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / worker.DATASET_SIZE  # global q, not per rank
+    # at user level N counts users (ULS) or the examples users keep (ELS)
+    units = {"users": worker.USERS, "users-els": worker.KEPT}.get(method, worker.DATASET_SIZE)
+    assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / units  # global q, not per rank
     assert rank0["report"]["steps"] == rank0["global_step"]  # one ledger step per logical batch
     # test-mode sampling: no guarantee, so the accounting is under not_a_guarantee (the same numbers)
     figure = "accounting_with_a_secret_seed"

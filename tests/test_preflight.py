@@ -28,7 +28,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_private import BitFitConfig, DPConfig, PrivateTrainer, privatize
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, FrostConfig, PrivateTrainer, privatize
 from hf_private.integrations.trl_dpo import PAIR_LOSSES
 from hf_private.model_support import UnsupportedModelError
 from hf_private.preflight import _PRIVATE_PATH_METHODS
@@ -170,6 +170,14 @@ def _tiny_mixtral():
                                             num_local_experts=2, num_experts_per_tok=1))
 
 
+def _users_dp(config_class: type = DPConfig) -> Any:
+    return config_class(noise_multiplier=1.0, privacy_unit="user", user_column="user_id")
+
+
+def _users_dataset():
+    return tiny.sentiment_dataset(N).add_column("user_id", [i % 10 for i in range(N)])
+
+
 def _lora():
     from peft import LoraConfig
 
@@ -297,6 +305,19 @@ ROWS = [
         f"activation_offloading=True {DPO}offloading repacks"),
     Row("dpo-per_example_loss", _dpo(per_example_loss=lambda model, outputs, labels: outputs.logits.sum((1, 2))),
         ValueError, "per_example_loss is not supported by private trl.DPOTrainer training"),
+    # ------------------------------------------------------------------ user level (hf_private.users)
+    _row("user-column-missing", ValueError, "user_column='user_id' is not a column of the training set",
+         dp=_users_dp()),
+    _row("user-missing-for-some-examples", ValueError, "2 training examples have no user in column 'user_id'",
+         dp=_users_dp(), dataset=Fresh(lambda: tiny.sentiment_dataset(N).add_column(
+             "user_id", [None if i in (3, 40) else i % 10 for i in range(N)]))),
+    _row("user-level-frost", ValueError, "FrostConfig is not supported at privacy_unit='user' yet",
+         dp=_users_dp(FrostConfig)),
+    _row("user-level-dpfp", ValueError, "DPFPConfig is not supported at privacy_unit='user'",
+         dp=_users_dp(DPFPConfig)),
+    _row("user-level-group_by_length", ValueError, "train_sampling_strategy='group_by_length' is not supported at "
+         "privacy_unit='user'", dp=_users_dp(), dataset=Fresh(_users_dataset),
+         args={"train_sampling_strategy": "group_by_length"}),
     Row("dpo-vision-preference-data", _dpo(dataset=lambda: tiny.preference_pairs(16).add_column("images", [[]] * 16)),
         ValueError, "train_dataset is not supported with DPConfig: a vision-language preference dataset"),
     Row("dpo-peft_config-with-a-method-choosing-what-trains",

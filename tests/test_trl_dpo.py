@@ -25,7 +25,7 @@ from hf_private.engine import PerExampleGradientEngine
 from hf_private.integrations import family_of
 from hf_private.integrations.trl_dpo import PAIR_LOSSES, PairCollator, reference_logps, sequence_logps
 from tests import tiny
-from tests.helpers import run_readme_block
+from tests.helpers import TRL_TEST_ARGS, run_readme_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -35,9 +35,8 @@ FAMILY = family_of(PrivateDPOTrainer)
 
 
 def dpo_config(tmp_path, **overrides) -> DPOConfig:
-    defaults = dict(per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1,
-                    report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-                    disable_tqdm=True, bf16=False, gradient_checkpointing=False, max_length=32)
+    defaults = dict(TRL_TEST_ARGS, per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3,
+                    logging_steps=1)
     return DPOConfig(str(tmp_path), **{**defaults, **overrides})
 
 

@@ -36,13 +36,17 @@ def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) 
 
 
 def build_canaries(template: dict[str, Any], token_ids: Sequence[int], length: int, num_labels: int,
-                   rng: random.Random) -> dict[str, list]:
-    """Columns for one canary per token: the token repeated `length` times, a random (public) label."""
+                   rng: random.Random, users: Sequence[Any] = ()) -> dict[str, list]:
+    """Columns for one canary per token: the token repeated `length` times, a random (public) label; at user level
+    (`users`: the user column's name first, then one new id per canary) each canary is a user of its own."""
     columns: dict[str, list] = {name: [] for name in template}
-    for token in token_ids:
+    user_column, *new_users = users or (None,)
+    for i, token in enumerate(token_ids):
         ids = [token] * length
         for name, value in template.items():
-            if name == "input_ids":
+            if name == user_column:
+                columns[name].append(new_users[i])
+            elif name == "input_ids":
                 columns[name].append(ids)
             elif name == "attention_mask":
                 columns[name].append([1] * length)
@@ -62,11 +66,23 @@ def build_canaries(template: dict[str, Any], token_ids: Sequence[int], length: i
     return columns
 
 
-def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_labels: int, rng: random.Random):
-    """All canaries as a `datasets.Dataset` with the training set's features, so the two concatenate."""
+def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_labels: int, rng: random.Random,
+                   user_column: str | None = None):
+    """All canaries as a `datasets.Dataset` with the training set's features, so the two concatenate. At user level
+    every canary is a new user (an id no training example has), as the unit the audit tests is a user."""
     from datasets import Dataset
 
-    columns = build_canaries(train_dataset[0], token_ids, length, num_labels, rng)
+    users: tuple = ()
+    if user_column is not None:
+        taken = set(train_dataset[user_column])
+        if all(isinstance(u, int | np.integer) for u in taken):
+            start = max(taken) + 1
+            users = (user_column, *range(start, start + len(token_ids)))
+        else:
+            users = (user_column, *(f"audit-canary-{i}" for i in range(len(token_ids))))
+            if taken & set(users[1:]):
+                raise ValueError("The training set's users already include audit canary ids (audit-canary-<i>).")
+    columns = build_canaries(train_dataset[0], token_ids, length, num_labels, rng, users)
     return Dataset.from_dict(columns, features=train_dataset.features)
 
 

@@ -81,8 +81,9 @@ def run_audit(
     # The canaries themselves (rows, labels) come from a fixed public seed, so nothing about them depends on S.
     token_ids = add_canary_tokens(model, canaries, torch.Generator().manual_seed(DESIGN_SEED))
     config = getattr(unwrap_peft(model), "config", None)
+    user_column = dp_config.user_column if dp_config.privacy_unit == "user" else None  # each canary a new user
     canary_set = canary_dataset(train_dataset, token_ids, canary_length, int(getattr(config, "num_labels", 2) or 2),
-                                random.Random(DESIGN_SEED))
+                                random.Random(DESIGN_SEED), user_column)
     data = with_canaries(train_dataset, canary_set, included)
     logger.info("Audit: %d canaries, %d included, N=%d; guesses fixed in advance: k+=%d, k-=%d.",
                 canaries, int(included.sum()), len(data), k_plus, k_minus)

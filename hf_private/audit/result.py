@@ -120,8 +120,11 @@ class AuditResult:
 
 @functools.lru_cache(maxsize=16)
 def _composed_bound(groups: tuple[tuple, ...], delta: float, accountant: str) -> tuple[float, str]:
-    """Cached like the ledger's own ε: every card and report would otherwise recompute PRV (seconds each)."""
-    return epsilon_bound([MechanismGroup(*group) for group in groups], delta, accountant)
+    """Cached like the ledger's own ε: every card and report would otherwise recompute PRV (seconds each).
+
+    `groups` are the events' `to_dict` items (hashable), rebuilt with `from_dict`: by name, since an ELS event's
+    fields are not its serialised values in order."""
+    return epsilon_bound([MechanismGroup.from_dict(dict(group)) for group in groups], delta, accountant)
 
 
 def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accountant: str) -> dict[str, Any]:
@@ -134,7 +137,7 @@ def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accoun
     if not added or "epsilon" not in report:  # no guarantee to compose with (DP-FP paper mode): ε stays absent
         return report
     groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + added
-    epsilon, used = _composed_bound(tuple(tuple(g.to_dict().values()) for g in groups), report["delta"], accountant)
+    epsilon, used = _composed_bound(tuple(tuple(g.to_dict().items()) for g in groups), report["delta"], accountant)
     composed = {**report, "epsilon": epsilon, "accountant": used, "training_epsilon": report["epsilon"],
                 "sampler_tail_delta": sampler_tail_delta(groups, report["delta"]),
                 "mechanisms": [g.to_dict() for g in groups]}

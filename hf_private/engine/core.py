@@ -13,17 +13,18 @@ trainable parameters are flagged `requires_grad=False` ("ghost differentiation")
 propagates activation gradients. The first chunk runs with autograd's gradients on and checks that the
 engine's unclipped sums reproduce them, which catches a parameter used outside its module's forward.
 
-Every term must cover exactly the examples `recording` was told about: one row per example, or (multiple
-choice) a fixed number of consecutive rows per example, summed into one term. Anything else is refused, since
-per-example clipping would silently become per-row clipping. A layer once seen without a per-example batch dimension
-(T5's relative_attention_bias, looked up with [query, key] positions) stays refused, as its shape can coincide
-with the chunk's; the trainer's independence probe (examples alone) exposes it.
+Every term must cover exactly the units `recording` was told about: one row per example, or (multiple choice, a DPO
+pair) a fixed number of consecutive rows per example, or (a user) each unit's own number of consecutive rows, summed
+into one term. Anything else is refused, since per-example clipping would silently become per-row clipping. A layer
+once seen without a per-example batch dimension (T5's relative_attention_bias, looked up with [query, key] positions)
+stays refused, as its shape can coincide with the chunk's; the trainer's independence probe (units alone) exposes it.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,7 +36,16 @@ from ..logs import get_logger
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
 from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer, flat_norms
-from .terms import accumulation_dtype, cast_term, clipped_sum, group_rows, squared_norm, vars_tensors
+from .terms import (
+    accumulation_dtype,
+    cast_term,
+    clipped_sum,
+    format_sizes,
+    group_rows,
+    squared_norm,
+    unit_sizes,
+    vars_tensors,
+)
 
 logger = get_logger(__name__)
 
@@ -58,18 +68,39 @@ class _HookedLayer:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """What `recording` was told about the chunk: the terms must cover exactly these examples."""
+    """What `recording` was told about the chunk: the terms must cover exactly these units.
+
+    `rows_per_example`: every unit's rows, an int when all units have that many (one row per example; a fixed number
+    of choice rows), else a tuple of each unit's rows in order (a user's examples: a varying number of rows).
+    """
 
     examples: int
-    rows_per_example: int
+    rows_per_example: int | tuple[int, ...]
     probe: bool
 
+    @property
+    def total_rows(self) -> int:
+        """The rows the model sees: the units' rows, one unit after the other."""
+        if isinstance(self.rows_per_example, int):
+            return self.examples * self.rows_per_example
+        return sum(self.rows_per_example)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether a unit spans several rows (terms of `total_rows` rows are then summed per unit)."""
+        if isinstance(self.rows_per_example, int):
+            return self.rows_per_example > 1
+        return self.total_rows != self.examples
+
     def matches(self, rows: int) -> bool:
-        return rows in (self.examples, self.examples * self.rows_per_example)
+        return rows in (self.examples, self.total_rows)
 
     def describe(self) -> str:
-        each = f" of {self.rows_per_example} rows each" if self.rows_per_example > 1 else ""
-        return f"{self.examples} example{'' if self.examples == 1 else 's'}{each}"
+        if isinstance(self.rows_per_example, int):
+            each = f" of {self.rows_per_example} rows each" if self.rows_per_example > 1 else ""
+            return f"{self.examples} example{'' if self.examples == 1 else 's'}{each}"
+        units = f"{self.examples} unit{'' if self.examples == 1 else 's'}"
+        return f"{units} of {format_sizes(self.rows_per_example)} rows ({self.total_rows} rows in all)"
 
     def check_rows(self, rows: list[tuple[_HookedLayer, int]]) -> None:
         """Every term must have the chunk's rows; a layer once seen without a per-example batch dimension never again.
@@ -85,7 +116,7 @@ class _Chunk:
         for layer, count in rows:
             if layer.unbatched is None and self.matches(count):
                 continue
-            if layer.unbatched is None and (batched or count > self.examples * self.rows_per_example):
+            if layer.unbatched is None and (batched or count > self.total_rows):
                 layer.unbatched = f"{count} rows where its chunk held {self.describe()}"
             if layer.unbatched is not None:
                 raise UnsupportedLayerError(
@@ -193,12 +224,12 @@ class PerExampleGradientEngine:
     def add_term_transform(self, parameter: nn.Parameter, transform: TermTransform) -> RemovableHandle:
         """Apply `transform` to every per-example term of `parameter` before any norm, clip or sum.
 
-        The transform receives one term (OuterTerm, IndexTerm or SampleTerm; one row per example, the rows of a
-        multiple-choice example already grouped) and returns a term of any of these kinds for the same parameter,
-        e.g. `lambda t: terms.zero_rows(t, rows)`. It must treat every example alone and depend on no data (a mask
-        from public or already-released weights): it is a change of the mechanism, not a post-processing. The
-        engine's self-check against autograd sees the terms before any transform. Several transforms of one
-        parameter apply in the order added; `handle.remove()` drops one.
+        The transform receives one term (OuterTerm, IndexTerm or SampleTerm; one row per unit, the rows of a
+        multi-row unit (choices, a pair, a user's examples) already grouped) and returns a term of any of these kinds
+        for the same parameter, e.g. `lambda t: terms.zero_rows(t, rows)`. It must treat every unit alone and depend
+        on no data (a mask from public or already-released weights): it is a change of the mechanism, not a
+        post-processing. The engine's self-check against autograd sees the terms before any transform. Several
+        transforms of one parameter apply in the order added; `handle.remove()` drops one.
         """
         if not any(parameter is p for _, p in self.parameters):
             raise ValueError(f"add_term_transform: a parameter of shape {tuple(parameter.shape)} is not one this "
@@ -289,17 +320,33 @@ class PerExampleGradientEngine:
         return hook
 
     @contextmanager
-    def recording(self, batch_size: int, rows_per_example: int = 1, probe: bool = False) -> Iterator[None]:
-        """Record per-example terms for the forward/backward of one physical chunk of `batch_size` examples.
+    def recording(self, batch_size: int, rows_per_example: int | Sequence[int] = 1,
+                  probe: bool = False) -> Iterator[None]:
+        """Record per-unit terms for the forward/backward of one physical chunk of `batch_size` privacy units.
 
         `batch_size` must come from the data (the sampler/collator), not from a tensor the model builds: every
-        term is checked against it. `rows_per_example` > 1 when the model spreads an example over several rows
-        (a multiple-choice head: one row per choice); each example's term then sums its rows. `probe=True`
-        computes norms only (see `finish_backward`), with autograd's own gradients off.
+        term is checked against it. `rows_per_example` > 1 when the model spreads a unit over several rows
+        (a multiple-choice head: one row per choice; DPO: a chosen and a rejected row); each unit's term then sums
+        its rows. A sequence of `batch_size` ints gives every unit its own number of rows, consecutive and in order
+        (user-level DP: a user's examples), summing to the chunk's rows. Terms may have one row per unit or the
+        chunk's rows. `probe=True` computes norms only (see `finish_backward`), with autograd's own gradients off.
         """
-        if batch_size < 0 or rows_per_example < 1:
-            raise ValueError(f"recording() needs batch_size >= 0 and rows_per_example >= 1, got {batch_size}, "
-                             f"{rows_per_example}.")
+        if isinstance(rows_per_example, numbers.Integral) and not isinstance(rows_per_example, bool):
+            rows_per_example = int(rows_per_example)
+            if batch_size < 0 or rows_per_example < 1:
+                raise ValueError(f"recording() needs batch_size >= 0 and rows_per_example >= 1, got {batch_size}, "
+                                 f"{rows_per_example}.")
+            rows = batch_size * rows_per_example
+        else:
+            try:
+                rows_per_example = unit_sizes(rows_per_example)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"recording(): rows_per_example must be an int >= 1 or one int >= 1 per unit of "
+                                  f"the chunk. {error}") from None
+            if len(rows_per_example) != batch_size:
+                raise ValueError(f"recording() was given {len(rows_per_example)} unit sizes for a chunk of "
+                                 f"{batch_size} units: rows_per_example needs one entry (that unit's rows) per unit.")
+            rows = sum(rows_per_example)
         training_bn = [n for n in self.batch_norms if self.model.get_submodule(n).training]
         if training_bn:
             raise ValueError(
@@ -311,7 +358,7 @@ class PerExampleGradientEngine:
         for p in frozen_for_chunk:
             p.requires_grad_(False)
         self._chunk = _Chunk(batch_size, rows_per_example, probe)
-        self._rows = batch_size * rows_per_example
+        self._rows = rows
         try:
             yield
         except BaseException:  # Ctrl-C, an out-of-memory error: nothing of the broken chunk may reach a release
@@ -352,7 +399,7 @@ class PerExampleGradientEngine:
         finally:
             for _, p in self.parameters:
                 p.grad = None  # autograd's un-clipped gradient must never reach the optimizer, refused chunk or not
-        if chunk.rows_per_example > 1:
+        if chunk.grouped:
             by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
                             for t in terms] for p, terms in by_param.items()}
         if self._term_transforms:

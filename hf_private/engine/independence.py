@@ -8,8 +8,9 @@ compared with the ones they had inside a chunk: those of a real chunk, and those
 examples of the training set spread over its lengths (`spread_by_length`). The second matters because a real
 chunk may show nothing: with `group_by_length` the first chunk holds the batch's shortest examples, often all of
 one length, so nothing is padded and the two computations are identical. The trainer probes again after every
-stage or method switch (a new trainable set). Left padding without `position_ids` is refused on every chunk
-before this (`example_rows.check_one_row_per_example`).
+stage or method switch (a new trainable set). Where a privacy unit spans several examples (a user's), units are
+what is recomputed alone: the slice of a unit's examples, against the unit's norm inside the chunk. Left padding
+without `position_ids` is refused on every chunk before this (`example_rows.check_one_row_per_example`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from .core import PerExampleGradientEngine
+from .terms import format_sizes, unit_sizes
 
 #: Σ_b ℓ_b for the batch given, computed however the model is set (the probe runs it in eval mode)
 SummedLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
@@ -38,7 +40,9 @@ _CAUSES = (
     "(attention_mask.cumsum(-1) - 1, clamped at 0); with left padding a causal-LM label on an example's first "
     "token is also predicted from a padding position, so set it to -100; (2) several examples packed into "
     "shared rows: use DataCollatorWithPadding instead; (3) a layer that mixes examples, such as batch "
-    "statistics (BatchNorm-like) or a batch-wide mean: replace it with a per-example layer (LayerNorm/GroupNorm)."
+    "statistics (BatchNorm-like) or a batch-wide mean: replace it with a per-example layer (LayerNorm/GroupNorm); "
+    "(4) a loss normalised over the chunk (divided by its number of examples or tokens, as TRL's num_items_in_batch): "
+    "sum each unit's own loss instead."
 )
 
 
@@ -50,36 +54,66 @@ def check_example_independence(
     num_examples: int,
     rows_per_example: int = 1,
     rtol: float = RTOL,
+    examples_per_unit: Sequence[int] | None = None,
 ) -> None:
-    """Raise if an example's per-example gradient norm inside `inputs` differs from its norm alone.
+    """Raise if a unit's per-unit gradient norm inside `inputs` differs from its norm alone.
 
-    Runs in eval mode (dropout would make the two computations differ) and in the engine's probe mode: the
-    clipped sums, autograd's `.grad` and the model's train/eval mode are left as they were.
+    `inputs` holds `num_examples` examples (the leading dimension of its per-example tensors), each of
+    `rows_per_example` rows for the model. By default every example is a unit; `examples_per_unit` (one count per
+    unit, summing to `num_examples`) makes each unit a run of consecutive examples (a user's), recorded with its
+    examples' rows and recomputed alone as the slice of its examples. Runs in eval mode (dropout would make the two
+    computations differ) and in the engine's probe mode: the clipped sums, autograd's `.grad` and the model's
+    train/eval mode are left as they were.
     """
+    units = _units(examples_per_unit, num_examples)
     was_training = model.training
     model.eval()
     try:
-        in_batch = _norms(engine, model, dict(inputs), summed_loss, num_examples, rows_per_example)
-        finite = in_batch[torch.isfinite(in_batch)]  # a non-finite example is dropped by the clip anyway
+        in_batch = _norms(engine, model, dict(inputs), summed_loss, _unit_rows(units, num_examples, rows_per_example))
+        finite = in_batch[torch.isfinite(in_batch)]  # a non-finite unit is dropped by the clip anyway
         floor = 1e-3 * rtol * float(finite.max()) if finite.numel() else 0.0
-        for b in _probe_examples(inputs, num_examples, rows_per_example):
+        for b in _probe_examples(inputs, num_examples, rows_per_example, units):
             if not torch.isfinite(in_batch[b]):
                 continue
-            single = example_alone(inputs, b, num_examples, rows_per_example)
-            alone = float(_norms(engine, model, single, summed_loss, 1, rows_per_example)[0])
+            single = example_alone(inputs, b, num_examples, rows_per_example, units)
+            size = 1 if units is None else units[b]
+            alone = float(_norms(engine, model, single, summed_loss, (1, size * rows_per_example))[0])
             inside = float(in_batch[b])
             if abs(alone - inside) > rtol * max(alone, inside) + floor:
+                if units is None:
+                    what, mates, kind = f"Example {b} of a probed chunk", f"{num_examples - 1} chunk-mates", "example"
+                else:
+                    what = f"Unit {b} ({size} example{'' if size == 1 else 's'}) of a probed chunk"
+                    mates, kind = f"{len(units) - 1} chunk-mate units", "unit"
                 raise ValueError(
-                    f"Example {b} of a probed chunk has gradient norm {inside:.6g} among its {num_examples - 1} "
-                    f"chunk-mates but {alone:.6g} alone: its gradient depends on the other examples, so clipping "
-                    "does not bound one example's influence and the privacy guarantee would not hold. " + _CAUSES
+                    f"{what} has gradient norm {inside:.6g} among its {mates} but {alone:.6g} alone: its gradient "
+                    f"depends on the other {kind}s, so clipping does not bound one {kind}'s influence and the privacy "
+                    "guarantee would not hold. " + _CAUSES
                 )
     finally:
         model.train(was_training)
 
 
-def _norms(engine, model, inputs, summed_loss, examples: int, rows_per_example: int) -> torch.Tensor:
-    with engine.recording(examples, rows_per_example, probe=True):
+def _units(examples_per_unit: Sequence[int] | None, num_examples: int) -> tuple[int, ...] | None:
+    """`examples_per_unit` checked against the chunk's examples (None: every example its own unit)."""
+    if examples_per_unit is None:
+        return None
+    units = unit_sizes(examples_per_unit)
+    if sum(units) != num_examples:
+        raise ValueError(f"examples_per_unit {format_sizes(units)} counts {sum(units)} examples, but the probed chunk "
+                         f"holds {num_examples}: every example must belong to exactly one unit, in order.")
+    return units
+
+
+def _unit_rows(units: tuple[int, ...] | None, num_examples: int, rows_per_example: int):
+    """What `engine.recording` is told about the chunk: (units, rows per unit)."""
+    if units is None:
+        return num_examples, rows_per_example
+    return len(units), [count * rows_per_example for count in units]
+
+
+def _norms(engine, model, inputs, summed_loss, chunk) -> torch.Tensor:
+    with engine.recording(*chunk, probe=True):
         summed_loss(model, inputs).backward()
     return engine.finish_backward()
 
@@ -91,23 +125,47 @@ def _mask(inputs: Mapping[str, Any], rows_per_example: int) -> torch.Tensor | No
     return mask if torch.is_tensor(mask) and mask.dim() == dims else None
 
 
-def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_example: int) -> list[int]:
-    """The first, shortest and longest examples: the shortest has the most padding, the longest none."""
-    mask = _mask(inputs, rows_per_example)
-    if mask is None:
-        return list(dict.fromkeys([0, num_examples - 1]))[:MAX_PROBES]
-    lengths = mask.reshape(num_examples, -1).ne(0).sum(1)
-    return list(dict.fromkeys([0, int(lengths.argmin()), int(lengths.argmax())]))[:MAX_PROBES]
+def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_example: int,
+                    examples_per_unit: Sequence[int] | None = None) -> list[int]:
+    """The first, shortest and longest examples: the shortest has the most padding, the longest none.
 
-
-def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per_example: int = 1) -> dict[str, Any]:
-    """Example `b` as a batch of one, without the columns that are padding in all of its rows.
-
-    Every tensor shaped like the padding mask (input_ids, position_ids, token_type_ids, token labels, ...) loses
-    the same columns; tensors broadcast over the batch (leading dimension 1) are kept whole.
+    With `examples_per_unit`: the units (indices into it) of the first, shortest and longest examples, and the unit
+    with the most examples.
     """
+    mask = _mask(inputs, rows_per_example)
+    if examples_per_unit is None:
+        if mask is None:
+            return list(dict.fromkeys([0, num_examples - 1]))[:MAX_PROBES]
+        lengths = mask.reshape(num_examples, -1).ne(0).sum(1)
+        return list(dict.fromkeys([0, int(lengths.argmin()), int(lengths.argmax())]))[:MAX_PROBES]
+    units = _units(examples_per_unit, num_examples)
+    owner = np.repeat(np.arange(len(units)), units)
+    largest = int(np.argmax(units))
+    if mask is None:
+        picks = [0, len(units) - 1, largest]
+    else:
+        lengths = mask.reshape(num_examples, -1).ne(0).sum(1)
+        picks = [0, int(owner[int(lengths.argmin())]), int(owner[int(lengths.argmax())]), largest]
+    return list(dict.fromkeys(picks))[: MAX_PROBES + 1]
+
+
+def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per_example: int = 1,
+                  examples_per_unit: Sequence[int] | None = None) -> dict[str, Any]:
+    """Example `b` (with `examples_per_unit`: unit `b`, its examples) as a batch of its own, without the columns that
+    are padding in all of its rows.
+
+    Every tensor with one entry per example (leading dimension `num_examples`) is sliced; every tensor shaped like the
+    padding mask (input_ids, position_ids, token_type_ids, token labels, ...) then loses the same columns; tensors
+    broadcast over the batch (leading dimension 1) are kept whole.
+    """
+    units = _units(examples_per_unit, num_examples)
+    if units is None:
+        start, stop = b, b + 1
+    else:
+        start = sum(units[:b])
+        stop = start + units[b]
     single = {
-        k: v[b : b + 1] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == num_examples else v
+        k: v[start:stop] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == num_examples else v
         for k, v in inputs.items()
     }
     mask = _mask(single, rows_per_example)
@@ -149,11 +207,20 @@ def _attended_tokens(example: Any) -> int | None:
 
 
 def probe_example_independence(engine: PerExampleGradientEngine, model: nn.Module,
-                               chunks: Sequence[tuple[Mapping[str, Any], int, int]], summed_loss: SummedLoss,
-                               low_precision: bool) -> None:
-    """`check_example_independence` on each (inputs, examples, rows per example) chunk: a real training chunk and a
-    probe chunk of training examples spread over their lengths (which a length-sorted or unpadded real chunk may not
-    show), at the tolerance the precision allows."""
-    for inputs, examples, rows in chunks:
+                               chunks: Sequence[tuple], summed_loss: SummedLoss, low_precision: bool) -> None:
+    """`check_example_independence` on each chunk: a real training chunk and a probe chunk of training examples spread
+    over their lengths (which a length-sorted or unpadded real chunk may not show), at the tolerance the precision
+    allows.
+
+    A chunk is `(inputs, examples, rows per example)`, every example a unit, or `(inputs, examples, rows per example,
+    examples_per_unit)`, each unit that many consecutive examples (None: one each); `examples` counts the examples
+    (the leading dimension of the inputs' per-example tensors), not the units.
+    """
+    for chunk in chunks:
+        if len(chunk) not in (3, 4):
+            raise ValueError(f"A probed chunk is (inputs, examples, rows_per_example[, examples_per_unit]), got a "
+                             f"tuple of {len(chunk)}.")
+        inputs, examples, rows = chunk[:3]
         check_example_independence(engine, model, inputs, summed_loss, examples, rows,
-                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL)
+                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL,
+                                   examples_per_unit=chunk[3] if len(chunk) == 4 else None)

@@ -24,6 +24,7 @@ dtype promoted to at least float32, never in bf16.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +84,25 @@ def outer_product_term(left: torch.Tensor, right: torch.Tensor) -> OuterTerm | S
     return SampleTerm(torch.einsum("btp,btd->bpd", left, right))
 
 
-def group_rows(term, rows_per_example: int):
-    """One term per example from `rows_per_example` consecutive rows each (multiple choice: B·C rows → B).
+def group_rows(term, rows_per_example):
+    """One term per unit from its consecutive rows (multiple choice: B·C rows → B; a user: the rows of its examples).
 
-    An example's gradient is the sum over its rows, so its norm must cover all of them. A sum of row gradients
-    is a sum over the rows' positions: factored terms simply concatenate the rows along the token axis (exact).
+    `rows_per_example`: an int (every unit that many rows) or a sequence of each unit's rows, in order, summing to the
+    term's rows. A unit's gradient is the sum over its rows, so its norm must cover all of them. A sum of row gradients
+    is a sum over the rows' positions: factored terms simply concatenate the unit's rows along the token axis (exact).
+    Units of different sizes are padded with zero rows to the longest one, so that one reshape still serves: a zero
+    row adds nothing to a norm, a cross term or a sum. An instantiated term sums its rows into their unit.
     """
+    if isinstance(rows_per_example, numbers.Integral) and not isinstance(rows_per_example, bool):
+        rows_per_example = int(rows_per_example)
+    else:
+        sizes = unit_sizes(rows_per_example)
+        if term.batch_size != sum(sizes):
+            raise ValueError(f"group_rows: a term of {term.batch_size} rows cannot be grouped into {len(sizes)} units "
+                             f"of {sum(sizes)} rows in all ({format_sizes(sizes)}).")
+        if len(set(sizes)) > 1:
+            return _group_unequal_rows(term, sizes)
+        rows_per_example = sizes[0] if sizes else 1
     if isinstance(term, SampleTerm):
         grad = term.grad
         return SampleTerm(grad.reshape(-1, rows_per_example, *grad.shape[1:]).sum(1))
@@ -100,6 +114,64 @@ def group_rows(term, rows_per_example: int):
     # Re-decide ghost vs instantiated: the grouped sequence is rows_per_example times longer.
     return outer_product_term(term.left.reshape(examples, -1, term.left.shape[2]),
                               term.right.reshape(examples, -1, term.right.shape[2]))
+
+
+def unit_sizes(sizes) -> tuple[int, ...]:
+    """`sizes` (a sequence or 1-D tensor of each unit's rows) as a tuple of ints ≥ 1; anything else is refused."""
+    if torch.is_tensor(sizes):
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+            raise ValueError(f"Unit sizes must be a 1-D integer tensor, got {sizes.dtype} of shape "
+                             f"{tuple(sizes.shape)}.")
+        sizes = sizes.tolist()
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"Unit sizes must be an int or a sequence of ints, got {type(sizes).__name__}.")
+    values = tuple(sizes)
+    bad = [s for s in values if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+    if bad:
+        raise TypeError(f"Unit sizes must be ints, got {bad[:3]!r} in {format_sizes(values)}.")
+    values = tuple(int(s) for s in values)
+    if any(s < 1 for s in values):
+        raise ValueError(f"Every unit needs at least one row: got sizes {format_sizes(values)}.")
+    return values
+
+
+def format_sizes(sizes, most: int = 12) -> str:
+    shown = ", ".join(str(s) for s in sizes[:most])
+    return f"[{shown}{', ...' if len(sizes) > most else ''}]"
+
+
+def _unit_slots(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every row: its unit (owner) and its place among the unit's rows (slot)."""
+    counts = torch.tensor(sizes, dtype=torch.long, device=device)
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(owner.numel(), device=device) - starts[owner]
+    return owner, slot
+
+
+def _padded(values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units: int, longest: int) -> torch.Tensor:
+    """[rows, T, F] → [units, longest·T, F]: each unit's rows one after the other, then zero rows (index 0 for ids)."""
+    out = values.new_zeros(units, longest, *values.shape[1:])
+    out[owner, slot] = values
+    return out.reshape(units, -1, *values.shape[2:])
+
+
+def _group_unequal_rows(term, sizes: tuple[int, ...]):
+    units, longest = len(sizes), max(sizes)
+    if isinstance(term, SampleTerm):
+        owner, _ = _unit_slots(sizes, term.grad.device)
+        return SampleTerm(term.grad.new_zeros(units, *term.grad.shape[1:]).index_add_(0, owner, term.grad))
+    if isinstance(term, IndexTerm):
+        # A padding position looks up row 0 with a zero gradient: it adds nothing to that row.
+        owner, slot = _unit_slots(sizes, term.index.device)
+        return IndexTerm(index=_padded(term.index, owner, slot, units, longest),
+                         right=_padded(term.right, owner, slot, units, longest), num_rows=term.num_rows)
+    if isinstance(term, OuterTerm):
+        owner, slot = _unit_slots(sizes, term.left.device)
+        # Re-decide ghost vs instantiated for the grouped (padded) sequence length.
+        return outer_product_term(_padded(term.left, owner, slot, units, longest),
+                                  _padded(term.right, owner, slot, units, longest))
+    raise TypeError(f"group_rows: no rule to group the rows of a {type(term).__name__} into units of varying sizes.")
 
 
 def zero_examples(term, keep: torch.Tensor):

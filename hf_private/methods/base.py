@@ -35,6 +35,7 @@ from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
+from ..users import check_privacy_unit
 
 logger = get_logger(__name__)
 
@@ -88,9 +89,34 @@ class MethodConfig:
         },
     )
 
+    privacy_unit: str = field(
+        default="example",
+        metadata={"help": "'example' (one training example, or the trainer's own unit: a conversation, a preference "
+                          "pair) or 'user' (all the examples of one person, identified by user_column)."},
+    )
+    user_column: str | None = field(
+        default=None, metadata={"help": "The training set's column naming each example's user (privacy_unit='user')."}
+    )
+    user_sampling: str = field(
+        default="user",
+        metadata={"help": "At user level: 'user' (ULS: Poisson-sample users, clip each user's summed gradient) or "
+                          "'example' (ELS: cap each user's examples, Poisson-sample examples, account for the user)."},
+    )
+    examples_per_user: int = field(
+        default=1,
+        metadata={"help": "ULS: a sampled user contributes the summed gradient of up to this many of their examples "
+                          "(drawn secretly each step), clipped as one."},
+    )
+    max_examples_per_user: int | None = field(
+        default=None,
+        metadata={"help": "ELS: each user keeps at most this many examples (drawn secretly once); ε is accounted for "
+                          "a user with this many."},
+    )
+
     def __post_init__(self) -> None:
         check_budget(self.target_epsilon, self.noise_multiplier)
         check_target_delta(self.target_delta)
+        check_privacy_unit(self)
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
         if self.accountant not in ("prv", "rdp"):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..logs import get_logger
 from .accountants import check_accountant, compute_epsilon
-from .ledger import MechanismGroup
+from .ledger import MechanismGroup, gaussian_event
 
 logger = get_logger(__name__)
 
@@ -70,12 +70,12 @@ def _too_little_noise_jointly(stages: str, eps: float, target: float, accountant
 
 
 def _epsilon_of(
-    delta: float, accountant: str, prior: Sequence[MechanismGroup], name: str
+    delta: float, accountant: str, prior: Sequence[MechanismGroup], name: str, examples_per_user: int | None = None,
 ) -> Callable[[float, float, int], float]:
     prior = list(prior)
 
     def epsilon(noise_multiplier: float, sample_rate: float, steps: int) -> float:
-        event = MechanismGroup(name, noise_multiplier, sample_rate, steps)
+        event = gaussian_event(name, noise_multiplier, sample_rate, steps, examples_per_user=examples_per_user)
         return compute_epsilon([*prior, event], delta, accountant)
 
     return epsilon
@@ -163,6 +163,7 @@ def calibrate_noise_multiplier(
     name: str = "dp-sgd",
     tolerance: float = 0.01,
     max_noise_multiplier: float = 1000.0,
+    examples_per_user: int | None = None,
 ) -> float:
     """The σ such that `prior` + `steps` releases of (σ, `sample_rate`) spend ε ≤ `target_epsilon`.
 
@@ -171,24 +172,31 @@ def calibrate_noise_multiplier(
     2 (σ_high from 10 doubled until feasible, σ_low = 0, halve while target − ε(σ_high) > tolerance,
     return σ_high); under PRV the RDP answer seeds secant steps checked by PRV. It is `calibrate_jointly`
     with one mechanism of noise ratio 1.
+
+    With `examples_per_user` = k the releases are user-level ELS ones (`MechanismGroup.els`: per-example rate q,
+    at most k examples per user): the search is the same, on their ε (under "prv" the PLD accountant checks it,
+    seeded by the RDP answer for `accountants.els_fallback`).
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}.")
+    mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user)
     return calibrate_jointly(
-        target_epsilon, delta, [JointMechanism(name, 1.0, sample_rate, int(steps))], accountant=accountant,
-        prior=prior, tolerance=tolerance, max_noise_multiplier=max_noise_multiplier,
+        target_epsilon, delta, [mechanism], accountant=accountant, prior=prior, tolerance=tolerance,
+        max_noise_multiplier=max_noise_multiplier,
     )
 
 
 @dataclass(frozen=True)
 class JointMechanism:
-    """One mechanism of a joint calibration: `steps` releases of (σ = `noise_ratio` · s, `sample_rate`)."""
+    """One mechanism of a joint calibration: `steps` releases of (σ = `noise_ratio` · s, `sample_rate`), user-level
+    ELS ones with at most `examples_per_user` examples per user when that is given."""
 
     name: str
     noise_ratio: float
     sample_rate: float
     steps: int
+    examples_per_user: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.noise_ratio) and self.noise_ratio > 0):
@@ -197,6 +205,13 @@ class JointMechanism:
             raise ValueError(f"sample_rate of {self.name!r} must be in (0, 1], got {self.sample_rate}.")
         if int(self.steps) != self.steps or self.steps < 0:
             raise ValueError(f"steps of {self.name!r} must be a non-negative integer, got {self.steps}.")
+        if self.examples_per_user is not None:
+            gaussian_event(self.name, 1.0, self.sample_rate, 0, examples_per_user=self.examples_per_user)  # checks k
+
+    def event(self, scale: float) -> MechanismGroup:
+        """The ledger event of this mechanism's releases at σ = noise_ratio · `scale`."""
+        return gaussian_event(self.name, self.noise_ratio * scale, self.sample_rate, self.steps,
+                              examples_per_user=self.examples_per_user)
 
 
 def calibrate_jointly(
@@ -233,7 +248,7 @@ def calibrate_jointly(
 
     def under(accountant: str) -> Callable[[float], float]:
         def epsilon(scale: float) -> float:
-            events = [MechanismGroup(m.name, m.noise_ratio * scale, m.sample_rate, m.steps) for m in active]
+            events = [m.event(scale) for m in active]
             return compute_epsilon([*prior, *events], delta, accountant)
 
         return epsilon
@@ -303,11 +318,13 @@ def max_steps_within(
     prior: Sequence[MechanismGroup] = (),
     name: str = "dp-sgd",
     upper: int = 10**7,
+    examples_per_user: int | None = None,
 ) -> int:
     """The largest k ≥ 0 (at most `upper`) with ε(`prior` + k releases of (σ, q)) ≤ `target_epsilon`.
 
     Used to stop training before the budget is exceeded. ε is non-decreasing in k; under PRV the search
-    starts from the RDP answer (PRV is tighter, so it allows at least about as many steps).
+    starts from the RDP answer (PRV is tighter, so it allows at least about as many steps). With
+    `examples_per_user` the releases are user-level ELS ones (as in `calibrate_noise_multiplier`).
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(upper) != upper or upper < 0:
@@ -318,7 +335,7 @@ def max_steps_within(
         return 0
 
     def under(accountant: str) -> Callable[[int], float]:
-        epsilon = _epsilon_of(delta, accountant, prior, name)
+        epsilon = _epsilon_of(delta, accountant, prior, name, examples_per_user)
         return lambda k: epsilon(noise_multiplier, sample_rate, k)
 
     rdp_prior = prior_epsilon if accountant == "rdp" else compute_epsilon(prior, delta, "rdp")

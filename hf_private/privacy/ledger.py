@@ -8,16 +8,27 @@ Events are typed (in the spirit of Google dp_accounting's `DpEvent`s), by `Mecha
   mode trains the encoder below its noise on raw data). Serialised with the accounting stand-in σ = 0, q = 1 (an
   un-noised release of the whole dataset), so that any accountant given the card's numbers, ours or opacus' or
   one that ignores the event type, returns ε = ∞ rather than a finite number the release does not have.
+* `"els_poisson_gaussian"` (`ELS_POISSON_GAUSSIAN`): user-level DP by example-level sampling (ELS, Charles et al.
+  2024, arXiv 2407.07737). Every user keeps at most k = `examples_per_user` examples; *examples* are
+  Poisson-sampled at rate q, clipped to C, and N(0, σ²C²) is added to the sum. Adding or removing one user moves
+  the sum by at most J·C, J ~ Binomial(k, q): per release a mixture of Gaussians, N(0, σ²) against
+  Σ_j Binom(k, q)[j]·N(j, σ²) in units of C (a user with fewer than k examples is the case where some contribute
+  0; the vector case reduces to this scalar one, Choquette-Choo et al. 2023, Cor. 4.7), which `accountants`
+  composes with dp_accounting's PLD accountant. σ and q are the mechanism's own (the noise multiplier and the
+  per-example rate), so an accountant that ignores the event type and k would *understate* ε: read these events
+  with `MechanismGroup.from_dict`.
 
 The ledger keeps events in order, merging consecutive identical ones into one group, survives checkpoints
-as JSON (format 2; format-1 files, which had Poisson-Gaussian groups only, still load), and answers "what
-is ε now", "what would ε be if" and "is there a formal guarantee at all".
+as JSON (format 2; format-1 files, which had Poisson-Gaussian groups only, still load; ELS events added the
+optional field `examples_per_user`, so format 2 stays: an older hf_private refuses the unknown event type rather
+than misreading it), and answers "what is ε now", "what would ε be if" and "is there a formal guarantee at all".
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,7 +44,10 @@ READABLE_FORMAT_VERSIONS = (1, 2)  # 1: before typed events, every group a Poiss
 
 POISSON_GAUSSIAN = "poisson_gaussian"
 NO_GUARANTEE = "no_guarantee"
-EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE)
+ELS_POISSON_GAUSSIAN = "els_poisson_gaussian"
+EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE, ELS_POISSON_GAUSSIAN)
+# The event types whose release is noised by σ (a Gaussian mechanism): finite ε when σ > 0.
+GAUSSIAN_KINDS = (POISSON_GAUSSIAN, ELS_POISSON_GAUSSIAN)
 
 
 @dataclass
@@ -44,10 +58,14 @@ class MechanismGroup:
     Gaussian mechanism with noise multiplier σ and rate q; `max_grad_norm` (C) does not enter ε (noise is σ·C
     for sensitivity C) and is kept so the record says what was released. For `"no_guarantee"` the release has
     no finite guarantee, for the stated `reason`; σ and q hold the stand-in 0 and 1 (nothing is noised, everyone
-    is in), so any accountant composes it to ε = ∞. Build those with `MechanismGroup.no_guarantee`.
+    is in), so any accountant composes it to ε = ∞. Build those with `MechanismGroup.no_guarantee`. For
+    `"els_poisson_gaussian"` the release is user-level example-level sampling: q is the per-*example* Poisson rate,
+    σ the noise multiplier (noise σ·C), and `examples_per_user` (k ≥ 1) the cap on each user's examples; build
+    those with `MechanismGroup.els`. `examples_per_user` is None for every other type.
 
-    The fields' order is the serialised order (`to_dict`): `MechanismGroup(*group.to_dict().values())` rebuilds
-    the group, which cached composition relies on.
+    The fields' order is the serialised order (`to_dict`); `MechanismGroup.from_dict(group.to_dict())` rebuilds
+    any group (positionally, `MechanismGroup(*group.to_dict().values())` rebuilds the Poisson-Gaussian and
+    no-guarantee ones only: an ELS event has no `reason` entry before its `examples_per_user`).
     """
 
     name: str
@@ -57,6 +75,7 @@ class MechanismGroup:
     max_grad_norm: float | None = None
     mechanism: str = POISSON_GAUSSIAN
     reason: str | None = None
+    examples_per_user: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -74,6 +93,15 @@ class MechanismGroup:
                 )
         elif self.reason is not None:
             raise ValueError(f"Only a no-guarantee event carries a reason ({self.name!r} is {self.mechanism}).")
+        if self.mechanism == ELS_POISSON_GAUSSIAN:
+            k = self.examples_per_user
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+                raise ValueError(f"An ELS event ({self.name!r}) needs examples_per_user, a positive integer (the cap "
+                                 f"k on each user's examples), got {k!r}.")
+            self.examples_per_user = int(k)
+        elif self.examples_per_user is not None:
+            raise ValueError(f"Only an ELS event ({ELS_POISSON_GAUSSIAN!r}) carries examples_per_user ({self.name!r} "
+                             f"is {self.mechanism}).")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}.")
         if not 0 < self.sample_rate <= 1:
@@ -89,10 +117,18 @@ class MechanismGroup:
         """`steps` releases with no finite guarantee (ε = ∞), for `reason`."""
         return cls(name, 0.0, 1.0, steps, max_grad_norm, NO_GUARANTEE, reason)
 
+    @classmethod
+    def els(cls, name: str, noise_multiplier: float, sample_rate: float, examples_per_user: int, steps: int = 1,
+            max_grad_norm: float | None = None) -> MechanismGroup:
+        """`steps` user-level ELS releases: examples Poisson-sampled at `sample_rate`, at most `examples_per_user`
+        per user, noise σ·C (see the module docstring)."""
+        return cls(name, noise_multiplier, sample_rate, steps, max_grad_norm, ELS_POISSON_GAUSSIAN,
+                   examples_per_user=examples_per_user)
+
     @property
     def has_guarantee(self) -> bool:
         """False when this release alone makes ε infinite: a no-guarantee event, or a Gaussian one with σ = 0."""
-        return self.steps == 0 or (self.mechanism == POISSON_GAUSSIAN and self.noise_multiplier > 0)
+        return self.steps == 0 or (self.mechanism in GAUSSIAN_KINDS and self.noise_multiplier > 0)
 
     def why_no_guarantee(self) -> str | None:
         if self.has_guarantee:
@@ -112,6 +148,8 @@ class MechanismGroup:
         }
         if self.reason is not None:
             d["reason"] = str(self.reason)
+        if self.examples_per_user is not None:
+            d["examples_per_user"] = int(self.examples_per_user)
         return d
 
     @classmethod
@@ -119,6 +157,7 @@ class MechanismGroup:
         """From `to_dict`'s output, or a format-1 dict (no `mechanism`: a Poisson-subsampled Gaussian)."""
         max_grad_norm = d.get("max_grad_norm")
         reason = d.get("reason")
+        examples_per_user = d.get("examples_per_user")
         return cls(
             name=str(d["name"]),
             noise_multiplier=float(d["noise_multiplier"]),
@@ -127,14 +166,25 @@ class MechanismGroup:
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             mechanism=str(d.get("mechanism", POISSON_GAUSSIAN)),
             reason=None if reason is None else str(reason),
+            examples_per_user=None if examples_per_user is None else int(examples_per_user),
         )
 
     def same_mechanism(self, other: MechanismGroup) -> bool:
-        """Same release (type, name, σ, q, C, reason), so the two groups can be one with summed steps."""
+        """Same release (type, name, σ, q, C, reason, k), so the two groups can be one with summed steps."""
         return self._identity() == other._identity()
 
     def _identity(self) -> tuple:
-        return (self.mechanism, self.name, self.noise_multiplier, self.sample_rate, self.max_grad_norm, self.reason)
+        return (self.mechanism, self.name, self.noise_multiplier, self.sample_rate, self.max_grad_norm, self.reason,
+                self.examples_per_user)
+
+
+def gaussian_event(name: str, noise_multiplier: float, sample_rate: float, steps: int,
+                   max_grad_norm: float | None = None, examples_per_user: int | None = None) -> MechanismGroup:
+    """`steps` releases of a Gaussian mechanism: a Poisson-subsampled Gaussian (σ, q), or with `examples_per_user`
+    = k a user-level ELS one (σ, per-example rate q, at most k examples per user)."""
+    if examples_per_user is None:
+        return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm)
+    return MechanismGroup.els(name, noise_multiplier, sample_rate, examples_per_user, steps, max_grad_norm)
 
 
 def guarantee_of(mechanisms: Sequence[MechanismGroup]) -> tuple[str, str | None]:
@@ -192,12 +242,13 @@ class PrivacyLedger:
 
     @staticmethod
     def _event(
-        name: str, noise_multiplier: float, sample_rate: float, max_grad_norm: float | None, steps: int
+        name: str, noise_multiplier: float, sample_rate: float, max_grad_norm: float | None, steps: int,
+        examples_per_user: int | None = None,
     ) -> MechanismGroup:
         if steps < 1:
             raise ValueError(f"An event has at least one step, got steps={steps}.")
         clip = None if max_grad_norm is None else float(max_grad_norm)
-        return MechanismGroup(name, float(noise_multiplier), float(sample_rate), int(steps), clip)
+        return gaussian_event(name, float(noise_multiplier), float(sample_rate), int(steps), clip, examples_per_user)
 
     def record(
         self,
@@ -206,9 +257,14 @@ class PrivacyLedger:
         sample_rate: float,
         max_grad_norm: float | None = None,
         steps: int = 1,
+        examples_per_user: int | None = None,
     ) -> None:
-        """Record `steps` releases of mechanism `name` with noise σ and Poisson rate q."""
-        self.record_event(self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps))
+        """Record `steps` releases of mechanism `name` with noise σ and Poisson rate q.
+
+        With `examples_per_user` = k, the releases are user-level ELS ones (an `"els_poisson_gaussian"` event: q is
+        the per-example rate, each user has at most k examples); without it, Poisson-subsampled Gaussian ones.
+        """
+        self.record_event(self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps, examples_per_user))
 
     def record_no_guarantee(self, name: str, reason: str, steps: int = 1, max_grad_norm: float | None = None) -> None:
         """Record `steps` releases of mechanism `name` that have no finite guarantee, and why (ε becomes ∞)."""
@@ -302,9 +358,10 @@ class PrivacyLedger:
         sample_rate: float,
         max_grad_norm: float | None = None,
         steps: int = 1,
+        examples_per_user: int | None = None,
     ) -> float:
-        """ε if this event were recorded next; the ledger is not changed."""
-        event = self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps)
+        """ε if this event were recorded next (as `record` would record it); the ledger is not changed."""
+        event = self._event(name, noise_multiplier, sample_rate, max_grad_norm, steps, examples_per_user)
         return compute_epsilon(_appended(self.mechanisms, event), self.delta, self.accountant)
 
     def record_fork(self, fork: dict[str, Any]) -> None:
@@ -362,7 +419,9 @@ class PrivacyLedger:
 
         `guarantee` is "formal", or "none" with `guarantee_note` saying why (ε is then ∞). Each entry of
         `mechanisms` is a typed event that opacus' accountants recompute ε from: history (σ, q, steps), at δ minus
-        `sampler_tail_delta` (the part of δ the noise sampler's finite tail takes, `rng.tail_mass`).
+        `sampler_tail_delta` (the part of δ the noise sampler's finite tail takes, `rng.tail_mass`). A history with
+        ELS events (k ≥ 2) is recomputed with dp_accounting's PLD accountant instead (`accountant` then says
+        "pld"; see `accountants.epsilon_bound`).
         """
         epsilon, accountant = self._epsilon_bound()
         guarantee, reason = self.guarantee()

@@ -26,6 +26,11 @@ and the σ returned meets the target at the δ_tail of the planned run. Compared
 grow. A plan whose δ_tail would exceed δ/10 is refused: that is the floor on σ, below which the tail grows fast
 (4.5e-12 per release at σ = 0.4, 1e-9 at σ = 0.3, 7e-6 at σ = 0.2).
 
+A stage may be user-level by example-level sampling (ELS): `Stage(examples_per_user=k)`. Its releases sample
+*examples* at q from data where every user has at most k examples, and its events are `"els_poisson_gaussian"`
+events carrying k; σ is calibrated (or checked) on their ε exactly as for the other stages, by the same searches
+(`accountants` says how ε of such a history is computed). k = 1 gives the numbers of example-level DP-SGD.
+
 A stage may be marked `no_guarantee` with a reason (DP-FP in paper mode): it is never calibrated, the plan's ε is
 ∞, its `guarantee` is ("none", reason), the budget stop does not apply, and its ledger events are
 `"no_guarantee"` events, so the report says `guarantee: none` for that reason.
@@ -50,7 +55,7 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .ledger import NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup
+from .ledger import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
 from .rng import Z_MAX
 
 logger = get_logger(__name__)
@@ -107,11 +112,18 @@ def check_expected_batch(expected_batch_size: int, dataset_size: int) -> None:
         )
 
 
-def _sigma_floor(releases: int, delta: float) -> float | None:
-    """The smallest σ (within 0.1%) at which `releases` releases leave the sampler tail at most TAIL_SHARE·δ, or
-    None when no σ up to 10⁶ does (part of the tail does not shrink with 1/σ)."""
+def _sigma_floor(events: Sequence[MechanismGroup], delta: float) -> float | None:
+    """The smallest σ (within 0.1%) at which `events`, all at that σ, leave the sampler tail at most TAIL_SHARE·δ,
+    or None when no σ up to 10⁶ does (part of the tail does not shrink with 1/σ).
+
+    Only the releases count for a Poisson-subsampled Gaussian; an ELS event's tail also depends on its q and k."""
+    releases = sum(e.steps for e in events if e.examples_per_user is None)
+    els = [(e.sample_rate, e.examples_per_user, e.steps) for e in events if e.examples_per_user is not None]
+
     def fits(sigma: float) -> bool:
-        return sampler_tail_delta([MechanismGroup("floor", sigma, 1.0, releases)], delta) <= TAIL_SHARE * delta
+        probe = [MechanismGroup("floor", sigma, 1.0, releases)] + [
+            MechanismGroup.els("floor", sigma, q, k, steps) for q, k, steps in els]
+        return sampler_tail_delta(probe, delta) <= TAIL_SHARE * delta
 
     low, high = 1e-2, 1e6
     if not fits(high):
@@ -173,6 +185,12 @@ class Stage:
         metadata={"help": "Why this release has no finite guarantee (e.g. DP-FP paper mode). ε becomes ∞; the stage "
                           "is never calibrated and its events are 'no_guarantee' events."},
     )
+    examples_per_user: int | None = field(
+        default=None,
+        metadata={"help": "User-level DP by example-level sampling (ELS): every user has at most this many examples "
+                          "k, examples are Poisson-sampled at q; the stage's events are 'els_poisson_gaussian' events "
+                          "with k, accounted as a mixture of Gaussians. None: example-level (one unit, one term)."},
+    )
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -202,6 +220,18 @@ class Stage:
             raise ValueError(f"Stage {self.name!r}: no_guarantee must be the reason, a non-empty string.")
         if self.no_guarantee is not None and self.epsilon_share is not None:
             raise ValueError(f"Stage {self.name!r} has no guarantee: it cannot take a share of ε.")
+        if self.examples_per_user is not None:
+            k = self.examples_per_user
+            if isinstance(k, bool) or int(k) != k or k < 1:
+                raise ValueError(f"Stage {self.name!r}: examples_per_user must be a positive integer, got {k!r}.")
+            if self.no_guarantee is not None:
+                raise ValueError(f"Stage {self.name!r} has no guarantee: it has no ELS accounting (examples_per_user).")
+            object.__setattr__(self, "examples_per_user", int(k))
+
+    def event(self, noise_multiplier: float, sample_rate: float, steps: int,
+              max_grad_norm: float | None = None) -> MechanismGroup:
+        """The ledger event of `steps` noised releases of this stage at (σ, q): ELS when `examples_per_user` is set."""
+        return gaussian_event(self.name, noise_multiplier, sample_rate, steps, max_grad_norm, self.examples_per_user)
 
     @property
     def calibration(self) -> str:
@@ -247,12 +277,16 @@ class PlannedStage:
             return MechanismGroup.no_guarantee(self.name, self.stage.no_guarantee, steps, max_grad_norm)
         if self.noise_multiplier is None:
             raise ValueError(f"Stage {self.name!r} has no σ (it was planned with no steps).")
-        return MechanismGroup(self.name, self.noise_multiplier, self.sample_rate, steps, max_grad_norm)
+        return self.stage.event(self.noise_multiplier, self.sample_rate, steps, max_grad_norm)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.stage.no_guarantee is not None:
+            mechanism = NO_GUARANTEE
+        else:
+            mechanism = POISSON_GAUSSIAN if self.stage.examples_per_user is None else ELS_POISSON_GAUSSIAN
         d: dict[str, Any] = {
             "name": self.name,
-            "mechanism": NO_GUARANTEE if self.stage.no_guarantee is not None else POISSON_GAUSSIAN,
+            "mechanism": mechanism,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
             "training": self.training,
@@ -264,6 +298,8 @@ class PlannedStage:
             d["sensitivity"] = self.stage.sensitivity
         if self.stage.no_guarantee is not None:
             d["reason"] = self.stage.no_guarantee
+        if self.stage.examples_per_user is not None:
+            d["examples_per_user"] = self.stage.examples_per_user
         return d
 
 
@@ -400,7 +436,7 @@ class PrivacyPlan:
             if stage.noise_multiplier is not None:
                 sigmas[i] = float(stage.noise_multiplier)
                 if stage.calibration == "fixed" and k > 0:
-                    prior.append(MechanismGroup(stage.name, sigmas[i], q, k))
+                    prior.append(stage.event(sigmas[i], q, k))
         shares = sorted((i for i, (stage, *_) in enumerate(layout) if stage.calibration == "share"),
                         key=lambda i: layout[i][0].epsilon_share)
         for i in shares:
@@ -410,10 +446,11 @@ class PrivacyPlan:
             sigmas[i] = calibrate_noise_multiplier(
                 stage.epsilon_share * self.target_epsilon, self.delta, q, k, accountant=self.accountant,
                 prior=prior, name=stage.name, tolerance=self.tolerance,
-                max_noise_multiplier=self.max_noise_multiplier,
+                max_noise_multiplier=self.max_noise_multiplier, examples_per_user=stage.examples_per_user,
             )
-            prior.append(MechanismGroup(stage.name, sigmas[i], q, k))
-        joint = [JointMechanism(layout[i][0].name, layout[i][0].noise_ratio or 1.0, layout[i][1], layout[i][2])
+            prior.append(stage.event(sigmas[i], q, k))
+        joint = [JointMechanism(layout[i][0].name, layout[i][0].noise_ratio or 1.0, layout[i][1], layout[i][2],
+                                layout[i][0].examples_per_user)
                  for i in ratio]
         if any(m.steps > 0 for m in joint):
             self._scale = calibrate_jointly(
@@ -439,9 +476,8 @@ class PrivacyPlan:
         tail = sampler_tail_delta(events, self.delta)
         if tail <= TAIL_SHARE * self.delta:
             return
-        releases = sum(event.steps for event in events)
         sigmas = ", ".join(f"{e.name}: σ={e.noise_multiplier:.4g}, {e.steps} releases" for e in events)
-        floor = _sigma_floor(releases, self.delta)
+        floor = _sigma_floor(events, self.delta)
         if floor is None:
             fix = ("No σ would do: over this many releases the part that does not shrink with σ (the restriction "
                    "to the discs, for up to 2³² coordinates per release) is too large alone. Plan fewer steps (a "
@@ -545,7 +581,8 @@ class PrivacyPlan:
             if planned.noise_multiplier is None:  # a calibrated stage planned with no steps: it never runs
                 return allowed
             k = max_steps_within(self.target_epsilon, self.delta, planned.noise_multiplier, planned.sample_rate,
-                                 accountant=self.accountant, prior=prior, name=planned.name, upper=remaining)
+                                 accountant=self.accountant, prior=prior, name=planned.name, upper=remaining,
+                                 examples_per_user=planned.stage.examples_per_user)
             allowed += k
             if k < remaining or last:
                 return allowed
@@ -591,6 +628,8 @@ class PrivacyPlan:
             elif how == "none":
                 how = "no guarantee"
             note = f"; sensitivity: {p.stage.sensitivity}" if p.stage.sensitivity else ""
+            if p.stage.examples_per_user is not None:
+                note += f"; user level (ELS): at most {p.stage.examples_per_user} examples per user"
             lines.append(f"  {p.name}: q={p.sample_rate:.5g}, {p.steps} releases ({when}), {sigma} ({how}){note}")
         if not self.has_guarantee:
             lines.append(f"  guarantee: none. {self.guarantee[1]}")

@@ -80,6 +80,7 @@ TEST_STREAMS = {
     "method noise": 15485863,
     "method sampling": 32460762,
     "rgp carriers": 49979687,
+    "user cap": 67867967,
 }
 
 

@@ -1,0 +1,370 @@
+"""User-level DP (`DPConfig(privacy_unit="user", user_column=...)`): the config's rules, the index of users, the ULS
+sampler, and through the public API that one user with many examples moves a released update by at most C.
+
+The sensitivity tests run one SGD step at q = 1 under a test seed, so the noise replays and cancels between a run
+with and a run without the added user; the released sum is (W₀ − W₁)·B/lr. A mutation test beside them clips the
+user's examples apart (each example its own unit): the user then moves the sum by far more than C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from huggingface_hub import ModelCard
+from transformers import TrainerCallback
+
+import hf_private.run
+import hf_private.trainer
+import hf_private.users
+from hf_private import DPConfig
+from hf_private.privacy.rng import SecretRandom
+from hf_private.users import UserIndex, UserPoissonSampler
+from tests import tiny
+from tests.helpers import TRL_TEST_ARGS, make_trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SEED = 20261126
+
+
+def with_users(dataset: Dataset, users: list) -> Dataset:
+    return dataset.add_column("user_id", users)
+
+
+# ---------------------------------------------------------------------- the config's rules
+@pytest.mark.parametrize("fields, message", [
+    ({"user_column": "user_id"}, "user_column='user_id' is set but privacy_unit='example'"),
+    ({"privacy_unit": "person"}, "privacy_unit must be 'example' or 'user'"),
+    ({"privacy_unit": "user"}, "privacy_unit='user' needs user_column"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "batch"}, "user_sampling must be 'user'"),
+    ({"privacy_unit": "user", "user_column": "u", "examples_per_user": 0}, "examples_per_user must be an integer"),
+    ({"privacy_unit": "user", "user_column": "u", "max_examples_per_user": 4}, "max_examples_per_user is ELS's"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example"}, "needs max_examples_per_user"),
+    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example", "max_examples_per_user": 2,
+      "examples_per_user": 3}, "examples_per_user is ULS's"),
+])
+def test_the_unit_fields_are_checked_when_the_config_is_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DPConfig(noise_multiplier=1.0, **fields)
+
+
+# ---------------------------------------------------------------------- the users of a training set
+def test_the_index_numbers_users_in_first_seen_order_and_refuses_examples_without_one():
+    index = UserIndex.of(Dataset.from_dict({"user_id": ["b", "a", "b", "c", "a", "b"]}), "user_id")
+    assert index.users == 3 and index.examples == 6 and index.user_of.tolist() == [0, 1, 0, 2, 1, 0]
+    order, starts = index.grouped()
+    assert [order[starts[u]:starts[u + 1]].tolist() for u in range(3)] == [[0, 2, 5], [1, 4], [3]]
+    with pytest.raises(ValueError, match="2 training examples have no user in column 'user_id'"):
+        UserIndex.of(Dataset.from_dict({"user_id": ["a", None, "b", None]}), "user_id")
+    with pytest.raises(ValueError, match="user_column='author' is not a column"):
+        UserIndex.of(Dataset.from_dict({"user_id": ["a"]}), "author")
+
+
+# ---------------------------------------------------------------------- ULS: Poisson over users
+def _heavy_tailed_users(users: int, seed: int = 0) -> UserIndex:
+    rng = np.random.default_rng(seed)
+    counts = np.minimum(rng.zipf(1.8, users), 40)
+    return UserIndex("user_id", rng.permutation(np.repeat(np.arange(users), counts)))
+
+
+def test_uls_samples_users_at_rate_q_with_at_most_k_of_their_own_examples_never_split():
+    index = _heavy_tailed_users(400)
+    sampler = UserPoissonSampler(index, sample_rate=0.05, steps_per_epoch=200, examples_per_user=3, num_chunks=3,
+                                 random=SecretRandom(test_seed=SEED))
+    chunks = list(sampler)
+    assert len(chunks) == len(sampler) == 600
+    sampled_users = []
+    for step in range(200):
+        users_in_step = []
+        for chunk in chunks[3 * step:3 * step + 3]:
+            owners = index.user_of[chunk]
+            runs = [owners[0]] + [u for prev, u in zip(owners, owners[1:]) if u != prev] if len(chunk) else []
+            assert len(runs) == len(set(runs))  # each user's examples consecutive, once
+            for user in runs:
+                assert 1 <= (owners == user).sum() <= 3
+            users_in_step += runs
+        assert len(users_in_step) == len(set(users_in_step))  # a user in one chunk only
+        sampled_users.append(len(users_in_step))
+    # Poisson(q) over users: mean q·U = 20, sd √(U q (1 − q)) ≈ 4.4 per step, ≈ 0.31 for the mean of 200 steps
+    assert abs(np.mean(sampled_users) - 20) < 5 * 0.31
+
+
+def test_two_ranks_draw_the_users_one_process_draws_between_them():
+    index = _heavy_tailed_users(100, seed=1)
+
+    def draw(rank: int, world: int) -> list[list[int]]:
+        sampler = UserPoissonSampler(index, 0.3, 5, examples_per_user=2, rank=rank, world_size=world,
+                                     random=SecretRandom(test_seed=SEED))
+        return [sorted(chunk) for chunk in sampler]
+
+    alone, first, second = draw(0, 1), draw(0, 2), draw(1, 2)
+    for step in range(5):
+        assert sorted(first[step] + second[step]) == alone[step]
+        assert not set(index.user_of[first[step]]) & set(index.user_of[second[step]])
+
+
+# ---------------------------------------------------------------------- through the trainer
+def _user_rows(n_users: int, per_user: int, offset: int = 0) -> tuple[Dataset, list[int]]:
+    data = tiny.sentiment_dataset(n_users * per_user, seed=offset)
+    return data, [offset * 1000 + u for u in range(n_users) for _ in range(per_user)]
+
+
+def user_trainer(tmp_path, dataset: Dataset, users: list, dp: DPConfig | None = None, **args):
+    dp = dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id",
+                        examples_per_user=4)
+    return make_trainer(tmp_path, dataset=with_users(dataset, users), dp=dp, **args)
+
+
+def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_path):
+    data, users = _user_rows(24, 3)
+    trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
+    assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(4 / 24)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["user_column"] == "user_id" and report["examples_per_user"] == 4
+    assert report["dataset_size"] == 24 and report["steps"] == report["planned_steps"] == 6
+    trainer.save_model(str(tmp_path / "out"))
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    privacy = card.data.to_dict()["privacy"]
+    assert privacy["unit"] == "user" and privacy["user_column"] == "user_id" and privacy["examples_per_user"] == 4
+    text = " ".join(card.text.split())
+    assert "**one user**" in text and "24 users" in text and "at most 4 of their examples" in text
+    assert "group privacy" not in text
+    # ε recomputes from the card alone with an independent accountant (dp_accounting's PLD, not our PRV)
+    assert independent_epsilon(privacy) == pytest.approx(privacy["epsilon"], rel=0.03)
+
+
+def independent_epsilon(privacy: dict) -> float:
+    """ε of the card's mechanisms by dp_accounting's PLD accountant at δ − the sampler's tail: Poisson-subsampled
+    Gaussians, or under ELS the mixture of Gaussians of a user's J ~ Binomial(k, q) sampled examples."""
+    import math
+
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    for m in privacy["mechanisms"]:
+        k, q, sigma = m.get("examples_per_user"), m["sample_rate"], m["noise_multiplier"]
+        if k is None:
+            event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+        else:
+            probs = [math.comb(k, j) * q**j * (1 - q) ** (k - j) for j in range(k + 1)]
+            event = dp_event.MixtureOfGaussiansDpEvent(sigma, list(range(k + 1)), probs)
+        accountant.compose(dp_event.SelfComposedDpEvent(event, m["steps"]))
+    return accountant.get_epsilon(privacy["delta"] - privacy.get("sampler_tail_delta", 0.0))
+
+
+def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int) -> torch.Tensor:
+    """Σ of the clipped per-unit gradients plus the replayed noise, read off one SGD step at q = 1 (`units`: the
+    expected batch, every user under ULS, every kept example under ELS)."""
+    model = tiny.bert()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
+                           per_device_train_batch_size=units, max_steps=1, learning_rate=1.0, optim="sgd",
+                           lr_scheduler_type="constant", weight_decay=0.0)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
+    return (before - after) * units
+
+
+def uls_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+    dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
+                  user_column="user_id", examples_per_user=k)
+    return released_sum(tmp_path, dataset, users, dp, len(set(users)))
+
+
+MATES, MATE_USERS = _user_rows(6, 2)  # six users with two examples each
+ADDED = tiny.sentiment_dataset(10, seed=9)  # one user with ten
+ADDED_USERS = [777] * 10
+
+
+def _with_added() -> tuple[Dataset, list]:
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([MATES, ADDED]), MATE_USERS + ADDED_USERS
+
+
+def sensitivity(tmp_path, clip: float, k: int) -> float:
+    data, users = _with_added()
+    return float((uls_released_sum(tmp_path / "with", data, users, clip, k)
+                  - uls_released_sum(tmp_path / "without", MATES, MATE_USERS, clip, k)).norm())
+
+
+CLIP = 0.01  # below every example's gradient norm: every user is clipped
+
+
+def test_adding_one_user_with_many_examples_moves_the_released_sum_by_at_most_C(tmp_path):
+    for k in (1, 4, 10):
+        assert sensitivity(tmp_path / str(k), CLIP, k) <= CLIP * (1 + 1e-4)
+
+
+def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_path, monkeypatch):
+    """Each example its own unit (no per-user grouping): the user's k examples each move the sum by up to C."""
+    slices = hf_private.users.unit_slices
+    monkeypatch.setattr(hf_private.trainer, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+    monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
+    assert sensitivity(tmp_path, CLIP, 10) > 3 * CLIP
+
+
+HUGE = 50.0  # above every user's gradient norm here: nothing is clipped
+OTHER_MATES, OTHER_MATE_USERS = _user_rows(5, 3, offset=3)
+
+
+def test_a_users_contribution_does_not_depend_on_the_other_users(tmp_path):
+    from datasets import concatenate_datasets
+
+    contributions = []
+    for name, mates, mate_users in (("a", MATES, MATE_USERS), ("b", OTHER_MATES, OTHER_MATE_USERS)):
+        both = concatenate_datasets([mates, ADDED])
+        contributions.append(uls_released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
+                             - uls_released_sum(tmp_path / name, mates, mate_users, HUGE, 10))
+    assert contributions[0].norm() > 0
+    torch.testing.assert_close(contributions[0], contributions[1], rtol=0, atol=1e-3 * float(contributions[0].norm()))
+
+
+# ---------------------------------------------------------------------- TRL's trainers at user level
+def test_privatized_sft_trains_conversations_at_user_level(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_private import privatize
+
+    conversations = tiny.conversations(24)
+    users = [u % 7 for u in range(24)]
+    args = SFTConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1,
+                     assistant_only_loss=True)
+    trainer = privatize(SFTTrainer)(
+        tiny.llama(), args, train_dataset=with_users(conversations, users), processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=2))
+    assert trainer.dataset_size == 7
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["trainer"] == "trl.SFTTrainer" and report["steps"] > 0
+
+
+def test_privatized_dpo_trains_preference_pairs_at_user_level(tmp_path):
+    """A user's pairs are grouped as their rows are: a user of n pairs is one unit of 2n rows."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_private import privatize
+
+    pairs = tiny.preference_pairs(24)
+    users = [u % 5 for u in range(24)]
+    args = DPOConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=2, num_train_epochs=1)
+    trainer = privatize(DPOTrainer)(
+        tiny.llama(), tiny.llama(), args, train_dataset=with_users(pairs, users),
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=3))
+    assert trainer.dataset_size == 5
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["trainer"] == "trl.DPOTrainer" and report["steps"] > 0
+
+
+# ---------------------------------------------------------------------- resume and the budget at user level
+class _Kill(TrainerCallback):
+    """Interrupts training at a step, as a crash or Ctrl-C would."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step:
+            raise KeyboardInterrupt
+
+
+def test_kill_and_resume_continue_the_user_level_ledger_and_the_budget_holds(tmp_path):
+    data, users = _user_rows(30, 2)
+    dp = DPConfig(target_epsilon=2.0, privacy_unit="user", user_column="user_id", examples_per_user=2)
+    settings = dict(dp=dp, max_steps=8, per_device_train_batch_size=6)
+    full = user_trainer(tmp_path / "full", data, users, **settings)
+    full.train()
+
+    interrupted = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
+    interrupted.add_callback(_Kill(at_step=6))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    resumed = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.ledger.total_steps == 8 and resumed.privacy_report()["unit"] == "user"
+    assert resumed.ledger.epsilon() == pytest.approx(full.ledger.epsilon(), rel=1e-12)
+    assert resumed.ledger.epsilon() <= 2.0
+
+    # the budget is spent: asking for more steps trains nothing and spends nothing
+    more = user_trainer(tmp_path / "run", data, users, dp=dp, max_steps=12, per_device_train_batch_size=6)
+    more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-8"))
+    assert more.ledger.total_steps == 8 and more.ledger.epsilon() == pytest.approx(resumed.ledger.epsilon())
+
+
+# ---------------------------------------------------------------------- ELS: each user capped, examples sampled
+def test_the_cap_keeps_at_most_k_examples_of_each_user_drawn_secretly():
+    from hf_private.users import cap_examples, capped_size
+
+    index = _heavy_tailed_users(300, seed=2)
+    kept = cap_examples(index, 3, SecretRandom(test_seed=SEED))
+    counts = np.bincount(index.user_of[kept], minlength=index.users)
+    assert (counts == np.minimum(index.examples_per_user(), 3)).all() and len(kept) == capped_size(index, 3)
+    again = cap_examples(index, 3, SecretRandom(test_seed=SEED + 1))
+    assert not np.array_equal(kept, again)  # which ones comes from the secret stream, not the data's order
+
+
+def els_config(**fields) -> DPConfig:
+    return DPConfig(**{"noise_multiplier": 1.0, "privacy_unit": "user", "user_column": "user_id",
+                       "user_sampling": "example", "max_examples_per_user": 2, **fields})
+
+
+def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]  # 12 users of 5 examples: 24 kept
+    trainer = user_trainer(tmp_path, data, users, dp=els_config(), per_device_train_batch_size=6, max_steps=4)
+    assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(6 / 24)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["user_sampling"] == "example" and report["max_examples_per_user"] == 2
+    assert [m["examples_per_user"] for m in report["mechanisms"]] == [2]
+    assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
+    record = user_trainer(tmp_path / "k1", data, users, dp=els_config(max_examples_per_user=1),
+                          per_device_train_batch_size=3, max_steps=4)
+    record.train()
+    # the same σ and q: a user with two examples in reach costs more than one with one
+    assert report["epsilon"] > record.privacy_report()["epsilon"]
+
+
+def els_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+    dp = els_config(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=SEED, max_examples_per_user=k)
+    kept = int(np.minimum(np.bincount(np.unique(users, return_inverse=True)[1]), k).sum())
+    return released_sum(tmp_path, dataset, users, dp, kept)
+
+
+def test_els_one_user_moves_the_release_by_at_most_k_C_and_the_test_fails_without_the_cap(tmp_path, monkeypatch):
+    from datasets import concatenate_datasets
+
+    both = concatenate_datasets([MATES, ADDED])
+
+    def moved(name: str) -> float:
+        return float((els_released_sum(tmp_path / f"{name}+", both, MATE_USERS + ADDED_USERS, CLIP, 3)
+                      - els_released_sum(tmp_path / name, MATES, MATE_USERS, CLIP, 3)).norm())
+
+    capped = moved("capped")
+    assert CLIP < capped <= 3 * CLIP * (1 + 1e-4)  # the user's 3 kept examples, each clipped to C
+    monkeypatch.setattr(hf_private.run, "cap_examples", lambda index, k, random: np.arange(index.examples))
+    assert moved("uncapped") > 3 * CLIP * (1 + 1e-3)  # all ten examples of the user: beyond the accounted k·C
+
+
+def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]
+    settings = dict(dp=els_config(target_epsilon=4.0, noise_multiplier=None), max_steps=6,
+                    per_device_train_batch_size=6)
+    interrupted = user_trainer(tmp_path, data, users, **settings, save_strategy="steps", save_steps=3)
+    interrupted.add_callback(_Kill(at_step=4))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    kept = interrupted.privacy_run.kept_examples.copy()
+    assert (tmp_path / "checkpoint-3" / "user_cap.json").is_file()
+    resumed = user_trainer(tmp_path, data, users, **settings)
+    resumed.train(resume_from_checkpoint=True)
+    assert np.array_equal(resumed.privacy_run.kept_examples, kept) and resumed.ledger.total_steps == 6
+    assert resumed.ledger.epsilon() <= 4.0
