@@ -1,13 +1,13 @@
 """User-level DP on SST-2: ULS and ELS at user-level ε ∈ {1, 3, 8}, next to record-level DP and non-private.
 
     python -m benchmarks.user_level                 # the grid; pending runs only: re-run until done
-    python -m benchmarks.user_level --table         # only print the README's table from the records
+    python -m benchmarks.user_level --table         # only print the README's table (and draw the plot) from the records
 
 SST-2 has no authors, so its sentences are dealt to users with a heavy-tailed count: user u writes
 min(Zipf(2.0), 64) sentences (numpy's seeded generator, `assign_users`), users are drawn until the training subset
 is covered, and each user's sentences are a seeded random subset (so a user's sentences are unrelated: the grouping
-changes the privacy unit, not the task). With 3,000 training sentences that gives ~1,000 users, median 1 sentence,
-mean ~3, the largest 64.
+changes the privacy unit, not the task). With 3,000 training sentences that gives 834 users, median 1 sentence,
+mean 3.6, the largest 64; capped at 4 per user, 1,499 sentences remain (ELS).
 
 Every run is DP-LoRA on all-MiniLM-L6-v2 with its mean-pooled head (`benchmarks.utility`'s LoRA setting: C = 3.4,
 AdamW lr 5e-3, linear decay), two epochs over its sampling unit, evaluated on dev.tsv:
@@ -21,7 +21,8 @@ AdamW lr 5e-3, linear decay), two epochs over its sampling unit, evaluated on de
 * non-private: the LoRA twin with plain Trainer, batch 32.
 
 Each run is a fresh process (`benchmarks.utility.run_one`) and appends one JSON record to
-`benchmarks/results/user_level_sst2.jsonl` as it finishes; finished runs are skipped. Without SST-2 or the model the
+`benchmarks/results/user_level_sst2.jsonl` as it finishes; finished runs are skipped. The plot of dev accuracy against
+ε is `benchmarks/results/user_level_sst2.png`. Without SST-2 or the model the
 script says so and exits 0.
 """
 
@@ -111,6 +112,32 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(records: list[dict[str, Any]], path: Path) -> Path:
+    """Dev accuracy against ε for each design, the non-private run as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for design, style in (("ULS", "o-"), ("ELS", "s-"), ("record-level", "^--")):
+        points = sorted((r["epsilon_target"], r["accuracy"]) for r in records if r.get("design") == design)
+        if points:
+            label = f"{design} (one sentence: weaker)" if design == "record-level" else f"{design} (one user)"
+            ax.plot(*zip(*points), style, label=label)
+    public = [r["accuracy"] for r in records if r.get("design") is None and not r["private"]]
+    if public:
+        ax.axhline(public[-1], color="grey", linestyle=":", label="non-private")
+    ax.set(xscale="log", xticks=EPSILONS, xticklabels=[f"{e:g}" for e in EPSILONS], xlabel="ε (δ = 1/(2N))",
+           ylabel="SST-2 dev accuracy", title=f"DP-LoRA, MiniLM-L6, {TRAIN_SIZE} sentences dealt to users")
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", action="store_true")
@@ -139,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             print(utility.summary_line(record), flush=True)
         records = utility.read_records(RESULTS)
     print(table(records))
+    if records:
+        print(f"plot: {plot(records, RESULTS.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":
