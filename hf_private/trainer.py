@@ -219,8 +219,8 @@ class PrivateTrainingMixin:
         probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        chunks = [(self._prepare_inputs(inputs), sum(units), rows, units),
-                  (probe, len(indices), probe_rows, probe_units)]
+        chunks = [(self._prepare_inputs(inputs), sum(units), rows, _grouped(units)),
+                  (probe, len(indices), probe_rows, _grouped(probe_units))]
         probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
         self.privacy_run.needs_independence_probe = False
 
@@ -373,6 +373,11 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
             "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
         })
     return _PRIVATE_CLASSES[trainer_class]
+
+
+def _grouped(units: list[int]) -> list[int] | None:
+    """Examples per unit for the probe, None when every unit is one example (the probe then names examples)."""
+    return units if any(n != 1 for n in units) else None
 
 
 def _positional_names(cls: type) -> list[str]:
