@@ -202,7 +202,7 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
     prompt = tiny.chat_tokenizer()("the movie was", return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**prompt).logits, trainer.model.eval()(**prompt).logits)
-        generated = reloaded.generate(**prompt, max_new_tokens=3, do_sample=False)
+        generated = reloaded.generate(**prompt, min_new_tokens=3, max_new_tokens=3, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 3
 
 

@@ -115,7 +115,7 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**prompt).logits, trained(**prompt).logits)
-        generated = reloaded.generate(**prompt, max_new_tokens=4, do_sample=False)
+        generated = reloaded.generate(**prompt, min_new_tokens=4, max_new_tokens=4, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 4
 
 
