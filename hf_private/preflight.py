@@ -336,12 +336,12 @@ def check_user_level_method(dp_config: MethodConfig) -> None:
         raise ValueError(
             f"{type(dp_config).__name__} is not supported at privacy_unit='user' yet: its releases {own} run outside "
             "the training steps and sample examples, not users, so they would protect one example, not one user. "
-            "Use DPConfig (full or with a PEFT adapter), LoRAConfig, BitFitConfig or SparseLowRankConfig.")
+            "Use DPConfig (full or with a PEFT adapter), DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
     if type(method).attach_forward_mechanisms is not DPMethod.attach_forward_mechanisms:
         raise ValueError(
             f"{type(dp_config).__name__} is not supported at privacy_unit='user': its forward noise is scaled to one "
             "example's clipped representation, so one user's examples would add it up several times. Use DPConfig, "
-            "LoRAConfig, BitFitConfig or SparseLowRankConfig.")
+            "DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
 
 
 def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:
