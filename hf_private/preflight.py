@@ -326,17 +326,18 @@ def check_supported_model(model: nn.Module) -> None:
 
 def check_user_level_method(dp_config: MethodConfig) -> None:
     """At user level every data-dependent release must sample users (ULS) or be accounted for a user's k examples
-    (ELS): a method's own releases outside the training steps sample examples, and DP-FP's forward noise is scaled to
-    one example's representation."""
+    (ELS): a method's own releases outside the training steps (DP-FROST's selection) sample examples, which only ELS
+    accounts for, and DP-FP's forward noise is scaled to one example's representation."""
     if dp_config.privacy_unit != "user":
         return
     method = dp_config.build_method()
     own = [stage.name for stage in method.stages() if not stage.training]
-    if own:
+    if own and dp_config.user_sampling == "user":  # under ELS they sample the capped examples and count k
         raise ValueError(
-            f"{type(dp_config).__name__} is not supported at privacy_unit='user' yet: its releases {own} run outside "
-            "the training steps and sample examples, not users, so they would protect one example, not one user. "
-            "Use DPConfig (full or with a PEFT adapter), DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
+            f"{type(dp_config).__name__} is not supported with user_sampling='user' (ULS) yet: its releases {own} run "
+            "outside the training steps and sample examples, not users, so they would protect one example, not one "
+            "user. Use user_sampling='example' (ELS: those releases are then accounted for a user's k examples), or "
+            "DPConfig (full or with a PEFT adapter), DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
     if type(method).attach_forward_mechanisms is not DPMethod.attach_forward_mechanisms:
         raise ValueError(
             f"{type(dp_config).__name__} is not supported at privacy_unit='user': its forward noise is scaled to one "

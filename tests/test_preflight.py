@@ -311,7 +311,7 @@ ROWS = [
     _row("user-missing-for-some-examples", ValueError, "2 training examples have no user in column 'user_id'",
          dp=_users_dp(), dataset=Fresh(lambda: tiny.sentiment_dataset(N).add_column(
              "user_id", [None if i in (3, 40) else i % 10 for i in range(N)]))),
-    _row("user-level-frost", ValueError, "FrostConfig is not supported at privacy_unit='user' yet",
+    _row("user-level-frost-uls", ValueError, "FrostConfig is not supported with user_sampling='user' (ULS) yet",
          dp=_users_dp(FrostConfig)),
     _row("user-level-dpfp", ValueError, "DPFPConfig is not supported at privacy_unit='user'",
          dp=_users_dp(DPFPConfig)),

@@ -368,3 +368,19 @@ def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
     resumed.train(resume_from_checkpoint=True)
     assert np.array_equal(resumed.privacy_run.kept_examples, kept) and resumed.ledger.total_steps == 6
     assert resumed.ledger.epsilon() <= 4.0
+
+
+def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_path):
+    """DP-FROST's selection rounds sample examples on their own: under ELS they draw from the capped examples, and
+    every release, selection and training alike, is a mixture-of-Gaussians event with k."""
+    from hf_private import FrostConfig
+
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]
+    dp = FrostConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling="example",
+                     max_examples_per_user=2, unfreeze_ratio=0.3, selection_sample_rate=0.25)
+    trainer = user_trainer(tmp_path, data, users, dp=dp, per_device_train_batch_size=6, max_steps=3)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert len(report["mechanisms"]) >= 2 and all(m["examples_per_user"] == 2 for m in report["mechanisms"])
+    assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
