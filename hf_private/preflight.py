@@ -60,6 +60,7 @@ class Preflight:
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
     family: TrainerFamily  # the trainer class's family (hf_private.integrations): its unit, rows and per-unit loss
     unit: str  # the privacy unit, as the family names the training set's rows ("user" at user level)
+    users: UserIndex | None = None  # at user level: the users of the training set as it was given
 
 
 def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
@@ -75,6 +76,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
+    users = None
     if dp_config.privacy_unit == "user":  # ULS: N counts users (q = B / users); ELS: the examples users keep
         users = UserIndex.of(train_dataset, dp_config.user_column)
         dataset_size = (users.users if dp_config.user_sampling == "user"
@@ -86,7 +88,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
         check_user_level_arguments(args, dp_config)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, users)
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,

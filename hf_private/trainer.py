@@ -92,9 +92,11 @@ class PrivateTrainingMixin:
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
-        # At user level, the users of the training set as the trainer prepared it (TRL may drop rows)
-        self.user_index = (UserIndex.of(self.train_dataset, dp_config.user_column)
-                           if dp_config.privacy_unit == "user" else None)
+        # At user level, the users of the training set as the trainer holds it: read again only if the trainer
+        # prepared a new dataset (TRL tokenizes, and may drop rows)
+        self.user_index = checked.users
+        if self.user_index is not None and self.train_dataset is not given.get("train_dataset"):
+            self.user_index = UserIndex.of(self.train_dataset, dp_config.user_column)
         self._uls = self.user_index is not None and dp_config.user_sampling == "user"
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
