@@ -8,6 +8,8 @@ user's examples apart (each example its own unit): the user then moves the sum b
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -226,41 +228,38 @@ def test_a_users_contribution_does_not_depend_on_the_other_users(tmp_path):
 
 
 # ---------------------------------------------------------------------- TRL's trainers at user level
-def test_privatized_sft_trains_conversations_at_user_level(tmp_path):
-    from trl import SFTConfig, SFTTrainer
+def _trl_at_user_level(kind: str, tmp_path):
+    """(privatized trainer at user level, expected users, TRL's trainer name): SFT on conversations of 7 users, DPO on
+    preference pairs of 5 (a user's pairs are grouped as their rows are: n pairs are one unit of 2n rows)."""
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     from hf_private import privatize
 
-    conversations = tiny.conversations(24)
-    users = [u % 7 for u in range(24)]
-    args = SFTConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1,
-                     assistant_only_loss=True)
-    trainer = privatize(SFTTrainer)(
-        tiny.llama(), args, train_dataset=with_users(conversations, users), processing_class=tiny.chat_tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=2))
-    assert trainer.dataset_size == 7
+    if kind == "sft":
+        users = [u % 7 for u in range(24)]
+        args = SFTConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1,
+                         assistant_only_loss=True)
+        build = partial(privatize(SFTTrainer), tiny.llama(), args,
+                        train_dataset=with_users(tiny.conversations(24), users))
+        k = 2
+    else:
+        users = [u % 5 for u in range(24)]
+        args = DPOConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=2, num_train_epochs=1)
+        build = partial(privatize(DPOTrainer), tiny.llama(), tiny.llama(), args,
+                        train_dataset=with_users(tiny.preference_pairs(24), users))
+        k = 3
+    trainer = build(processing_class=tiny.chat_tokenizer(), dp_config=DPConfig(
+        noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=k))
+    return trainer, len(set(users)), f"trl.{kind.upper()}Trainer"
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_privatized_trl_trainers_train_at_user_level(kind, tmp_path):
+    trainer, users, name = _trl_at_user_level(kind, tmp_path)
+    assert trainer.dataset_size == users
     trainer.train()
     report = trainer.privacy_report()
-    assert report["unit"] == "user" and report["trainer"] == "trl.SFTTrainer" and report["steps"] > 0
-
-
-def test_privatized_dpo_trains_preference_pairs_at_user_level(tmp_path):
-    """A user's pairs are grouped as their rows are: a user of n pairs is one unit of 2n rows."""
-    from trl import DPOConfig, DPOTrainer
-
-    from hf_private import privatize
-
-    pairs = tiny.preference_pairs(24)
-    users = [u % 5 for u in range(24)]
-    args = DPOConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=2, num_train_epochs=1)
-    trainer = privatize(DPOTrainer)(
-        tiny.llama(), tiny.llama(), args, train_dataset=with_users(pairs, users),
-        processing_class=tiny.chat_tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=3))
-    assert trainer.dataset_size == 5
-    trainer.train()
-    report = trainer.privacy_report()
-    assert report["unit"] == "user" and report["trainer"] == "trl.DPOTrainer" and report["steps"] > 0
+    assert report["unit"] == "user" and report["trainer"] == name and report["steps"] > 0
 
 
 # ---------------------------------------------------------------------- resume and the budget at user level
