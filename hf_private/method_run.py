@@ -19,7 +19,6 @@ from .engine import PerExampleGradientEngine
 from .engine.reducers import Reducer
 from .optimizer import noise_once_then_sum
 from .privacy.plan import PrivacyPlan
-from .sampling import PoissonBatchSampler
 
 if TYPE_CHECKING:
     from .run import PrivacyRun, TrainingSteps
@@ -43,15 +42,12 @@ class MethodRun:
         return self._run.plan
 
     def poisson_sample(self, stage: str) -> list[dict[str, Any]]:
-        """This process's share of one Poisson sample at the planned rate of `stage`, collated in physical chunks of
-        per_device_train_batch_size (none when the sample is empty: its release is then noise alone)."""
+        """This process's share of one Poisson sample of the privacy unit (examples; users under ULS) at the planned
+        rate of `stage`, collated in physical chunks of per_device_train_batch_size units (none when the sample is
+        empty: its release is then noise alone)."""
         dataset, collate = self._steps.training_data()
-        args = self._steps.args
-        sampler = PoissonBatchSampler(len(dataset), self.plan[stage].sample_rate, 1, rank=args.process_index,
-                                      world_size=args.world_size, random=self._random)
-        indices = next(iter(sampler))
-        size = args.per_device_train_batch_size
-        return [collate([dataset[i] for i in indices[start:start + size]]) for start in range(0, len(indices), size)]
+        chunks = self._steps.poisson_chunks(self.plan[stage].sample_rate, self._random)
+        return [collate([dataset[i] for i in chunk]) for chunk in chunks]
 
     def new_engine(self, reducer: Reducer) -> PerExampleGradientEngine:
         """An engine on the currently trainable parameters that hands its terms to `reducer`; detach it when done.

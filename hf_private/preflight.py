@@ -42,7 +42,7 @@ from .artifacts import DP_CONFIG_NAME, LEDGER_NAME
 from .integrations import TrainerFamily, family_of
 from .label_checks import LabelCounts, count_labels
 from .logs import get_logger
-from .methods import DPMethod, MethodConfig
+from .methods import MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
 from .privacy.plan import check_expected_batch
 from .users import UserIndex, capped_size
@@ -327,24 +327,17 @@ def check_supported_model(model: nn.Module) -> None:
 
 
 def check_user_level_method(dp_config: MethodConfig) -> None:
-    """At user level every data-dependent release must sample users (ULS) or be accounted for a user's k examples
-    (ELS): a method's own releases outside the training steps (DP-FROST's selection) sample examples, which only ELS
-    accounts for, and DP-FP's forward noise is scaled to one example's representation."""
+    """At user level the guarantee is stated for a user: a method with no guarantee at any unit (DP-FP as published)
+    is refused rather than given a user-level label. Every other method's releases sample the unit (users under ULS,
+    through the trainer's sampler; capped examples under ELS, accounted with k), so they are covered."""
     if dp_config.privacy_unit != "user":
         return
-    method = dp_config.build_method()
-    own = [stage.name for stage in method.stages() if not stage.training]
-    if own and dp_config.user_sampling == "user":  # under ELS they sample the capped examples and count k
+    lacking = [stage.name for stage in dp_config.build_method().stages() if stage.no_guarantee]
+    if lacking:
         raise ValueError(
-            f"{type(dp_config).__name__} is not supported with user_sampling='user' (ULS) yet: its releases {own} run "
-            "outside the training steps and sample examples, not users, so they would protect one example, not one "
-            "user. Use user_sampling='example' (ELS: those releases are then accounted for a user's k examples), or "
-            "DPConfig (full or with a PEFT adapter), DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
-    if type(method).attach_forward_mechanisms is not DPMethod.attach_forward_mechanisms:
-        raise ValueError(
-            f"{type(dp_config).__name__} is not supported at privacy_unit='user': its forward noise is scaled to one "
-            "example's clipped representation, so one user's examples would add it up several times. Use DPConfig, "
-            "DPLoRAConfig, BitFitConfig or SparseLowRankConfig.")
+            f"{type(dp_config).__name__} as configured has no formal guarantee (stages {lacking}), for a record or a "
+            "user, so privacy_unit='user' would label a guarantee that does not exist. Use DPFPConfig(mode='sound') "
+            "(its DP-SGD head is clipped per user) or another method.")
 
 
 def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:

@@ -51,12 +51,15 @@ NOISY_UPDATE = 0.05
 
 
 class TrainingSteps(Protocol):
-    """What the run needs of the trainer: its arguments, the training data as collated, and one chunked
-    forward/backward pass into an engine (the trainer's own, so a method's measurement sees what training sees)."""
+    """What the run needs of the trainer: its arguments, the training data as collated, one Poisson sample of the
+    privacy unit in physical chunks, and one chunked forward/backward pass into an engine (the trainer's own, so a
+    method's measurement samples and sees what training does)."""
 
     args: Any
 
     def training_data(self) -> tuple[Any, Any]: ...
+
+    def poisson_chunks(self, sample_rate: float, random: Any) -> list[list[int]]: ...
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor: ...
 
@@ -342,35 +345,36 @@ class PrivacyRun:
 
     def log_plan(self) -> None:
         plan, name = self.plan, self.mechanism_name
+        units = f"{self.subject['unit']}s"  # N and the batch count the privacy unit: users at user level
         if not plan.has_guarantee:
-            logger.warning("Training plan WITHOUT a privacy guarantee (%s): N=%d examples, q=%.5g, %d steps. %s",
-                           name, self.dataset_size, plan.sample_rate, plan.planned_steps, plan.guarantee[1])
+            logger.warning("Training plan WITHOUT a privacy guarantee (%s): N=%d %s, q=%.5g, %d steps. %s",
+                           name, self.dataset_size, units, plan.sample_rate, plan.planned_steps, plan.guarantee[1])
             return
         target = self.target_epsilon
         if self.test_seed is not None:  # calibrated as usual, but the known seed replays the noise
             logger.warning(
-                "Training plan in insecure test mode, WITHOUT a privacy guarantee (%s): N=%d examples, q=%.5g, %d "
+                "Training plan in insecure test mode, WITHOUT a privacy guarantee (%s): N=%d %s, q=%.5g, %d "
                 "steps, noise multiplier σ=%.4g%s, clip norm C=%g. DPConfig.noise_seed replays the noise and "
-                "sampling: never publish this model as private.", name, self.dataset_size, plan.sample_rate,
+                "sampling: never publish this model as private.", name, self.dataset_size, units, plan.sample_rate,
                 plan.planned_steps, self.noise_multiplier,
                 "" if target is None else f" (calibrated as for target {target:g})", self.max_grad_norm,
             )
         else:
             logger.info(
-                "Private training plan (%s): N=%d examples, sampling rate q=%.5g (expected logical batch %d), %d "
+                "Private training plan (%s): N=%d %s, sampling rate q=%.5g (expected logical batch %d), %d "
                 "steps, noise multiplier σ=%.4g, clip norm C=%g, δ=%.3g, %s accountant%s.",
-                name, self.dataset_size, plan.sample_rate, self.expected_batch_size, plan.planned_steps,
+                name, self.dataset_size, units, plan.sample_rate, self.expected_batch_size, plan.planned_steps,
                 self.noise_multiplier, self.max_grad_norm, self.delta, self.accountant,
                 "" if target is None else f", target ε={target:g}",
             )
         noise_per_batch = self.noise_multiplier / self.expected_batch_size
         if noise_per_batch > NOISY_UPDATE:
             logger.warning(
-                "The model will be mostly noise: σ=%.4g over an expected batch of %d examples puts noise of %.3g·C on "
+                "The model will be mostly noise: σ=%.4g over an expected batch of %d %s puts noise of %.3g·C on "
                 "every coordinate of each averaged update (learning usually needs well under %g·C). Use a larger "
                 "logical batch (per_device_train_batch_size × gradient_accumulation_steps), fewer epochs, more "
-                "data, or a larger target ε.", self.noise_multiplier, self.expected_batch_size, noise_per_batch,
-                NOISY_UPDATE,
+                "data, or a larger target ε.", self.noise_multiplier, self.expected_batch_size, units,
+                noise_per_batch, NOISY_UPDATE,
             )
 
     # ------------------------------------------------------------------ report, audits, checkpoints

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
@@ -37,9 +37,18 @@ from .losses import PerExampleLoss, check_per_example_losses
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
 from .preflight import check_before_trainer, check_built_trainer
+from .privacy.rng import SecretRandom
 from .run import PrivacyRun
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, chunk_lengths, slice_examples
-from .users import UNIT_SIZES_KEY, UnitCollator, UnitTagged, UserIndex, UserPoissonSampler, unit_slices
+from .users import (
+    UNIT_SIZES_KEY,
+    UnitCollator,
+    UnitTagged,
+    UserIndex,
+    UserPoissonSampler,
+    run_lengths,
+    unit_slices,
+)
 
 logger = get_logger(__name__)
 
@@ -134,22 +143,31 @@ class PrivateTrainingMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
-        if self._uls:
-            sampler = UserPoissonSampler(
-                self.user_index, self.sample_rate, self.steps_per_epoch, self.dp_config.examples_per_user,
-                self.args.gradient_accumulation_steps, rank=self.args.process_index, world_size=self.args.world_size,
-                random=self.privacy_run.sampling_random("training sampling"))
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                              num_workers=self.args.dataloader_num_workers,
-                              pin_memory=self.args.dataloader_pin_memory)
-        lengths = chunk_lengths(self.args, self.train_dataset, self.processing_class)
-        sampler = PoissonBatchSampler(
-            len(dataset), self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps,
-            rank=self.args.process_index, world_size=self.args.world_size,
-            random=self.privacy_run.sampling_random("training sampling"), lengths=lengths,
-        )
+        lengths = None if self._uls else chunk_lengths(self.args, self.train_dataset, self.processing_class)
+        sampler = self._poisson_sampler(dataset, self.sample_rate, self.steps_per_epoch,
+                                        self.args.gradient_accumulation_steps,
+                                        self.privacy_run.sampling_random("training sampling"), lengths)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def poisson_chunks(self, sample_rate: float, random: SecretRandom) -> list[list[int]]:
+        """This process's share of one Poisson sample of units at `sample_rate` (a method's own release, e.g.
+        DP-FROST's selection), as indices into `training_data()` in physical chunks of at most
+        per_device_train_batch_size units: users under ULS, each with all of its drawn examples."""
+        dataset, _ = self.training_data()
+        indices = next(iter(self._poisson_sampler(dataset, sample_rate, 1, 1, random)))
+        sizes = run_lengths(self.user_index.user_of[indices]) if self._uls else [1] * len(indices)
+        return [indices[start:stop] for start, stop, _ in unit_slices(sizes, self.args.per_device_train_batch_size)]
+
+    def _poisson_sampler(self, dataset: Any, sample_rate: float, steps: int, num_chunks: int, random: SecretRandom,
+                         lengths: torch.Tensor | None = None) -> Sampler[list[int]]:
+        """Poisson logical batches of the privacy unit: users under ULS (q over users), examples otherwise."""
+        args = self.args
+        if self._uls:
+            return UserPoissonSampler(self.user_index, sample_rate, steps, self.dp_config.examples_per_user,
+                                      num_chunks, rank=args.process_index, world_size=args.world_size, random=random)
+        return PoissonBatchSampler(len(dataset), sample_rate, steps, num_chunks, rank=args.process_index,
+                                   world_size=args.world_size, random=random, lengths=lengths)
 
     # ------------------------------------------------------------------ optimisation
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -237,17 +237,23 @@ class UnitCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         units = [feature[UNIT_KEY] for feature in features]
         batch = dict(self.collate_fn([{k: v for k, v in f.items() if k != UNIT_KEY} for f in features]))
-        sizes: list[int] = []
-        for i, unit in enumerate(units):
-            if i and unit == units[i - 1]:
-                sizes[-1] += 1
-            else:
-                sizes.append(1)
+        sizes = run_lengths(units)
         if len(set(units)) != len(sizes):
             raise ValueError("A unit's examples are not consecutive in the collated batch: the user-level sampler "
                              "keeps them together, so this batch did not come from it.")
         batch[UNIT_SIZES_KEY] = torch.tensor(sizes, dtype=torch.long)
         return batch
+
+
+def run_lengths(units: Sequence[int]) -> list[int]:
+    """How many consecutive entries of `units` name the same unit, run by run ([7, 7, 3, 7] → [2, 1, 1])."""
+    sizes: list[int] = []
+    for i, unit in enumerate(units):
+        if i and unit == units[i - 1]:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
 
 
 def unit_slices(unit_sizes: Sequence[int], units_per_chunk: int) -> Iterator[tuple[int, int, list[int]]]:

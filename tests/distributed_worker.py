@@ -6,7 +6,8 @@
 Each rank writes `DIR/rank{R}.pt`: the trainable parameters before and after, the privacy report, and how
 often it wrote the card and the model. The same function runs in one process for the reference run.
 
-Methods: full, lora, bitfit, frost, rgp (and rgp-entropy), users and users-els (DP-SGD at user level, ULS and ELS).
+Methods: full, lora, bitfit, frost, rgp (and rgp-entropy), users and users-els (DP-SGD at user level, ULS and ELS),
+frost-users (DP-FROST under ULS).
 
 Cases:
   update  noise switched off (monkeypatched, test only): the update must equal the one-process update
@@ -42,7 +43,8 @@ from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests import tiny  # noqa: E402
 
 DATASET_SIZE = 64
-USERS = 20  # at user level (methods "users", "users-els"): 20 users of 2 to 4 examples
+USER_LEVEL = ("users", "users-els", "frost-users")
+USERS = 20  # at user level (USER_LEVEL methods): 20 users of 2 to 4 examples
 KEPT = 53  # ELS ("users-els"): the examples left when each of them keeps at most 3
 NOISE_MULTIPLIER, CLIP = 1.0, 1.0
 LOGICAL_BATCH, GRAD_ACCUM = 16, 2
@@ -59,6 +61,9 @@ def build(method: str):
         return model, partial(SparseLowRankConfig, variant="rgp", rank=2, sparsity=0.25)
     if method == "users":  # user level (ULS): users sharded over the ranks, each with up to 3 of their examples
         return model, partial(DPConfig, privacy_unit="user", user_column="user_id", examples_per_user=3)
+    if method == "frost-users":  # DP-FROST under ULS: each selection round samples users, sharded over the ranks
+        return model, partial(FrostConfig, unfreeze_ratio=0.3, selection_sample_rate=0.25, privacy_unit="user",
+                              user_column="user_id", examples_per_user=3)
     if method == "users-els":  # user level (ELS): the cap drawn on the main process, shared with the other
         return model, partial(DPConfig, privacy_unit="user", user_column="user_id", user_sampling="example",
                               max_examples_per_user=3)
@@ -85,7 +90,7 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     per_example_loss = _zero_loss if case == "noise" else None
     tok = tiny.tokenizer()
     dataset = tiny.sentiment_dataset(DATASET_SIZE)
-    if method.startswith("users"):
+    if method in USER_LEVEL:
         dataset = dataset.add_column("user_id", [i % USERS if i < 40 else (i * 7) % 13 for i in range(DATASET_SIZE)])
     trainer = PrivateTrainer(
         model=model, args=args, train_dataset=dataset,
@@ -157,7 +162,7 @@ def _count_calls(calls: dict[str, int], model) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy", "users",
-                                             "users-els"],
+                                             "users-els", "frost-users"],
                         required=True)
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
     parser.add_argument("--out", type=Path, required=True)

@@ -17,7 +17,7 @@ import torch
 from tests import distributed_worker as worker
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els"]
+METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els", "frost-users"]
 # RGP's update is a projection of the released noise onto its carriers, not the noise itself (test_sparse_lowrank.py)
 NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
@@ -65,7 +65,7 @@ def test_two_processes_update_like_one(update_runs):
     assert (difference / update).item() <= 1e-6
     # A method's own releases (DP-FROST's 5 selection rounds, noise off): each rank measures its shard of the Poisson
     # sample and the release is their sum, the one-process release (a missing all-reduce would halve it).
-    assert len(rank0["releases"]) == len(single["releases"]) == (5 if method == "frost" else 0)
+    assert len(rank0["releases"]) == len(single["releases"]) == (5 if method.startswith("frost") else 0)
     for mine, theirs, reference in zip(rank0["releases"], rank1["releases"], single["releases"]):
         assert torch.equal(mine, theirs) and reference.abs().sum() > 0
         torch.testing.assert_close(mine, reference, rtol=1e-9, atol=0)
@@ -75,7 +75,8 @@ def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
     method, (rank0, rank1), single = update_runs
     assert rank0["report"] == rank1["report"]
     # at user level N counts users (ULS) or the examples users keep (ELS)
-    units = {"users": worker.USERS, "users-els": worker.KEPT}.get(method, worker.DATASET_SIZE)
+    units = {"users": worker.USERS, "frost-users": worker.USERS, "users-els": worker.KEPT}.get(method,
+                                                                                             worker.DATASET_SIZE)
     assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / units  # global q, not per rank
     assert rank0["report"]["steps"] == rank0["global_step"]  # one ledger step per logical batch
     # test-mode sampling: no guarantee, so the accounting is under not_a_guarantee (the same numbers)

@@ -28,7 +28,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_private import BitFitConfig, DPConfig, DPFPConfig, FrostConfig, PrivateTrainer, privatize
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, privatize
 from hf_private.integrations.trl_dpo import PAIR_LOSSES
 from hf_private.model_support import UnsupportedModelError
 from hf_private.preflight import _PRIVATE_PATH_METHODS
@@ -170,8 +170,8 @@ def _tiny_mixtral():
                                             num_local_experts=2, num_experts_per_tok=1))
 
 
-def _users_dp(config_class: type = DPConfig) -> Any:
-    return config_class(noise_multiplier=1.0, privacy_unit="user", user_column="user_id")
+def _users_dp(config_class: type = DPConfig, **fields: Any) -> Any:
+    return config_class(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", **fields)
 
 
 def _users_dataset():
@@ -311,10 +311,8 @@ ROWS = [
     _row("user-missing-for-some-examples", ValueError, "2 training examples have no user in column 'user_id'",
          dp=_users_dp(), dataset=Fresh(lambda: tiny.sentiment_dataset(N).add_column(
              "user_id", [None if i in (3, 40) else i % 10 for i in range(N)]))),
-    _row("user-level-frost-uls", ValueError, "FrostConfig is not supported with user_sampling='user' (ULS) yet",
-         dp=_users_dp(FrostConfig)),
-    _row("user-level-dpfp", ValueError, "DPFPConfig is not supported at privacy_unit='user'",
-         dp=_users_dp(DPFPConfig)),
+    _row("user-level-dpfp-paper-mode", ValueError, "DPFPConfig as configured has no formal guarantee (stages "
+         "['dp-fp']), for a record or a user", dp=_users_dp(DPFPConfig, mode="paper")),
     _row("user-level-group_by_length", ValueError, "train_sampling_strategy='group_by_length' is not supported at "
          "privacy_unit='user'", dp=_users_dp(), dataset=Fresh(_users_dataset),
          args={"train_sampling_strategy": "group_by_length"}),

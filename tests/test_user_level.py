@@ -8,6 +8,7 @@ user's examples apart (each example its own unit): the user then moves the sum b
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -20,7 +21,7 @@ from transformers import TrainerCallback
 import hf_private.run
 import hf_private.trainer
 import hf_private.users
-from hf_private import DPConfig
+from hf_private import DPConfig, FrostConfig
 from hf_private.privacy.rng import SecretRandom
 from hf_private.users import UserIndex, UserPoissonSampler
 from tests import tiny
@@ -119,10 +120,13 @@ def user_trainer(tmp_path, dataset: Dataset, users: list, dp: DPConfig | None = 
     return make_trainer(tmp_path, dataset=with_users(dataset, users), dp=dp, **args)
 
 
-def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_path):
+def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_path, caplog):
     data, users = _user_rows(24, 3)
-    trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
+    with caplog.at_level("INFO", logger="transformers"):
+        trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
     assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(4 / 24)
+    assert "Private training plan (dp-sgd): N=24 users, sampling rate q=0.16667 (expected logical batch 4)" \
+        in caplog.text and "expected batch of 4 users" in caplog.text
     trainer.train()
     report = trainer.privacy_report()
     assert report["unit"] == "user" and report["user_column"] == "user_id" and report["examples_per_user"] == 4
@@ -372,8 +376,6 @@ def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
 def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_path):
     """DP-FROST's selection rounds sample examples on their own: under ELS they draw from the capped examples, and
     every release, selection and training alike, is a mixture-of-Gaussians event with k."""
-    from hf_private import FrostConfig
-
     data = tiny.sentiment_dataset(60)
     users = [i % 12 for i in range(60)]
     dp = FrostConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling="example",
@@ -383,3 +385,105 @@ def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_p
     report = trainer.privacy_report()
     assert len(report["mechanisms"]) >= 2 and all(m["examples_per_user"] == 2 for m in report["mechanisms"])
     assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
+
+
+# ---------------------------------------------------------------------- methods with releases of their own (ULS)
+def frost_uls(clip: float, k: int, **fields) -> FrostConfig:
+    return FrostConfig(**{"noise_multiplier": 1.0, "max_grad_norm": clip, "privacy_unit": "user",
+                          "user_column": "user_id", "examples_per_user": k, "unfreeze_ratio": 0.3,
+                          "selection_sample_rate": 0.25, **fields})
+
+
+def test_dp_frost_under_uls_samples_users_in_its_selection_rounds(tmp_path, monkeypatch):
+    """Every selection round is a Poisson sample of users at q_ps over users, each with up to k of their examples
+    in one chunk; the selection and the training steps are accounted over users."""
+    from hf_private.method_run import MethodRun
+
+    data, users = _user_rows(12, 5)
+    index = UserIndex.of(with_users(data, users), "user_id")
+    drawn: list[list[int]] = []
+    sample = MethodRun.poisson_sample
+
+    def spy(self, stage):
+        chunks = sample(self, stage)
+        drawn.extend(chunk["unit_sizes"].tolist() for chunk in chunks)
+        return chunks
+
+    monkeypatch.setattr(MethodRun, "poisson_sample", spy)
+    trainer = user_trainer(tmp_path, data, users, dp=frost_uls(1.0, 3, selection_sample_rate=0.5),
+                           per_device_train_batch_size=4, max_steps=2)
+    assert trainer.dataset_size == index.users == 12
+    trainer.train()
+    assert drawn and all(1 <= n <= 3 for sizes in drawn for n in sizes)
+    assert 0 < sum(len(sizes) for sizes in drawn) <= 12 * trainer.dp_config.selection_rounds
+    assert all(len(sizes) <= 4 for sizes in drawn)  # per_device_train_batch_size users per chunk
+    report = trainer.privacy_report()
+    rates = {m["name"]: m["sample_rate"] for m in report["mechanisms"]}
+    assert rates == {"dp-frost-selection": 0.5, "dp-frost": pytest.approx(4 / 12)}
+    assert report["unit"] == "user" and report["dataset_size"] == 12
+    assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
+
+
+def first_selection_release(tmp_path, dataset: Dataset, users: list, clip: float, k: int,
+                            monkeypatch) -> tuple[torch.Tensor, float]:
+    """The first noisy magnitudes DP-FROST releases (q_ps = 1, noise replayed under the test seed) and the
+    sensitivity the reducer claimed for them."""
+    from hf_private.method_run import MethodRun
+
+    releases: list[tuple[torch.Tensor, float]] = []
+    release = MethodRun.release
+
+    def spy(self, stage, values, sensitivity):
+        noisy = release(self, stage, values, sensitivity)
+        releases.append((noisy.double(), sensitivity))
+        return noisy
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MethodRun, "release", spy)
+        trainer = make_trainer(tmp_path, model=tiny.bert(), dataset=with_users(dataset, users),
+                               dp=frost_uls(clip, k, selection_sample_rate=1.0, selection_rounds=1, noise_seed=SEED),
+                               per_device_train_batch_size=len(set(users)), max_steps=1)
+        trainer.train()
+    return releases[0]
+
+
+def selection_sensitivity(tmp_path, clip: float, k: int, monkeypatch) -> tuple[float, float]:
+    """(how far adding the ten-example user moves the first selection release, the sensitivity claimed)."""
+    data, users = _with_added()
+    with_user, claimed = first_selection_release(tmp_path / "with", data, users, clip, k, monkeypatch)
+    without, claimed_without = first_selection_release(tmp_path / "without", MATES, MATE_USERS, clip, k, monkeypatch)
+    assert claimed == claimed_without
+    return float((with_user - without).norm()), claimed
+
+
+def test_adding_one_user_moves_a_dp_frost_selection_release_by_at_most_its_sensitivity(tmp_path, monkeypatch):
+    moved, claimed = selection_sensitivity(tmp_path, CLIP, 10, monkeypatch)
+    assert 0 < moved <= claimed * (1 + 1e-4)
+
+
+def test_the_selection_sensitivity_test_fails_when_a_users_examples_are_measured_apart(tmp_path, monkeypatch):
+    slices = hf_private.users.unit_slices
+    monkeypatch.setattr(hf_private.trainer, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+    monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
+    moved, claimed = selection_sensitivity(tmp_path, CLIP, 10, monkeypatch)
+    assert moved > 3 * claimed
+
+
+@pytest.mark.parametrize("sampling", ["user", "example"])
+def test_sound_dp_fp_trains_at_user_level_with_its_head_clipped_per_unit(tmp_path, sampling):
+    """Sound DP-FP's guarantee is its head's DP-SGD, which clips a user's summed gradient (ULS) or is accounted
+    for a user's k examples (ELS); its representation noise is not counted in ε at any unit."""
+    from hf_private import DPFPConfig
+
+    data, users = _user_rows(12, 4)
+    unit = {"examples_per_user": 3} if sampling == "user" else {"max_examples_per_user": 2}
+    dp = DPFPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling=sampling, **unit)
+    trainer = user_trainer(tmp_path, data, users, dp=dp, per_device_train_batch_size=4, max_steps=3)
+    trainer.train()
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["method"] == "dp-fp" and report["steps"] == 3
+    assert math.isfinite(report["epsilon"])
+    assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
+    trainer.save_model(str(tmp_path / "out"))
+    text = " ".join(ModelCard.load(tmp_path / "out" / "README.md").text.split())
+    assert "**one user**" in text
