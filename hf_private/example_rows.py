@@ -27,9 +27,10 @@ PER_EXAMPLE_KEYS = ("labels", "input_ids", "inputs_embeds")
 #: keys only packing collators produce (sequence boundaries inside a shared row)
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _USE_PADDING = (
-    "Per-example clipping would clip shared rows, not examples, and the privacy guarantee would not hold. Use "
-    "DataCollatorWithPadding (or DataCollatorForLanguageModeling / DataCollatorForSeq2Seq, which pad every "
-    "example to a row of its own) instead of a packing collator such as DataCollatorWithFlattening."
+    "Per-example clipping would clip shared rows, not examples, and the privacy guarantee would not hold. Pad every "
+    "example to a row of its own (DataCollatorWithPadding, DataCollatorForLanguageModeling, "
+    "DataCollatorForSeq2Seq), or pack a causal LM's examples into one row with position_ids restarting at each "
+    "(DataCollatorWithFlattening, TRL's padding_free=True), which hf_private clips per example."
 )
 
 

@@ -72,6 +72,31 @@ def default_per_example_loss(
     )
 
 
+def packed_causal_lm_losses(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor,
+                            label_smoothing: float = 0.0) -> torch.Tensor:
+    """ℓ_b of each example packed end to end in one row (`hf_private.packing`): its mean over its own trained tokens,
+    as `default_per_example_loss` gives it padded. A target that starts an example is never predicted from the
+    previous example's last token (packing collators set its label to -100; it is ignored here whatever it is)."""
+    if not is_causal_lm(model):
+        raise ValueError(
+            f"Packed batches are supported for causal LMs only, not {type(unwrap_peft(model)).__name__}: transformers "
+            "builds the block-diagonal attention mask from restarting position_ids for causal attention, while an "
+            "encoder's bidirectional attention would let packed examples see each other, and its pooled heads read "
+            "one token per row. Pad each example to a row of its own (DataCollatorWithPadding).")
+    if logits.dim() != 3 or logits.shape[0] != 1 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"A packed chunk needs logits [1, tokens, vocab] and labels [1, tokens]; got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}.")
+    lengths = lengths.to(logits.device)
+    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=logits.device), lengths)
+    targets = labels[0, 1:].masked_fill(owner[1:] != owner[:-1], IGNORE_INDEX)
+    tokens = F.cross_entropy(logits[0, :-1].float(), targets, ignore_index=IGNORE_INDEX, reduction="none",
+                             label_smoothing=label_smoothing)
+    trained = (targets != IGNORE_INDEX).to(tokens.dtype)
+    sums = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], tokens * trained)
+    counts = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], trained)
+    return sums / counts.clamp(min=1)
+
+
 def _no_smoothing(label_smoothing: float, problem: str) -> None:
     if label_smoothing:
         raise ValueError(

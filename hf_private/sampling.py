@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from .example_rows import PER_EXAMPLE_KEYS, check_one_row_per_example
+from .example_rows import PACKING_KEYS, PER_EXAMPLE_KEYS, check_one_row_per_example
+from .packing import PACKED_LENGTHS_KEY, packed_lengths
 from .privacy.rng import SecretRandom
 
 __all__ = [
@@ -125,7 +126,8 @@ class EmptySafeCollator:
     Stock collators fail on ``[]`` (``DataCollatorWithPadding`` raises AttributeError,
     ``default_data_collator`` IndexError).  The empty batch mirrors the collated template example:
     same keys, same dtypes and trailing shapes, batch dimension 0.  Every batch is checked to keep each
-    example in rows of its own (`check_one_row_per_example`): packed rows would be clipped as one example.
+    example in rows of its own (`check_one_row_per_example`), or to pack whole examples into one row that says
+    where each starts (`packing.packed_lengths`, carried as `PACKED_LENGTHS_KEY`).
     """
 
     def __init__(self, collate_fn: Callable[[list], Mapping[str, Any]], template_example: dict) -> None:
@@ -136,10 +138,15 @@ class EmptySafeCollator:
     def __call__(self, features: list) -> Mapping[str, Any]:
         if len(features) > 0:
             batch = self.collate_fn(features)
-            check_one_row_per_example(batch, len(features))
-            return batch
+            lengths = packed_lengths(batch, len(features))
+            if lengths is None:
+                check_one_row_per_example(batch, len(features))
+                return batch
+            return {**batch, PACKED_LENGTHS_KEY: lengths}
         if self._empty is None:
             template = self.collate_fn([self.template_example])
+            if packed_lengths(template, 1) is not None:  # a packing collator: an empty chunk packs nothing
+                template = {k: v for k, v in template.items() if k not in PACKING_KEYS}
             check_one_row_per_example(template, 1)
             self._empty = {
                 key: value.new_empty((0, *value.shape[1:]))
@@ -183,8 +190,11 @@ def example_lengths(dataset: Any, length_column: str, input_name: str) -> torch.
 
 
 def batch_size_of(inputs: Mapping[str, Any]) -> int:
-    """Number of examples (Poisson batches make it vary, 0 included): the leading dimension of `labels`, else
-    of `input_ids`/`inputs_embeds`, else of the first batched tensor (others may broadcast a leading 1)."""
+    """Number of examples (Poisson batches make it vary, 0 included): the packed examples of a packed chunk, else
+    the leading dimension of `labels`, else of `input_ids`/`inputs_embeds`, else of the first batched tensor (others
+    may broadcast a leading 1)."""
+    if PACKED_LENGTHS_KEY in inputs:
+        return len(inputs[PACKED_LENGTHS_KEY])
     keys = [k for k in PER_EXAMPLE_KEYS if k in inputs] + [k for k in inputs if k not in PER_EXAMPLE_KEYS]
     for value in (inputs[k] for k in keys):
         if isinstance(value, torch.Tensor) and value.dim() > 0:

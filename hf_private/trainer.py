@@ -36,6 +36,7 @@ from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
+from .packing import packed_examples, slice_packed
 from .preflight import check_before_trainer, check_built_trainer
 from .privacy.rng import SecretRandom
 from .run import PrivacyRun
@@ -108,6 +109,7 @@ class PrivateTrainingMixin:
             self.user_index = UserIndex.of(self.train_dataset, dp_config.user_column)
         self._uls = self.user_index is not None and dp_config.user_sampling == "user"
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
+        self.custom_per_example_loss = per_example_loss is not None  # packed chunks need the family's own loss
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         self.add_callback(_LogicalBatchBoundaries(self))
@@ -217,9 +219,12 @@ class PrivateTrainingMixin:
         rows = self.trainer_family.rows_per_unit(model, inputs)  # rows of one example (DPO: 2)
         total = torch.zeros((), device=self.args.device)
         for start, stop, units in unit_slices(unit_sizes, self.args.per_device_train_batch_size):
-            part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
+            if packed_examples(inputs) is not None:  # one row of whole examples: sliced by their tokens
+                part = slice_packed(inputs, start, stop)
+            else:
+                part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
             unit_rows = rows if all(n == 1 for n in units) else [n * rows for n in units]
-            with engine.recording(len(units), unit_rows):
+            with engine.recording(len(units), unit_rows, packed=packed_examples(part)):
                 total = total + super().training_step(model, part, None)
             engine.finish_backward()
             if len(units) >= 2 and self.privacy_run.needs_independence_probe:

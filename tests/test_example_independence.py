@@ -125,9 +125,10 @@ def test_multiple_choice_trains(tmp_path):
 
 
 # ---------------------------------------------------------------- packing
-def test_packing_collator_is_refused_and_names_the_padding_collator(tmp_path):
-    trainer = _trainer(tmp_path, tiny.gpt2(), tiny.lm_dataset(64), DataCollatorWithFlattening())
-    with pytest.raises(ValueError, match="packed into shared rows.*DataCollatorWithPadding"):
+def test_packing_an_encoders_examples_is_refused_and_names_the_padding_collator(tmp_path):
+    """A causal LM's packed chunks train (tests/test_packing.py); an encoder's are refused."""
+    trainer = _trainer(tmp_path, tiny.bert(), tiny.lm_dataset(64), DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="causal LMs only.*DataCollatorWithPadding"):
         trainer.train()
 
 

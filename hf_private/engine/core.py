@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from ..logs import get_logger
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
+from .packed_tokens import PackedTokens
 from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer, flat_norms
 from .terms import (
     accumulation_dtype,
@@ -174,6 +175,7 @@ class PerExampleGradientEngine:
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
         self._calls: list[_Call] = []
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
+        self._packed: PackedTokens | None = None  # a packed chunk's examples, while it is recorded
         self._chunk: _Chunk | None = None  # the chunk that `finish_backward` will reduce
         self._handles: list = []
         self.verified = False  # set after the first chunk's per-example sums matched autograd
@@ -312,16 +314,24 @@ class PerExampleGradientEngine:
                     f"The input of {call.layer.name} was modified in place after the forward pass; its "
                     "per-example gradient cannot be computed."
                 )
-            call.terms = call.layer.handler.terms(
-                call.layer.module, call.saved, grad_output, set(call.layer.trainable)
-            )
+            saved = call.saved
+            packed = self._packed
+            if packed is not None and packed.holds(grad_output):  # one example per row, as a padded chunk
+                if saved is not None and not packed.holds(saved):
+                    raise ValueError(
+                        f"{call.layer.name} reads an input of shape {tuple(saved.shape)} in a packed chunk of "
+                        f"{packed.tokens} tokens: without the packed row's token axis its examples' gradients cannot "
+                        "be separated. Pad each example to a row of its own for this model.")
+                grad_output = packed.split(grad_output)
+                saved = packed.split(saved) if saved is not None else None
+            call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
             call.saved = None  # keep only what the terms reference
 
         return hook
 
     @contextmanager
     def recording(self, batch_size: int, rows_per_example: int | Sequence[int] = 1,
-                  probe: bool = False) -> Iterator[None]:
+                  probe: bool = False, packed: Sequence[int] | torch.Tensor | None = None) -> Iterator[None]:
         """Record per-unit terms for the forward/backward of one physical chunk of `batch_size` privacy units.
 
         `batch_size` must come from the data (the sampler/collator), not from a tensor the model builds: every
@@ -330,6 +340,9 @@ class PerExampleGradientEngine:
         its rows. A sequence of `batch_size` ints gives every unit its own number of rows, consecutive and in order
         (user-level DP: a user's examples), summing to the chunk's rows. Terms may have one row per unit or the
         chunk's rows. `probe=True` computes norms only (see `finish_backward`), with autograd's own gradients off.
+        `packed`: the chunk's examples lie end to end in one row, these many tokens each (`hf_private.packing`); each
+        layer's tokens are regathered one example per row before its terms are formed, so every count above is in
+        examples, as for a padded chunk.
         """
         if isinstance(rows_per_example, numbers.Integral) and not isinstance(rows_per_example, bool):
             rows_per_example = int(rows_per_example)
@@ -357,8 +370,13 @@ class PerExampleGradientEngine:
         frozen_for_chunk = [p for _, p in self.parameters] if self.verified or probe else []
         for p in frozen_for_chunk:
             p.requires_grad_(False)
+        packed = PackedTokens(packed) if packed is not None else None
+        if packed is not None and packed.examples != rows:
+            raise ValueError(f"recording() was told of a packed row of {packed.examples} examples for a chunk whose "
+                             f"units hold {rows}: every packed example must be one of the chunk's.")
         self._chunk = _Chunk(batch_size, rows_per_example, probe)
-        self._rows = rows
+        self._rows = 1 if packed is not None else rows  # the rows the model sees
+        self._packed = packed
         try:
             yield
         except BaseException:  # Ctrl-C, an out-of-memory error: nothing of the broken chunk may reach a release
@@ -366,6 +384,7 @@ class PerExampleGradientEngine:
             raise
         finally:
             self._rows = None
+            self._packed = None
             for p in frozen_for_chunk:
                 p.requires_grad_(True)
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..packing import packed_examples, slice_packed
 from .core import PerExampleGradientEngine
 from .terms import format_sizes, unit_sizes
 
@@ -113,7 +114,7 @@ def _unit_rows(units: tuple[int, ...] | None, num_examples: int, rows_per_exampl
 
 
 def _norms(engine, model, inputs, summed_loss, chunk) -> torch.Tensor:
-    with engine.recording(*chunk, probe=True):
+    with engine.recording(*chunk, probe=True, packed=packed_examples(inputs)):
         summed_loss(model, inputs).backward()
     return engine.finish_backward()
 
@@ -133,6 +134,9 @@ def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_examp
     with the most examples.
     """
     mask = _mask(inputs, rows_per_example)
+    lengths = packed_examples(inputs)
+    if lengths is not None:  # packed: the examples' own token counts
+        mask = torch.arange(int(lengths.max()), device=lengths.device) < lengths[:, None]
     if examples_per_unit is None:
         if mask is None:
             return list(dict.fromkeys([0, num_examples - 1]))[:MAX_PROBES]
@@ -164,6 +168,8 @@ def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per
     else:
         start = sum(units[:b])
         stop = start + units[b]
+    if packed_examples(inputs) is not None:  # a packed row holds no padding: its examples' tokens only
+        return slice_packed(inputs, start, stop)
     single = {
         k: v[start:stop] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == num_examples else v
         for k, v in inputs.items()

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..example_rows import rows_per_example
-from ..losses import PerExampleLoss, default_per_example_loss
+from ..losses import PerExampleLoss, default_per_example_loss, packed_causal_lm_losses
+from ..packing import PACKED_LENGTHS_KEY, packed_examples
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,20 @@ class TrainerFamily:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        return trainer.per_example_loss(model, outputs, labels), outputs
+        lengths = packed_examples(inputs)
+        if lengths is None:
+            outputs = model(**inputs)
+            return trainer.per_example_loss(model, outputs, labels), outputs
+        inputs.pop(PACKED_LENGTHS_KEY)
+        # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
+        # the default in a model's config, it does not, and packed examples would attend to each other)
+        outputs = model(**inputs, use_cache=False)
+        if trainer.custom_per_example_loss:
+            raise ValueError("per_example_loss(model, outputs, labels) cannot say which packed example each token "
+                             "belongs to: drop it (each packed example's loss is then its mean over its own trained "
+                             "tokens) or pad each example to a row of its own.")
+        return packed_causal_lm_losses(model, outputs.logits, labels, lengths,
+                                       trainer.args.label_smoothing_factor), outputs
 
     def owns(self, cls: type) -> bool:
         return dotted_name(cls) in self.own_classes

@@ -236,8 +236,8 @@ class DPOFamily(TrainerFamily):
             + f". The loss types with a per-pair loss here: {', '.join(PAIR_LOSSES)}."),
         RefusedSetting(
             "padding_free", lambda args, model: bool(getattr(args, "padding_free", False)),
-            f"padding_free flattens the batch's rows into one, so a clipped row is not one preference pair: "
-            f"{PACKING_ISSUE}. Set padding_free=False."),
+            f"padding_free flattens the pairs' chosen and rejected rows into one, which the pair loss cannot "
+            f"restack into pairs; {PACKING_ISSUE}. Set padding_free=False."),
         *KERNEL_AND_BATCH_SETTINGS,
     )
     refused_keywords = (

@@ -1,5 +1,6 @@
 """TRL's `SFTTrainer` (trl ≥ 1.16), privatized: one unit is one training sequence (a text, a prompt with its
-completion, or a conversation), and its loss is its own mean over its own trained tokens.
+completion, or a conversation), and its loss is its own mean over its own trained tokens. With `padding_free=True`
+the sequences of each chunk are packed into one row (`hf_private.packing`), each still clipped alone.
 
 TRL prepares the data as usual (chat template, `completion_only_loss`, `assistant_only_loss`, `max_length`,
 `formatting_func`, ...) and folds every mask into the labels (-100 on untrained tokens), so the per-unit loss is
@@ -39,12 +40,10 @@ class SFTFamily(TrainerFamily):
     refused_settings = (
         RefusedSetting(
             "packing", lambda args, model: bool(getattr(args, "packing", False)),
-            f"packing puts several sequences in one row (and 'bfd_split' or 'wrapped' splits a sequence over rows), "
-            f"so a clipped row is not one privacy unit: {PACKING_ISSUE}. Set packing=False."),
-        RefusedSetting(
-            "padding_free", lambda args, model: bool(getattr(args, "padding_free", False)),
-            "padding_free flattens the whole batch into one row, so per-example clipping would clip the batch. "
-            "Set padding_free=False (each sequence is padded to a row of its own)."),
+            "packing packs the dataset before sampling ('bfd_split' and 'wrapped' also split a sequence over rows), "
+            "so the Poisson sampler would draw packed rows of sequences fixed together, and a clipped row would not "
+            f"be one privacy unit; {PACKING_ISSUE}. Set packing=False and padding_free=True (with max_length=None "
+            "or truncated sequences): the same padding-free compute, each sequence clipped alone."),
         RefusedSetting(
             "loss_type", lambda args, model: getattr(args, "loss_type", "nll") != "nll",
             "only loss_type='nll' has a per-sequence loss here (each sequence's mean negative log-likelihood over "

@@ -11,7 +11,8 @@ from torch import nn
 from ..methods import DPMethod, method_class
 from .base import RefusedKeyword, RefusedSetting
 
-PACKING_ISSUE = "exact per-document clipping of packed rows is not implemented yet (the packing issue lifts this)"
+PACKING_ISSUE = ("hf_private packs only the sequences of a sampled chunk, each a privacy unit of its own "
+                 "(SFTTrainer with padding_free=True)")
 
 
 def moe_aux_loss(args: Any, model: nn.Module) -> bool:
