@@ -368,3 +368,28 @@ def test_packed_chunks_group_a_users_examples(tmp_path):
         dp_config=dp)
     trainer.train()
     assert trainer.privacy_report()["unit"] == "user" and trainer.ledger.total_steps == 2
+
+
+def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_padded_chunks_are(tmp_path,
+                                                                                                 monkeypatch):
+    """q < 1: some Poisson chunks hold more examples than per_device_train_batch_size and are cut into pieces, a
+    packed row by its examples' tokens; three steps end at the padded run's weights."""
+    from datasets import Dataset
+
+    import hf_private.trainer
+
+    sliced = []
+    real = hf_private.trainer.slice_packed
+    monkeypatch.setattr(hf_private.trainer, "slice_packed",
+                        lambda batch, start, stop: sliced.append(stop - start) or real(batch, start, stop))
+    dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]})
+    weights = []
+    for collator in (DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False), DataCollatorWithFlattening()):
+        model = tiny.gpt2()
+        PrivateTrainer(model=model, args=training_args(tmp_path / str(len(weights)), per_device_train_batch_size=3,
+                                                       gradient_accumulation_steps=2, max_steps=3),
+                       train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),
+                       dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=0.1, noise_seed=SEED)).train()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert len(sliced) > 6  # more pieces than the 3 × 2 chunks: some chunk was cut
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)
