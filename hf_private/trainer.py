@@ -102,6 +102,7 @@ class PrivateTrainingMixin:
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
+        self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
         # At user level, the users of the training set as the trainer holds it: read again only if the trainer
         # prepared a new dataset (TRL tokenizes, and may drop rows)
         self.user_index = checked.users

@@ -326,7 +326,7 @@ def test_the_trainers_probe_refuses_packed_examples_that_attend_to_each_other(tm
 
 
 # ---------------------------------------------------------------------- TRL's padding-free SFT, users
-def sft_update(tmp_path, padding_free: bool, rows: list[dict]) -> torch.Tensor:
+def sft_update(tmp_path, padding_free: bool, rows: list[dict], **config) -> torch.Tensor:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -335,7 +335,7 @@ def sft_update(tmp_path, padding_free: bool, rows: list[dict]) -> torch.Tensor:
 
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    args = SFTConfig(str(tmp_path), **{**TRL_TEST_ARGS, "max_length": None}, padding_free=padding_free,
+    args = SFTConfig(str(tmp_path), **{**TRL_TEST_ARGS, "max_length": None, **config}, padding_free=padding_free,
                      per_device_train_batch_size=len(rows), max_steps=1, learning_rate=1.0, optim="sgd",
                      lr_scheduler_type="constant", weight_decay=0.0)
     trainer = privatize(SFTTrainer)(model, args, train_dataset=Dataset.from_list(rows),
@@ -352,6 +352,32 @@ def test_trl_padding_free_sft_releases_what_padded_sft_releases(tmp_path):
     packed = sft_update(tmp_path / "packed", True, rows)
     assert padded.norm() > 0
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_trl_bfd_packing_samples_sequences_and_releases_what_padded_sft_releases(tmp_path):
+    """packing=True (BFD, rows of 64 tokens: every sequence shorter, none truncated): TRL's packed rows are split back
+    into their sequences, so N counts sequences, and the release equals padded SFT's."""
+    rows = [{"prompt": p["prompt"], "completion": p["completion"]} for p in tiny.prompt_completions(8)]
+    padded = sft_update(tmp_path / "padded", False, rows)
+    packed = sft_update(tmp_path / "bfd", False, rows, packing=True, max_length=64)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_trl_bfd_packing_counts_sequences_not_packed_rows(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_private import privatize
+    from tests.helpers import TRL_TEST_ARGS
+
+    args = SFTConfig(str(tmp_path), **{**TRL_TEST_ARGS, "max_length": 64}, packing=True,
+                     per_device_train_batch_size=4, max_steps=2)
+    trainer = privatize(SFTTrainer)(tiny.llama(), args, train_dataset=Dataset.from_list(tiny.prompt_completions(24)),
+                                    processing_class=tiny.chat_tokenizer(), dp_config=DPConfig(noise_multiplier=1.0))
+    assert len(trainer.train_dataset) == trainer.dataset_size == 24 and "seq_lengths" not in \
+        trainer.train_dataset.column_names
+    trainer.train()
+    assert trainer.ledger.total_steps == 2 and trainer.sample_rate == pytest.approx(4 / 24)
 
 
 def test_packed_chunks_group_a_users_examples(tmp_path):

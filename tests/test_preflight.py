@@ -279,8 +279,10 @@ ROWS = [
     Row("default-arguments-made-by-Trainer", _default_arguments, ValueError,
         "train_sampling_strategy='sequential' is not supported"),
     # ------------------------------------------------------------------ TRL SFTConfig (hf_private.integrations.trl_sft)
-    Row("sft-packing", _sft(packing=True, max_length=16), ValueError,
-        f"packing=True {SFT}packing packs the dataset before sampling"),
+    Row("sft-packing-wrapped", _sft(packing=True, packing_strategy="wrapped", max_length=16), ValueError,
+        f"packing_strategy='wrapped' {SFT}'bfd_split' and 'wrapped' split a sequence over packed rows"),
+    Row("sft-packing-bfd_split", _sft(packing=True, packing_strategy="bfd_split", max_length=16), ValueError,
+        f"packing_strategy='bfd_split' {SFT}'bfd_split' and 'wrapped' split a sequence over packed rows"),
     Row("sft-use_liger_kernel", _sft(use_liger_kernel=True), ValueError,
         f"use_liger_kernel=True {SFT}Liger kernels replace the model's layers"),
     Row("sft-loss_type-dft", _sft(loss_type="dft"), ValueError, f"loss_type='dft' {SFT}only loss_type='nll'"),

@@ -83,6 +83,11 @@ class TrainerFamily:
         family's `unit_losses` does not read one)."""
         return partial(default_per_example_loss, label_smoothing=args.label_smoothing_factor)
 
+    def training_set(self, dataset: Any, args: Any) -> Any:
+        """The training set as the trainer prepared it, one unit per row: a family undoes a preparation that put
+        several units in one row (TRL's dataset packing), so that the sampler draws units."""
+        return dataset
+
     def training_collator(self, collate_fn: Callable[[list], Mapping[str, Any]]) -> Callable:
         """How a training chunk is collated: the trainer's own collator, unless the family regroups the rows."""
         return collate_fn

@@ -1,6 +1,7 @@
 """TRL's `SFTTrainer` (trl ≥ 1.16), privatized: one unit is one training sequence (a text, a prompt with its
 completion, or a conversation), and its loss is its own mean over its own trained tokens. With `padding_free=True`
-the sequences of each chunk are packed into one row (`hf_private.packing`), each still clipped alone.
+the sequences of each chunk are packed into one row (`hf_private.packing`), each still clipped alone; with
+`packing=True` (BFD) TRL's packed rows are split back into their sequences first, so that sequences are sampled.
 
 TRL prepares the data as usual (chat template, `completion_only_loss`, `assistant_only_loss`, `max_length`,
 `formatting_func`, ...) and folds every mask into the labels (-100 on untrained tokens), so the per-unit loss is
@@ -19,6 +20,8 @@ Nothing here imports trl: this module is loaded only for a class that comes from
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from .base import RefusedSetting, TrainerFamily
 from .trl_shared import KERNEL_AND_BATCH_SETTINGS, PACKING_ISSUE, PEFT_CONFIG
@@ -39,11 +42,11 @@ class SFTFamily(TrainerFamily):
     }
     refused_settings = (
         RefusedSetting(
-            "packing", lambda args, model: bool(getattr(args, "packing", False)),
-            "packing packs the dataset before sampling ('bfd_split' and 'wrapped' also split a sequence over rows), "
-            "so the Poisson sampler would draw packed rows of sequences fixed together, and a clipped row would not "
-            f"be one privacy unit; {PACKING_ISSUE}. Set packing=False and padding_free=True (with max_length=None "
-            "or truncated sequences): the same padding-free compute, each sequence clipped alone."),
+            "packing_strategy", lambda args, model: bool(getattr(args, "packing", False))
+            and getattr(args, "packing_strategy", "bfd") != "bfd",
+            "'bfd_split' and 'wrapped' split a sequence over packed rows, so no row holds whole privacy units and a "
+            f"sequence's parts would be clipped apart; {PACKING_ISSUE}. Use packing_strategy='bfd' (each sequence "
+            "truncated to max_length, whole) or padding_free=True."),
         RefusedSetting(
             "loss_type", lambda args, model: getattr(args, "loss_type", "nll") != "nll",
             "only loss_type='nll' has a per-sequence loss here (each sequence's mean negative log-likelihood over "
@@ -51,6 +54,15 @@ class SFTFamily(TrainerFamily):
         *KERNEL_AND_BATCH_SETTINGS,
     )
     refused_keywords = (PEFT_CONFIG,)
+
+    def training_set(self, dataset: Any, args: Any) -> Any:
+        """With packing=True (BFD) TRL packs the dataset into rows of whole sequences before training; sampled as
+        they are, a row of sequences fixed together would be the unit. The rows are split back into their sequences
+        (as BFD truncated them), which the sampler then draws one by one; the padding-free collator packs each
+        sampled chunk into one row, and the engine clips every sequence alone."""
+        if not getattr(args, "packing", False) or dataset is None or "seq_lengths" not in dataset.column_names:
+            return dataset
+        return unpack_rows(dataset)
 
     def unit(self, train_dataset: Any) -> str:
         """"conversation" (messages, or a conversational prompt and completion), "prompt-completion pair", or
@@ -66,6 +78,21 @@ class SFTFamily(TrainerFamily):
         if "prompt" in first and "completion" in first:
             return "prompt-completion pair"
         return "sequence"
+
+
+def unpack_rows(dataset: Any) -> Any:
+    """Every packed row's token columns cut at its `seq_lengths`: one row per sequence, `seq_lengths` dropped."""
+    columns = [name for name in dataset.column_names if name != "seq_lengths"]
+
+    def split(rows: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in columns}
+        for i, lengths in enumerate(rows["seq_lengths"]):
+            offsets = np.cumsum([0, *lengths])
+            for name in columns:
+                out[name].extend(rows[name][i][a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+        return out
+
+    return dataset.map(split, batched=True, remove_columns=dataset.column_names, desc="Unpacking sequences")
 
 
 FAMILY = SFTFamily()
