@@ -82,6 +82,11 @@ class PackedClassificationCollator:
         return batch
 
 
+def packs(collate: Any, dataset: Any) -> bool:
+    """Whether `collate` (the trainer's empty-safe collator) packs: two examples of `dataset` collated as a trial."""
+    return PACKED_LENGTHS_KEY in collate([dataset[0], dataset[1]])
+
+
 def packed_examples(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """The packed examples' token counts of a collated batch (None if it is not packed)."""
     lengths = batch.get(PACKED_LENGTHS_KEY)

@@ -164,9 +164,12 @@ def slice_examples(value: Any, size: int, start: int, stop: int) -> Any:
     return value
 
 
-def chunk_lengths(args: Any, dataset: Any, processing_class: Any) -> torch.Tensor | None:
-    """Lengths for length-sorted chunks when TrainingArguments asks to group by length (else None)."""
-    if getattr(args, "train_sampling_strategy", "random") != "group_by_length":
+def chunk_lengths(args: Any, dataset: Any, processing_class: Any, packed: bool = False) -> torch.Tensor | None:
+    """Lengths for length-sorted chunks when TrainingArguments asks to group by length, or when chunks are packed: a
+    packed chunk's examples are regathered one per row for the per-example norms, padded to the chunk's longest, so
+    chunks of similar lengths keep that padding small (else None). Sorting happens after the Poisson draw: which
+    examples are in a logical batch does not change."""
+    if not packed and getattr(args, "train_sampling_strategy", "random") != "group_by_length":
         return None
     names = getattr(processing_class, "model_input_names", None) or ["input_ids"]
     return example_lengths(dataset, args.length_column_name, names[0])

@@ -36,7 +36,7 @@ from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
-from .packing import packed_examples, slice_packed
+from .packing import packed_examples, packs, slice_packed
 from .preflight import check_before_trainer, check_built_trainer
 from .privacy.rng import SecretRandom
 from .run import PrivacyRun
@@ -146,7 +146,8 @@ class PrivateTrainingMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
-        lengths = None if self._uls else chunk_lengths(self.args, self.train_dataset, self.processing_class)
+        lengths = None if self._uls else chunk_lengths(self.args, self.train_dataset, self.processing_class,
+                                                       packed=len(dataset) >= 2 and packs(collate, dataset))
         sampler = self._poisson_sampler(dataset, self.sample_rate, self.steps_per_epoch,
                                         self.args.gradient_accumulation_steps,
                                         self.privacy_run.sampling_random("training sampling"), lengths)

@@ -419,3 +419,23 @@ def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_p
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert len(sliced) > 6  # more pieces than the 3 × 2 chunks: some chunk was cut
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_packed_chunks_are_cut_from_length_sorted_poisson_batches(tmp_path, packing):
+    """A packed chunk's norms are computed on its examples padded to its longest: the sampler sorts each Poisson
+    batch by length before cutting chunks when the collator packs (as group_by_length does for padded ones)."""
+    from datasets import Dataset
+
+    collator = DataCollatorWithFlattening() if packing else DataCollatorForLanguageModeling(tiny.tokenizer(),
+                                                                                            mlm=False)
+    trainer = PrivateTrainer(
+        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=4),
+        train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(64)]}),
+        data_collator=collator, processing_class=tiny.tokenizer(), dp_config=DPConfig(noise_multiplier=1.0))
+    sampler = trainer.get_train_dataloader().batch_sampler
+    assert (sampler.lengths is not None) == packing
+    if packing:
+        lengths = [len(f["input_ids"]) for f in _features(64)]
+        chunks = [[lengths[i] for i in chunk] for chunk in list(sampler)[:4]]
+        assert all(max(a) <= min(b) for a, b in zip(chunks, chunks[1:]) if a and b)
