@@ -110,12 +110,34 @@ class _MeanPooledClassifier:
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput | tuple:
+        owner = packed_owner(position_ids) if attention_mask is None else None
+        if owner is not None:  # sentences packed end to end in one row (hf_private.packing)
+            return self._packed_forward(input_ids, inputs_embeds, position_ids, owner, labels, return_dict, **kwargs)
         outputs = self.base_model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                   position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         states = outputs.last_hidden_state
         mask = (torch.ones(states.shape[:2], device=states.device) if attention_mask is None
                 else attention_mask).unsqueeze(-1).to(states.dtype)
         pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return self._classified(pooled, labels, outputs, return_dict)
+
+    def _packed_forward(self, input_ids, inputs_embeds, position_ids, owner, labels, return_dict, **kwargs):
+        """One row of whole sentences: each attends to itself only (a block-diagonal mask), at its own positions
+        (RoBERTa's count from padding_idx + 1, as its embeddings number an unpacked sentence), and is pooled alone."""
+        reference = inputs_embeds if inputs_embeds is not None else self.base_model.get_input_embeddings().weight
+        blocked = torch.finfo(reference.dtype).min
+        attend = (owner[:, None] == owner[None, :])[None, None]
+        mask = torch.zeros(attend.shape, dtype=reference.dtype, device=owner.device).masked_fill(~attend, blocked)
+        positions = position_ids + (self.config.pad_token_id + 1 if self.config.model_type.endswith("roberta") else 0)
+        outputs = self.base_model(input_ids, attention_mask=mask, token_type_ids=torch.zeros_like(position_ids),
+                                  position_ids=positions, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+        states = outputs.last_hidden_state[0]
+        sentences = int(owner[-1]) + 1
+        sums = states.new_zeros(sentences, states.shape[-1]).index_add(0, owner, states)
+        counts = torch.bincount(owner, minlength=sentences).to(states.dtype)
+        return self._classified(sums / counts[:, None], labels, outputs, return_dict)
+
+    def _classified(self, pooled, labels, outputs, return_dict):
         logits = self.classifier(pooled)
         loss = None if labels is None else self.loss_function(labels, logits, self.config)  # the stock heads' loss
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
@@ -151,6 +173,16 @@ class MeanPooledRobertaForSequenceClassification(_MeanPooledClassifier, RobertaP
         self.roberta = RobertaModel(config, add_pooling_layer=False)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
+
+
+def packed_owner(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Each token's sentence in a row of sentences packed end to end (position_ids restarting at 0), else None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    starts = position_ids[0] == 0
+    if not bool(starts[1:].any()):
+        return None
+    return starts.long().cumsum(0) - 1
 
 
 MEAN_POOLED_HEADS = (MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification)

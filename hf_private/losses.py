@@ -77,12 +77,6 @@ def packed_causal_lm_losses(model: nn.Module, logits: torch.Tensor, labels: torc
     """ℓ_b of each example packed end to end in one row (`hf_private.packing`): its mean over its own trained tokens,
     as `default_per_example_loss` gives it padded. A target that starts an example is never predicted from the
     previous example's last token (packing collators set its label to -100; it is ignored here whatever it is)."""
-    if not is_causal_lm(model):
-        raise ValueError(
-            f"Packed batches are supported for causal LMs only, not {type(unwrap_peft(model)).__name__}: transformers "
-            "builds the block-diagonal attention mask from restarting position_ids for causal attention, while an "
-            "encoder's bidirectional attention would let packed examples see each other, and its pooled heads read "
-            "one token per row. Pad each example to a row of its own (DataCollatorWithPadding).")
     if logits.dim() != 3 or logits.shape[0] != 1 or labels.shape != logits.shape[:2]:
         raise ValueError(f"A packed chunk needs logits [1, tokens, vocab] and labels [1, tokens]; got "
                          f"{tuple(logits.shape)} and {tuple(labels.shape)}.")
@@ -95,6 +89,20 @@ def packed_causal_lm_losses(model: nn.Module, logits: torch.Tensor, labels: torc
     sums = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], tokens * trained)
     counts = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], trained)
     return sums / counts.clamp(min=1)
+
+
+def check_packed_head(model: nn.Module, outputs, labels: torch.Tensor, examples: int) -> None:
+    """A model other than a causal LM takes packed batches only if it gives one output per packed example itself
+    (hf_private's mean-pooled heads: a block-diagonal mask and a mean per sentence)."""
+    logits = getattr(outputs, "logits", None)
+    if torch.is_tensor(logits) and logits.shape[0] == examples and labels.shape[0] == examples:
+        return
+    raise ValueError(
+        f"Packed batches are supported for causal LMs and hf_private's mean-pooled classifiers "
+        f"(MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification with "
+        f"PackedClassificationCollator), not {type(unwrap_peft(model)).__name__}: an encoder's bidirectional "
+        "attention would let packed examples see each other, and a stock head reads one token per row. Pad each "
+        "example to a row of its own (DataCollatorWithPadding).")
 
 
 def _no_smoothing(label_smoothing: float, problem: str) -> None:

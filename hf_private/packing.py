@@ -63,6 +63,25 @@ def packed_lengths(batch: Mapping[str, Any], num_examples: int) -> torch.Tensor 
     return lengths.cpu()
 
 
+class PackedClassificationCollator:
+    """Packs sentences for a sequence classifier: input_ids end to end in one row with position_ids restarting at 0,
+    and one label per sentence (`DataCollatorWithFlattening` makes token labels, for language models). For
+    hf_private's mean-pooled heads, which attend within each sentence and pool each alone when they see such a row;
+    any other key of the features (attention_mask, token_type_ids, text columns) is dropped."""
+
+    def __call__(self, features: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
+        if any(row.dim() != 1 or row.numel() == 0 for row in ids):
+            raise ValueError("PackedClassificationCollator needs every feature's input_ids as one non-empty sequence.")
+        batch = {"input_ids": torch.cat(ids)[None],
+                 "position_ids": torch.cat([torch.arange(row.numel()) for row in ids])[None]}
+        key = "labels" if "labels" in features[0] else "label" if "label" in features[0] else None
+        if key is not None:
+            labels = [feature[key] for feature in features]
+            batch["labels"] = torch.tensor(labels, dtype=torch.float if isinstance(labels[0], float) else torch.long)
+        return batch
+
+
 def packed_examples(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """The packed examples' token counts of a collated batch (None if it is not packed)."""
     lengths = batch.get(PACKED_LENGTHS_KEY)
@@ -70,7 +89,8 @@ def packed_examples(batch: Mapping[str, Any]) -> torch.Tensor | None:
 
 
 def slice_packed(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Examples start:stop of a packed batch, as a packed batch of their own (their tokens and boundaries)."""
+    """Examples start:stop of a packed batch, as a packed batch of their own (their tokens, per-example entries such as
+    a sentence's label, and boundaries)."""
     lengths = batch[PACKED_LENGTHS_KEY].cpu()
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     first, last = int(offsets[start]), int(offsets[stop])
@@ -82,6 +102,8 @@ def slice_packed(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, A
             continue
         if torch.is_tensor(value) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == tokens:
             sliced[key] = value[:, first:last]
+        elif torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == lengths.numel():
+            sliced[key] = value[start:stop]  # one entry per example (a sentence's label)
         else:
             sliced[key] = value
     sliced[PACKED_LENGTHS_KEY] = part

@@ -15,7 +15,6 @@ from datasets import Dataset
 from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorForMultipleChoice,
-    DataCollatorWithFlattening,
     DataCollatorWithPadding,
 )
 
@@ -125,13 +124,6 @@ def test_multiple_choice_trains(tmp_path):
 
 
 # ---------------------------------------------------------------- packing
-def test_packing_an_encoders_examples_is_refused_and_names_the_padding_collator(tmp_path):
-    """A causal LM's packed chunks train (tests/test_packing.py); an encoder's are refused."""
-    trainer = _trainer(tmp_path, tiny.bert(), tiny.lm_dataset(64), DataCollatorWithFlattening())
-    with pytest.raises(ValueError, match="causal LMs only.*DataCollatorWithPadding"):
-        trainer.train()
-
-
 @pytest.mark.parametrize("extra, refused", [
     ({"cu_seq_lens_q": torch.tensor([0, 3, 5])}, True),
     ({"position_ids": torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])}, True),  # two examples in row 0

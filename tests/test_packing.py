@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, masking_utils
 
 import hf_private.engine.packed_tokens
-from hf_private import DPConfig, PrivateTrainer
+from hf_private import DPConfig, PackedClassificationCollator, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.losses import default_per_example_loss, packed_causal_lm_losses
 from hf_private.packing import PACKED_LENGTHS_KEY, packed_lengths, slice_packed
@@ -199,18 +199,114 @@ def test_adding_one_example_to_a_packed_batch_moves_the_release_by_at_most_C(tmp
     assert 0.5 * CLIP < moved <= CLIP * (1 + 1e-4)
 
 
-def test_an_encoder_with_packed_batches_is_refused(tmp_path):
+@pytest.mark.parametrize("collator", [DataCollatorWithFlattening, PackedClassificationCollator])
+def test_a_stock_encoder_head_with_packed_batches_is_refused(tmp_path, collator):
     from datasets import Dataset
 
     data = tiny.sentiment_dataset(16)
+    columns = {"input_ids": data["input_ids"]} if collator is DataCollatorWithFlattening else {
+        "input_ids": data["input_ids"], "label": data["label"]}
     trainer = PrivateTrainer(
         model=tiny.bert(), args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
-        train_dataset=Dataset.from_dict({"input_ids": data["input_ids"]}),
-        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
+        train_dataset=Dataset.from_dict(columns), data_collator=collator(), processing_class=tiny.tokenizer(),
         dp_config=DPConfig(noise_multiplier=1.0))
-    with pytest.raises(ValueError, match="Packed batches are supported for causal LMs only, not "
-                                         "BertForSequenceClassification"):
+    with pytest.raises(ValueError, match="Packed batches are supported for causal LMs and hf_private's mean-pooled "
+                                         "classifiers .*not BertForSequenceClassification"):
         trainer.train()
+    assert trainer.ledger.total_steps == 0
+
+
+# ---------------------------------------------------------------------- hf_private's mean-pooled classifiers
+ENCODERS = {"bert": tiny.mean_pooled_bert, "roberta": tiny.mean_pooled_roberta}
+
+
+def _sentences(n: int, seed: int = 0) -> list[dict]:
+    data = tiny.sentiment_dataset(n, seed=seed)
+    return [{"input_ids": data[i]["input_ids"], "label": data[i]["label"]} for i in range(n)]
+
+
+def encoder_results(model, batch: dict, clip: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    batch = dict(batch)
+    lengths = batch.pop(PACKED_LENGTHS_KEY, None)
+    labels = batch.pop("labels")
+
+    def summed_loss():
+        return default_per_example_loss(model, model(**batch), labels).sum()
+
+    engine = PerExampleGradientEngine(model, clip)
+    engine.attach()
+    try:
+        with engine.recording(len(labels), probe=True, packed=lengths):
+            summed_loss().backward()
+        norms = engine.finish_backward()
+        with engine.recording(len(labels), packed=lengths):
+            summed_loss().backward()
+        engine.finish_backward()
+        sums = engine.pop_clipped_sums()
+    finally:
+        engine.detach()
+    return norms, [sums[p] for _, p in engine.parameters]
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_a_mean_pooled_classifier_gives_packed_sentences_their_padded_norms_and_sums(name):
+    from transformers import DataCollatorWithPadding
+
+    sentences = _sentences(6)
+    model = ENCODERS[name]().train()
+    padded = dict(DataCollatorWithPadding(tiny.tokenizer())(sentences))
+    packed = EmptySafeCollator(PackedClassificationCollator(), sentences[0])(sentences)
+    assert packed["input_ids"].shape[0] == 1 and packed["labels"].shape == (6,)
+    norms, _ = encoder_results(model, padded, clip=1.0)
+    clip = float(norms.median())
+    padded_norms, padded_sums = encoder_results(model, padded, clip)
+    packed_norms, packed_sums = encoder_results(model, packed, clip)
+    torch.testing.assert_close(packed_norms, padded_norms, rtol=1e-5, atol=1e-7)
+    for a, b in zip(packed_sums, padded_sums):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_encoder_equality_fails_without_the_block_diagonal_mask(monkeypatch):
+    """Packed sentences attending to each other (the mask left out): their norms change."""
+    from transformers import DataCollatorWithPadding
+
+    sentences = _sentences(6)
+    model = tiny.mean_pooled_bert().train()
+    padded_norms, _ = encoder_results(model, dict(DataCollatorWithPadding(tiny.tokenizer())(sentences)), 1.0)
+    real = model.base_model.forward
+    monkeypatch.setattr(model.base_model, "forward", lambda *a, attention_mask=None, **kw: real(*a, **kw))
+    packed = EmptySafeCollator(PackedClassificationCollator(), sentences[0])(sentences)
+    packed_norms, _ = encoder_results(model, packed, 1.0)
+    assert not torch.allclose(packed_norms, padded_norms, rtol=1e-3)
+
+
+def classifier_update(tmp_path, sentences: list[dict], collator, clip: float) -> torch.Tensor:
+    from datasets import Dataset
+
+    model = tiny.mean_pooled_bert()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    trainer = PrivateTrainer(
+        model=model, args=training_args(tmp_path, per_device_train_batch_size=len(sentences), max_steps=1,
+                                        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                                        weight_decay=0.0),
+        train_dataset=Dataset.from_list(sentences), data_collator=collator, processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED))
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
+    return (before - after) * len(sentences)
+
+
+def test_packed_sentences_train_a_mean_pooled_classifier_as_padded_ones_do(tmp_path):
+    from transformers import DataCollatorWithPadding
+
+    sentences = _sentences(8)
+    padded = classifier_update(tmp_path / "padded", sentences, DataCollatorWithPadding(tiny.tokenizer()), 0.5)
+    packed = classifier_update(tmp_path / "packed", sentences, PackedClassificationCollator(), 0.5)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
+    moved = float((classifier_update(tmp_path / "more", sentences + _sentences(1, seed=4),
+                                     PackedClassificationCollator(), CLIP)
+                   - classifier_update(tmp_path / "less", sentences, PackedClassificationCollator(), CLIP)).norm())
+    assert 0.5 * CLIP < moved <= CLIP * (1 + 1e-4)
 
 
 def test_the_trainers_probe_refuses_packed_examples_that_attend_to_each_other(tmp_path, monkeypatch):
@@ -272,3 +368,28 @@ def test_packed_chunks_group_a_users_examples(tmp_path):
         dp_config=dp)
     trainer.train()
     assert trainer.privacy_report()["unit"] == "user" and trainer.ledger.total_steps == 2
+
+
+def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_padded_chunks_are(tmp_path,
+                                                                                                 monkeypatch):
+    """q < 1: some Poisson chunks hold more examples than per_device_train_batch_size and are cut into pieces, a
+    packed row by its examples' tokens; three steps end at the padded run's weights."""
+    from datasets import Dataset
+
+    import hf_private.trainer
+
+    sliced = []
+    real = hf_private.trainer.slice_packed
+    monkeypatch.setattr(hf_private.trainer, "slice_packed",
+                        lambda batch, start, stop: sliced.append(stop - start) or real(batch, start, stop))
+    dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]})
+    weights = []
+    for collator in (DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False), DataCollatorWithFlattening()):
+        model = tiny.gpt2()
+        PrivateTrainer(model=model, args=training_args(tmp_path / str(len(weights)), per_device_train_batch_size=3,
+                                                       gradient_accumulation_steps=2, max_steps=3),
+                       train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),
+                       dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=0.1, noise_seed=SEED)).train()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert len(sliced) > 6  # more pieces than the 3 × 2 chunks: some chunk was cut
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)

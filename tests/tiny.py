@@ -21,7 +21,12 @@ from transformers import (
 )
 
 from hf_private import demo
-from hf_private.heads import MeanPooledBertConfig, MeanPooledBertForSequenceClassification
+from hf_private.heads import (
+    MeanPooledBertConfig,
+    MeanPooledBertForSequenceClassification,
+    MeanPooledRobertaConfig,
+    MeanPooledRobertaForSequenceClassification,
+)
 
 POSITIVE, NEGATIVE, NEUTRAL, SPECIAL = list(demo.POSITIVE), list(demo.NEGATIVE), list(demo.NEUTRAL), list(demo.SPECIAL)
 VOCAB = list(demo.VOCAB)
@@ -64,6 +69,11 @@ def bert(**kw) -> BertForSequenceClassification:
 def mean_pooled_bert(**kw) -> MeanPooledBertForSequenceClassification:
     torch.manual_seed(0)
     return MeanPooledBertForSequenceClassification(MeanPooledBertConfig(**{**_ENCODER, **kw}))
+
+
+def mean_pooled_roberta(**kw) -> MeanPooledRobertaForSequenceClassification:
+    torch.manual_seed(0)
+    return MeanPooledRobertaForSequenceClassification(MeanPooledRobertaConfig(**{**_ENCODER, "pad_token_id": 0, **kw}))
 
 
 def roberta(**kw) -> RobertaForSequenceClassification:

@@ -132,10 +132,10 @@ class _Chunk:
             raise ValueError(
                 f"{layer.name} computed gradients for {count} rows, but the chunk holds {self.describe()}: its rows "
                 "are not the chunk's examples, so per-example clipping would become per-row clipping and the privacy "
-                "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding; "
-                "never pack several examples into one row) and pass the chunk's number of examples to "
-                "engine.recording(). If the layer's parameters are used without a per-example batch dimension (e.g. "
-                "T5's relative_attention_bias), freeze them (requires_grad=False)."
+                "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding), or "
+                "one packed row of whole examples with engine.recording(packed=their lengths), and pass the chunk's "
+                "number of examples to engine.recording(). If the layer's parameters are used without a per-example "
+                "batch dimension (e.g. T5's relative_attention_bias), freeze them (requires_grad=False)."
             )
 
 

@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from ..example_rows import rows_per_example
-from ..losses import PerExampleLoss, default_per_example_loss, packed_causal_lm_losses
+from ..losses import (
+    PerExampleLoss,
+    check_packed_head,
+    default_per_example_loss,
+    is_causal_lm,
+    packed_causal_lm_losses,
+)
 from ..packing import PACKED_LENGTHS_KEY, packed_examples
 
 
@@ -93,6 +99,10 @@ class TrainerFamily:
             outputs = model(**inputs)
             return trainer.per_example_loss(model, outputs, labels), outputs
         inputs.pop(PACKED_LENGTHS_KEY)
+        if not is_causal_lm(model):  # a head that separates packed sentences itself (hf_private's mean-pooled ones)
+            outputs = model(**inputs)
+            check_packed_head(model, outputs, labels, len(lengths))
+            return trainer.per_example_loss(model, outputs, labels), outputs
         # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
         # the default in a model's config, it does not, and packed examples would attend to each other)
         outputs = model(**inputs, use_cache=False)
