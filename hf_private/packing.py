@@ -15,7 +15,7 @@ by examples (`slice_packed`), which recomputes the boundaries flash kernels read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +80,38 @@ class PackedClassificationCollator:
             labels = [feature[key] for feature in features]
             batch["labels"] = torch.tensor(labels, dtype=torch.float if isinstance(labels[0], float) else torch.long)
         return batch
+
+
+#: a packed chunk runs as rows of at most this many tokens by default: attention is computed densely over a row (SDPA,
+#: eager; flash-attention's varlen kernels excepted), so one row of a whole chunk would cost O(tokens²)
+PACKED_ROW_TOKENS = 256
+
+
+def check_row_tokens(value: Any) -> int | None:
+    """`packed_row_tokens` as given: an int >= 1, or None (a packed chunk in one row, for varlen attention)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"packed_row_tokens must be an integer >= 1 or None, got {value!r}.")
+    return value
+
+
+def packed_pieces(unit_sizes: Sequence[int], lengths: torch.Tensor, units_per_piece: int,
+                  row_tokens: int | None) -> Iterator[tuple[int, int, list[int]]]:
+    """(first example, end example, examples of each unit) of each piece of a packed chunk run as one row: whole units,
+    at most `units_per_piece` of them and `row_tokens` tokens (a unit longer than that alone), in order."""
+    tokens = [int(n) for n in lengths.tolist()]
+    start = example = piece_tokens = 0
+    piece: list[int] = []
+    for size in (int(n) for n in unit_sizes):
+        unit_tokens = sum(tokens[example:example + size])
+        full = len(piece) == units_per_piece or (row_tokens is not None and piece_tokens + unit_tokens > row_tokens)
+        if piece and full:
+            yield start, example, piece
+            start, piece, piece_tokens = example, [], 0
+        piece.append(size)
+        piece_tokens += unit_tokens
+        example += size
+    if piece:
+        yield start, example, piece
 
 
 def packs(collate: Any, dataset: Any) -> bool:

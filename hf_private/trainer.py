@@ -36,7 +36,14 @@ from .logs import get_logger
 from .losses import PerExampleLoss, check_per_example_losses
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
-from .packing import packed_examples, packs, slice_packed
+from .packing import (
+    PACKED_ROW_TOKENS,
+    check_row_tokens,
+    packed_examples,
+    packed_pieces,
+    packs,
+    slice_packed,
+)
 from .preflight import check_before_trainer, check_built_trainer
 from .privacy.rng import SecretRandom
 from .run import PrivacyRun
@@ -79,7 +86,7 @@ class PrivateTrainingMixin:
      suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
 
     def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
-                 **trainer_kwargs: Any) -> None:
+                 packed_row_tokens: int | None = PACKED_ROW_TOKENS, **trainer_kwargs: Any) -> None:
         names = _positional_names(type(self))  # DPOTrainer's second positional parameter is ref_model
         given = {**dict(zip(names, trainer_args)), **trainer_kwargs}
         model, args = given.get("model"), given.get("args")
@@ -87,6 +94,7 @@ class PrivateTrainingMixin:
         checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
                                        given.get("train_dataset"),
                                        {k: v for k, v in given.items() if k not in ("model", "args")})
+        self.packed_row_tokens = check_row_tokens(packed_row_tokens)  # packed chunks: rows of whole examples
         self.dp_method = dp_config.build_method()
         warn_if_cls_head_on_mean_encoder(model)
         self.dataset_size = checked.dataset_size
@@ -210,7 +218,8 @@ class PrivateTrainingMixin:
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
         """Forward/backward `inputs` in chunks of at most per_device_train_batch_size units (examples; users at user
-        level, each with all of its examples), each unit's terms into `engine`; the summed loss. The first chunk of
+        level, each with all of its examples), a packed chunk as rows of at most `packed_row_tokens` tokens of whole
+        units, each unit's terms into `engine`; the summed loss. The first chunk of
         ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for unit independence,
         together with a probe chunk from the training set."""
         inputs = dict(inputs)
@@ -220,8 +229,11 @@ class PrivateTrainingMixin:
             unit_sizes = [1] * size
         rows = self.trainer_family.rows_per_unit(model, inputs)  # rows of one example (DPO: 2)
         total = torch.zeros((), device=self.args.device)
-        for start, stop, units in unit_slices(unit_sizes, self.args.per_device_train_batch_size):
-            if packed_examples(inputs) is not None:  # one row of whole examples: sliced by their tokens
+        lengths, per_device = packed_examples(inputs), self.args.per_device_train_batch_size
+        pieces = (unit_slices(unit_sizes, per_device) if lengths is None
+                  else packed_pieces(unit_sizes, lengths, per_device, self.packed_row_tokens))
+        for start, stop, units in pieces:
+            if lengths is not None:  # one row of whole examples: sliced by their tokens
                 part = slice_packed(inputs, start, stop)
             else:
                 part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}

@@ -439,3 +439,45 @@ def test_packed_chunks_are_cut_from_length_sorted_poisson_batches(tmp_path, pack
         lengths = [len(f["input_ids"]) for f in _features(64)]
         chunks = [[lengths[i] for i in chunk] for chunk in list(sampler)[:4]]
         assert all(max(a) <= min(b) for a, b in zip(chunks, chunks[1:]) if a and b)
+
+
+def test_a_packed_chunk_runs_as_rows_of_whole_units_within_the_token_budget():
+    from hf_private.packing import packed_pieces
+
+    lengths = torch.tensor([5, 7, 300, 4, 4, 4, 9])
+    pieces = list(packed_pieces([1] * 7, lengths, units_per_piece=4, row_tokens=16))
+    assert [(a, b) for a, b, _ in pieces] == [(0, 2), (2, 3), (3, 6), (6, 7)]  # 300 alone; 4+4+4 then 9 > 16
+    users = list(packed_pieces([2, 1, 3, 1], lengths, units_per_piece=4, row_tokens=10))
+    assert [(a, b, units) for a, b, units in users] == [(0, 2, [2]), (2, 3, [1]), (3, 6, [3]), (6, 7, [1])]
+    # each user's examples in one row, even past the budget (12 tokens > 10)
+    assert [(a, b) for a, b, _ in packed_pieces([1] * 7, lengths, 3, None)] == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("row_tokens", [24, None])
+def test_the_trainer_records_packed_rows_of_at_most_packed_row_tokens(tmp_path, monkeypatch, row_tokens):
+    from datasets import Dataset
+
+    rows = []
+    recording = PerExampleGradientEngine.recording
+
+    def spy(self, batch_size, rows_per_example=1, probe=False, packed=None):
+        if packed is not None and not probe:
+            rows.append(int(torch.as_tensor(packed).sum()))
+        return recording(self, batch_size, rows_per_example, probe, packed)
+
+    monkeypatch.setattr(PerExampleGradientEngine, "recording", spy)
+    features = _features(32)
+    trainer = PrivateTrainer(
+        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=16, max_steps=2),
+        train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in features]}),
+        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0), packed_row_tokens=row_tokens)
+    trainer.train()
+    longest = max(len(f["input_ids"]) for f in features)
+    assert rows and (max(rows) <= max(24, longest) if row_tokens else max(rows) > 24)
+
+
+def test_packed_row_tokens_must_be_a_positive_int_or_none(tmp_path):
+    with pytest.raises(ValueError, match="packed_row_tokens must be an integer >= 1 or None, got 0"):
+        PrivateTrainer(model=tiny.gpt2(), args=training_args(tmp_path), train_dataset=tiny.lm_dataset(8),
+                       dp_config=DPConfig(noise_multiplier=1.0), packed_row_tokens=0)
