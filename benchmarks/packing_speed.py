@@ -315,7 +315,8 @@ def build_trainer(spec: dict, output_dir: str):
     common = dict(model=model, args=training_arguments(spec, output_dir), train_dataset=dataset,
                   data_collator=data_collator, processing_class=tokenizer)
     if spec["arm"] == "private":
-        return PrivateTrainer(**common, dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP))
+        return PrivateTrainer(**common, dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP),
+                              packed_row_tokens=spec.get("packed_row_tokens", 128) or None)
     return nonprivate_trainer_class(spec)(**common)
 
 
@@ -376,7 +377,8 @@ def run_in_fresh_process(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- records and table
 SETTING_KEYS = ("task", "batch", "chunk", "steps", "warmup", "seed", "threads", "train_size", "max_length",
-                "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max", "layers", "hidden", "heads", "intermediate")
+                "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max", "layers", "hidden", "heads", "intermediate",
+                "packed_row_tokens")
 
 
 def settings_id(spec: dict) -> str:
@@ -501,6 +503,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=704)
+    parser.add_argument("--packed-row-tokens", type=int, default=128,
+                        help="private packed arms: PrivateTrainer(packed_row_tokens=...) (0: one row per chunk)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="only print the summary of the records in --out")
     return parser.parse_args(argv)
@@ -523,7 +527,7 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
     invocation = time.strftime("%Y%m%dT%H%M%S")
     base = {key: getattr(args, key) for key in ("steps", "warmup", "spare", "threads", "seed", "train_size",
                                                 "max_length", "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max",
-                                                "layers", "hidden", "heads", "intermediate")}
+                                                "layers", "hidden", "heads", "intermediate", "packed_row_tokens")}
     base.update(data_dir=str(args.data_dir), model_dir=str(model_dir))
     skipped = []
     for task in args.task:

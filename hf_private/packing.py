@@ -84,7 +84,7 @@ class PackedClassificationCollator:
 
 #: a packed chunk runs as rows of at most this many tokens by default: attention is computed densely over a row (SDPA,
 #: eager; flash-attention's varlen kernels excepted), so one row of a whole chunk would cost O(tokens²)
-PACKED_ROW_TOKENS = 256
+PACKED_ROW_TOKENS = 128
 
 
 def check_row_tokens(value: Any) -> int | None:

@@ -27,7 +27,7 @@ class PackedTokens:
         longest = int(lengths.max()) if lengths.numel() else 0
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
         steps = torch.arange(longest)
-        self._valid = steps < lengths[:, None]  # [examples, longest]
+        self._valid = steps < lengths[:, None]  # [examples, longest]: a token of the example, not padding
         self._index = torch.where(self._valid, offsets[:, None] + steps, 0)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -44,6 +44,5 @@ class PackedTokens:
         if tensor.device not in self._on:
             self._on[tensor.device] = (self._index.to(tensor.device), self._valid.to(tensor.device))
         index, valid = self._on[tensor.device]
-        gathered = tensor[0][index]
-        keep = valid.view(*valid.shape, *([1] * (gathered.dim() - 2)))
-        return torch.where(keep, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+        gathered = tensor[0][index]  # a new tensor: zeroed in place after each example's end
+        return gathered.masked_fill_(~valid.view(*valid.shape, *([1] * (gathered.dim() - 2))), 0)
