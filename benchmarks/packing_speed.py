@@ -19,10 +19,16 @@ max_grad_norm=1.0)`, full fine-tuning, Poisson batches of expected size B = `--b
              batches of B, each sorted by length (Trainer's own LengthGroupedSampler sorts megabatches of 50 batches
              longest first, so a run of a few steps would measure only the longest examples);
   * packed:  SST-2 `hf_private.packing.PackedClassificationCollator` (one row, one label per sentence), LM
-             `DataCollatorWithFlattening()`; default sampling.
+             `DataCollatorWithFlattening()`; default sampling. Since a83a4c3 the private trainer sorts a packing
+             collator's Poisson batches by length itself, and since 45be380 runs a packed chunk as rows of at most
+             `--packed-row-tokens` (default 128, PrivateTrainer's default) tokens of whole examples; plain Trainer
+             (non-private) packs each chunk of `--chunk` examples into one row (run it with a small `--chunk`, e.g. 8,
+             for rows of a comparable width). Records in packing_speed_cpu.jsonl predate both changes (one row per
+             chunk of 64, random order); packing_speed_cpu_rows128.jsonl holds the runs after them.
   * packed_grouped: the packed collator on grouped sampling (each chunk's examples of similar length, packed):
              the private engine regathers a packed row's per-layer tokens one example per row, padded to the
-             chunk's longest example, for its per-example norms; grouping keeps that padding small.
+             chunk's longest example, for its per-example norms; grouping keeps that padding small. For the private
+             arm this is now what `packed` does by itself.
 The ratios in the table are against the non-private arm of the same task and layout (the cost of privacy), against
 the non-private random arm (the plain baseline), and, for packed, against the private grouped arm (the target).
 
