@@ -16,7 +16,7 @@ from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlatte
 import hf_private.engine.packed_tokens
 from hf_private import DPConfig, PackedClassificationCollator, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine
-from hf_private.losses import default_per_example_loss, packed_causal_lm_losses
+from hf_private.losses import default_per_example_loss, is_causal_lm, packed_causal_lm_losses
 from hf_private.packing import PACKED_LENGTHS_KEY, packed_lengths, slice_packed
 from hf_private.sampling import EmptySafeCollator
 from tests import tiny
@@ -49,14 +49,15 @@ def padded_batch(features: list[dict]) -> dict:
 
 
 def engine_results(model, batch: dict, clip: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(per-example norms, clipped sums) of one chunk, read from a fresh engine."""
+    """(per-example norms, clipped sums) of one chunk, read from a fresh engine; a packed causal LM's loss as the
+    trainer computes it, any other model's from one output per example."""
     batch = dict(batch)
     lengths = batch.pop(PACKED_LENGTHS_KEY, None)
     labels = batch.pop("labels")
     examples = len(lengths) if lengths is not None else labels.shape[0]
 
     def summed_loss():
-        if lengths is None:
+        if lengths is None or not is_causal_lm(model):
             return default_per_example_loss(model, model(**batch), labels).sum()
         logits = model(**batch, use_cache=False).logits  # as the trainer runs a packed chunk
         return packed_causal_lm_losses(model, logits, labels, lengths).sum()
@@ -225,29 +226,6 @@ def _sentences(n: int, seed: int = 0) -> list[dict]:
     return [{"input_ids": data[i]["input_ids"], "label": data[i]["label"]} for i in range(n)]
 
 
-def encoder_results(model, batch: dict, clip: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    batch = dict(batch)
-    lengths = batch.pop(PACKED_LENGTHS_KEY, None)
-    labels = batch.pop("labels")
-
-    def summed_loss():
-        return default_per_example_loss(model, model(**batch), labels).sum()
-
-    engine = PerExampleGradientEngine(model, clip)
-    engine.attach()
-    try:
-        with engine.recording(len(labels), probe=True, packed=lengths):
-            summed_loss().backward()
-        norms = engine.finish_backward()
-        with engine.recording(len(labels), packed=lengths):
-            summed_loss().backward()
-        engine.finish_backward()
-        sums = engine.pop_clipped_sums()
-    finally:
-        engine.detach()
-    return norms, [sums[p] for _, p in engine.parameters]
-
-
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_a_mean_pooled_classifier_gives_packed_sentences_their_padded_norms_and_sums(name):
     from transformers import DataCollatorWithPadding
@@ -257,10 +235,10 @@ def test_a_mean_pooled_classifier_gives_packed_sentences_their_padded_norms_and_
     padded = dict(DataCollatorWithPadding(tiny.tokenizer())(sentences))
     packed = EmptySafeCollator(PackedClassificationCollator(), sentences[0])(sentences)
     assert packed["input_ids"].shape[0] == 1 and packed["labels"].shape == (6,)
-    norms, _ = encoder_results(model, padded, clip=1.0)
+    norms, _ = engine_results(model, padded, clip=1.0)
     clip = float(norms.median())
-    padded_norms, padded_sums = encoder_results(model, padded, clip)
-    packed_norms, packed_sums = encoder_results(model, packed, clip)
+    padded_norms, padded_sums = engine_results(model, padded, clip)
+    packed_norms, packed_sums = engine_results(model, packed, clip)
     torch.testing.assert_close(packed_norms, padded_norms, rtol=1e-5, atol=1e-7)
     for a, b in zip(packed_sums, padded_sums):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -272,11 +250,11 @@ def test_the_encoder_equality_fails_without_the_block_diagonal_mask(monkeypatch)
 
     sentences = _sentences(6)
     model = tiny.mean_pooled_bert().train()
-    padded_norms, _ = encoder_results(model, dict(DataCollatorWithPadding(tiny.tokenizer())(sentences)), 1.0)
+    padded_norms, _ = engine_results(model, dict(DataCollatorWithPadding(tiny.tokenizer())(sentences)), 1.0)
     real = model.base_model.forward
     monkeypatch.setattr(model.base_model, "forward", lambda *a, attention_mask=None, **kw: real(*a, **kw))
     packed = EmptySafeCollator(PackedClassificationCollator(), sentences[0])(sentences)
-    packed_norms, _ = encoder_results(model, packed, 1.0)
+    packed_norms, _ = engine_results(model, packed, 1.0)
     assert not torch.allclose(packed_norms, padded_norms, rtol=1e-3)
 
 
