@@ -72,7 +72,7 @@ def default_per_example_loss(
     )
 
 
-def packed_causal_lm_losses(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor,
+def packed_causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor,
                             label_smoothing: float = 0.0) -> torch.Tensor:
     """ℓ_b of each example packed end to end in one row (`hf_private.packing`): its mean over its own trained tokens,
     as `default_per_example_loss` gives it padded. A target that starts an example is never predicted from the

@@ -9,8 +9,10 @@ mask from the restarting `position_ids` for causal LMs (no attention mask, no ca
 `cu_seq_lens`; the trainer's independence probe checks the result on packed chunks as on padded ones.
 
 Here: recognising a packed chunk (`packed_lengths`: each example's tokens, checked against the number of examples the
-collator was given), its examples' lengths carried beside the batch (`PACKED_LENGTHS_KEY`), and slicing a packed chunk
-by examples (`slice_packed`), which recomputes the boundaries flash kernels read.
+collator was given), its examples' lengths carried beside the batch (`PACKED_LENGTHS_KEY`), the rows a packed chunk
+runs as (`packed_pieces`: whole units, at most `packed_row_tokens` tokens, since SDPA and eager attention compute a row
+densely), slicing a packed chunk by examples (`slice_packed`, which recomputes the boundaries flash kernels read), and
+`PackedClassificationCollator` for sentence classifiers (one label per sentence).
 """
 
 from __future__ import annotations

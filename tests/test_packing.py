@@ -60,7 +60,7 @@ def engine_results(model, batch: dict, clip: float) -> tuple[torch.Tensor, list[
         if lengths is None or not is_causal_lm(model):
             return default_per_example_loss(model, model(**batch), labels).sum()
         logits = model(**batch, use_cache=False).logits  # as the trainer runs a packed chunk
-        return packed_causal_lm_losses(model, logits, labels, lengths).sum()
+        return packed_causal_lm_losses(logits, labels, lengths).sum()
 
     engine = PerExampleGradientEngine(model, clip)
     engine.attach()
@@ -459,3 +459,17 @@ def test_packed_row_tokens_must_be_a_positive_int_or_none(tmp_path):
     with pytest.raises(ValueError, match="packed_row_tokens must be an integer >= 1 or None, got 0"):
         PrivateTrainer(model=tiny.gpt2(), args=training_args(tmp_path), train_dataset=tiny.lm_dataset(8),
                        dp_config=DPConfig(noise_multiplier=1.0), packed_row_tokens=0)
+
+
+def test_a_custom_per_example_loss_is_refused_for_a_packed_causal_lm(tmp_path):
+    """It is handed the packed row's logits and labels and cannot tell the examples apart."""
+    from datasets import Dataset
+
+    trainer = PrivateTrainer(
+        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
+        train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]}),
+        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0), per_example_loss=default_per_example_loss)
+    with pytest.raises(ValueError, match="cannot say which packed example each token belongs to"):
+        trainer.train()
+    assert trainer.ledger.total_steps == 0

@@ -108,15 +108,14 @@ class TrainerFamily:
             outputs = model(**inputs)
             check_packed_head(model, outputs, labels, len(lengths))
             return trainer.per_example_loss(model, outputs, labels), outputs
-        # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
-        # the default in a model's config, it does not, and packed examples would attend to each other)
-        outputs = model(**inputs, use_cache=False)
         if trainer.custom_per_example_loss:
             raise ValueError("per_example_loss(model, outputs, labels) cannot say which packed example each token "
                              "belongs to: drop it (each packed example's loss is then its mean over its own trained "
                              "tokens) or pad each example to a row of its own.")
-        return packed_causal_lm_losses(model, outputs.logits, labels, lengths,
-                                       trainer.args.label_smoothing_factor), outputs
+        # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
+        # the default in a model's config, it does not, and packed examples would attend to each other)
+        outputs = model(**inputs, use_cache=False)
+        return packed_causal_lm_losses(outputs.logits, labels, lengths, trainer.args.label_smoothing_factor), outputs
 
     def owns(self, cls: type) -> bool:
         return dotted_name(cls) in self.own_classes
