@@ -473,3 +473,17 @@ def test_a_custom_per_example_loss_is_refused_for_a_packed_causal_lm(tmp_path):
     with pytest.raises(ValueError, match="cannot say which packed example each token belongs to"):
         trainer.train()
     assert trainer.ledger.total_steps == 0
+
+
+def test_readme_packing_script_runs_as_written(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import ModelCard
+
+    from tests.helpers import run_readme_block
+
+    namespace = run_readme_block("### Padding-free packing: no padding, each example still clipped alone", tmp_path,
+                                 monkeypatch)
+    report = namespace["trainer"].privacy_report()
+    assert "every text clipped alone" in capsys.readouterr().out
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0
+    privacy = ModelCard.load(tmp_path / "packed-lm" / "final" / "README.md").data.to_dict()["privacy"]
+    assert privacy["epsilon"] == pytest.approx(report["epsilon"])
