@@ -253,8 +253,8 @@ def test_the_sensitivity_test_fails_when_chosen_and_rejected_rows_are_clipped_ap
     ‖g_r‖ clipped apart, ≈ √2·C for its near-orthogonal rows (up to 2C), while the accountant assumes C."""
     recording = PerExampleGradientEngine.recording
 
-    def row_by_row(self, batch_size, rows_per_example=1, probe=False):
-        return recording(self, batch_size * rows_per_example, 1, probe)
+    def row_by_row(self, batch_size, rows_per_example=1, probe=False, packed=None):
+        return recording(self, batch_size * rows_per_example, 1, probe, packed)
 
     monkeypatch.setattr(PerExampleGradientEngine, "recording", row_by_row)
     # the probe recomputes whole pairs alone, which the mutated engine no longer groups: it is not what is tested here
