@@ -13,10 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
+from .terms import padded_by_unit, unit_slots
+
 
 class PackedTokens:
     """Where each packed example's tokens lie in the row: `split` turns [1, tokens, ...] into [examples, longest,
-    ...]."""
+    ...], each token a row of its example as `terms.group_rows` groups rows into units."""
 
     def __init__(self, lengths: Sequence[int] | torch.Tensor) -> None:
         lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
@@ -24,16 +26,12 @@ class PackedTokens:
             raise ValueError(f"Packed examples need one length >= 1 each, got {lengths.tolist()}.")
         self.lengths = lengths
         self.tokens = int(lengths.sum())
-        longest = int(lengths.max()) if lengths.numel() else 0
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
-        steps = torch.arange(longest)
-        self._valid = steps < lengths[:, None]  # [examples, longest]: a token of the example, not padding
-        self._index = torch.where(self._valid, offsets[:, None] + steps, 0)
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sizes = tuple(lengths.tolist())
+        self._slots: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # owner and slot of every token
 
     @property
     def examples(self) -> int:
-        return int(self.lengths.numel())
+        return len(self._sizes)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is laid out as the packed row: [1, tokens, ...]."""
@@ -41,8 +39,7 @@ class PackedTokens:
 
     def split(self, tensor: torch.Tensor) -> torch.Tensor:
         """[1, tokens, ...] → [examples, longest, ...], zero after each example's last token."""
-        if tensor.device not in self._on:
-            self._on[tensor.device] = (self._index.to(tensor.device), self._valid.to(tensor.device))
-        index, valid = self._on[tensor.device]
-        gathered = tensor[0][index]  # a new tensor: zeroed in place after each example's end
-        return gathered.masked_fill_(~valid.view(*valid.shape, *([1] * (gathered.dim() - 2))), 0)
+        if tensor.device not in self._slots:
+            self._slots[tensor.device] = unit_slots(self._sizes, tensor.device)
+        owner, slot = self._slots[tensor.device]
+        return padded_by_unit(tensor[0].unsqueeze(1), owner, slot, self.examples, max(self._sizes))

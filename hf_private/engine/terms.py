@@ -140,8 +140,9 @@ def format_sizes(sizes, most: int = 12) -> str:
     return f"[{shown}{', ...' if len(sizes) > most else ''}]"
 
 
-def _unit_slots(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every row: its unit (owner) and its place among the unit's rows (slot)."""
+def unit_slots(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every row (a packed row's every token, `packed_tokens`): its unit (owner) and its place among the unit's
+    rows (slot)."""
     counts = torch.tensor(sizes, dtype=torch.long, device=device)
     owner = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
     starts = torch.cumsum(counts, 0) - counts
@@ -149,7 +150,8 @@ def _unit_slots(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
     return owner, slot
 
 
-def _padded(values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units: int, longest: int) -> torch.Tensor:
+def padded_by_unit(values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units: int,
+                   longest: int) -> torch.Tensor:
     """[rows, T, F] → [units, longest·T, F]: each unit's rows one after the other, then zero rows (index 0 for ids)."""
     out = values.new_zeros(units, longest, *values.shape[1:])
     out[owner, slot] = values
@@ -159,18 +161,18 @@ def _padded(values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units
 def _group_unequal_rows(term, sizes: tuple[int, ...]):
     units, longest = len(sizes), max(sizes)
     if isinstance(term, SampleTerm):
-        owner, _ = _unit_slots(sizes, term.grad.device)
+        owner, _ = unit_slots(sizes, term.grad.device)
         return SampleTerm(term.grad.new_zeros(units, *term.grad.shape[1:]).index_add_(0, owner, term.grad))
     if isinstance(term, IndexTerm):
         # A padding position looks up row 0 with a zero gradient: it adds nothing to that row.
-        owner, slot = _unit_slots(sizes, term.index.device)
-        return IndexTerm(index=_padded(term.index, owner, slot, units, longest),
-                         right=_padded(term.right, owner, slot, units, longest), num_rows=term.num_rows)
+        owner, slot = unit_slots(sizes, term.index.device)
+        return IndexTerm(index=padded_by_unit(term.index, owner, slot, units, longest),
+                         right=padded_by_unit(term.right, owner, slot, units, longest), num_rows=term.num_rows)
     if isinstance(term, OuterTerm):
-        owner, slot = _unit_slots(sizes, term.left.device)
+        owner, slot = unit_slots(sizes, term.left.device)
         # Re-decide ghost vs instantiated for the grouped (padded) sequence length.
-        return outer_product_term(_padded(term.left, owner, slot, units, longest),
-                                  _padded(term.right, owner, slot, units, longest))
+        return outer_product_term(padded_by_unit(term.left, owner, slot, units, longest),
+                                  padded_by_unit(term.right, owner, slot, units, longest))
     raise TypeError(f"group_rows: no rule to group the rows of a {type(term).__name__} into units of varying sizes.")
 
 
