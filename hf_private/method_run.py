@@ -46,7 +46,7 @@ class MethodRun:
         rate of `stage`, collated in physical chunks of per_device_train_batch_size units (none when the sample is
         empty: its release is then noise alone)."""
         dataset, collate = self._steps.training_data()
-        chunks = self._steps.poisson_chunks(self.plan[stage].sample_rate, self._random)
+        chunks = self._steps.poisson_chunks(dataset, self.plan[stage].sample_rate, self._random)
         return [collate([dataset[i] for i in chunk]) for chunk in chunks]
 
     def new_engine(self, reducer: Reducer) -> PerExampleGradientEngine:

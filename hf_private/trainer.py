@@ -162,11 +162,10 @@ class PrivateTrainingMixin:
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
-    def poisson_chunks(self, sample_rate: float, random: SecretRandom) -> list[list[int]]:
+    def poisson_chunks(self, dataset: Any, sample_rate: float, random: SecretRandom) -> list[list[int]]:
         """This process's share of one Poisson sample of units at `sample_rate` (a method's own release, e.g.
-        DP-FROST's selection), as indices into `training_data()` in physical chunks of at most
+        DP-FROST's selection), as indices into `dataset` (`training_data()`'s) in physical chunks of at most
         per_device_train_batch_size units: users under ULS, each with all of its drawn examples."""
-        dataset, _ = self.training_data()
         indices = next(iter(self._poisson_sampler(dataset, sample_rate, 1, 1, random)))
         sizes = run_lengths(self.user_index.user_of[indices]) if self._uls else [1] * len(indices)
         return [indices[start:stop] for start, stop, _ in unit_slices(sizes, self.args.per_device_train_batch_size)]
