@@ -20,11 +20,14 @@ max_grad_norm=1.0)`, full fine-tuning, Poisson batches of expected size B = `--b
              longest first, so a run of a few steps would measure only the longest examples);
   * packed:  SST-2 `hf_private.packing.PackedClassificationCollator` (one row, one label per sentence), LM
              `DataCollatorWithFlattening()`; default sampling. Since a83a4c3 the private trainer sorts a packing
-             collator's Poisson batches by length itself, and since 45be380 runs a packed chunk as rows of at most
-             `--packed-row-tokens` (default 128, PrivateTrainer's default) tokens of whole examples; plain Trainer
-             (non-private) packs each chunk of `--chunk` examples into one row (run it with a small `--chunk`, e.g. 8,
-             for rows of a comparable width). Records in packing_speed_cpu.jsonl predate both changes (one row per
-             chunk of 64, random order); packing_speed_cpu_rows128.jsonl holds the runs after them.
+             collator's Poisson batches by length itself, and runs a packed chunk as rows of at most
+             `--packed-row-tokens` tokens of whole examples (since 45be380; 128, one row a forward, until the rows
+             shared a forward), several rows to a forward of at most `--packed-forward-tokens` padded tokens (both
+             defaults PrivateTrainer's); plain Trainer (non-private) packs each chunk of `--chunk` examples into one
+             row (run it with a small `--chunk`, e.g. 8, for rows of a comparable width). Records in
+             packing_speed_cpu.jsonl predate all of it (one row per chunk of 64, random order);
+             packing_speed_cpu_rows128.jsonl holds rows of 128 one to a forward, packing_speed_cpu_forwards.jsonl the
+             shared forwards.
   * packed_grouped: the packed collator on grouped sampling (each chunk's examples of similar length, packed):
              the private engine regathers a packed row's per-layer tokens one example per row, padded to the
              chunk's longest example, for its per-example norms; grouping keeps that padding small. For the private
@@ -86,6 +89,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.trl_speed import StepMeter, collected_warnings
+from hf_private.packing import PACKED_FORWARD_TOKENS, PACKED_ROW_TOKENS
 
 logger = logging.getLogger("benchmarks.packing_speed")
 
@@ -322,7 +326,8 @@ def build_trainer(spec: dict, output_dir: str):
                   data_collator=data_collator, processing_class=tokenizer)
     if spec["arm"] == "private":
         return PrivateTrainer(**common, dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP),
-                              packed_row_tokens=spec.get("packed_row_tokens", 128) or None)
+                              packed_row_tokens=spec.get("packed_row_tokens", 128) or None,
+                              packed_forward_tokens=spec.get("packed_forward_tokens") or None)
     return nonprivate_trainer_class(spec)(**common)
 
 
@@ -384,7 +389,7 @@ def run_in_fresh_process(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- records and table
 SETTING_KEYS = ("task", "batch", "chunk", "steps", "warmup", "seed", "threads", "train_size", "max_length",
                 "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max", "layers", "hidden", "heads", "intermediate",
-                "packed_row_tokens")
+                "packed_row_tokens", "packed_forward_tokens")
 
 
 def settings_id(spec: dict) -> str:
@@ -509,8 +514,11 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=704)
-    parser.add_argument("--packed-row-tokens", type=int, default=128,
+    parser.add_argument("--packed-row-tokens", type=int, default=PACKED_ROW_TOKENS,
                         help="private packed arms: PrivateTrainer(packed_row_tokens=...) (0: one row per chunk)")
+    parser.add_argument("--packed-forward-tokens", type=int, default=PACKED_FORWARD_TOKENS,
+                        help="private packed arms: PrivateTrainer(packed_forward_tokens=...) (0: a chunk's rows in "
+                             "one forward)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="only print the summary of the records in --out")
     return parser.parse_args(argv)
@@ -533,7 +541,8 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
     invocation = time.strftime("%Y%m%dT%H%M%S")
     base = {key: getattr(args, key) for key in ("steps", "warmup", "spare", "threads", "seed", "train_size",
                                                 "max_length", "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max",
-                                                "layers", "hidden", "heads", "intermediate", "packed_row_tokens")}
+                                                "layers", "hidden", "heads", "intermediate", "packed_row_tokens",
+                                                "packed_forward_tokens")}
     base.update(data_dir=str(args.data_dir), model_dir=str(model_dir))
     skipped = []
     for task in args.task:

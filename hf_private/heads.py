@@ -110,8 +110,8 @@ class _MeanPooledClassifier:
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput | tuple:
-        owner = packed_owner(position_ids) if attention_mask is None else None
-        if owner is not None:  # sentences packed end to end in one row (hf_private.packing)
+        owner = packed_owner(position_ids, attention_mask)
+        if owner is not None:  # sentences packed end to end in rows (hf_private.packing)
             return self._packed_forward(input_ids, inputs_embeds, position_ids, owner, labels, return_dict, **kwargs)
         outputs = self.base_model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                   position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
@@ -122,19 +122,24 @@ class _MeanPooledClassifier:
         return self._classified(pooled, labels, outputs, return_dict)
 
     def _packed_forward(self, input_ids, inputs_embeds, position_ids, owner, labels, return_dict, **kwargs):
-        """One row of whole sentences: each attends to itself only (a block-diagonal mask), at its own positions
-        (RoBERTa's count from padding_idx + 1, as its embeddings number an unpacked sentence), and is pooled alone."""
+        """Rows of whole sentences: each attends to itself only (a block-diagonal mask; a row's padding to its own
+        padding), at its own positions (RoBERTa's count from padding_idx + 1, as its embeddings number an unpacked
+        sentence), and is pooled alone."""
         reference = inputs_embeds if inputs_embeds is not None else self.base_model.get_input_embeddings().weight
-        blocked = torch.finfo(reference.dtype).min
-        attend = (owner[:, None] == owner[None, :])[None, None]
-        mask = torch.zeros(attend.shape, dtype=reference.dtype, device=owner.device).masked_fill(~attend, blocked)
+        padding = owner < 0
+        rows = torch.arange(owner.shape[0], device=owner.device)[:, None].expand_as(owner)
+        group = owner.masked_fill(padding, 0) - padding.long() * (rows + 1)  # padding: -1 - its row
+        attend = (group[:, :, None] == group[:, None, :])[:, None]
+        mask = torch.zeros(attend.shape, dtype=reference.dtype, device=owner.device).masked_fill(
+            ~attend, torch.finfo(reference.dtype).min)
         positions = position_ids + (self.config.pad_token_id + 1 if self.config.model_type.endswith("roberta") else 0)
         outputs = self.base_model(input_ids, attention_mask=mask, token_type_ids=torch.zeros_like(position_ids),
                                   position_ids=positions, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
-        states = outputs.last_hidden_state[0]
-        sentences = int(owner[-1]) + 1
-        sums = states.new_zeros(sentences, states.shape[-1]).index_add(0, owner, states)
-        counts = torch.bincount(owner, minlength=sentences).to(states.dtype)
+        real = ~padding.flatten()
+        states, sentence = outputs.last_hidden_state.flatten(0, 1)[real], owner.flatten()[real]
+        sentences = int(sentence.max()) + 1
+        sums = states.new_zeros(sentences, states.shape[-1]).index_add(0, sentence, states)
+        counts = torch.bincount(sentence, minlength=sentences).to(states.dtype)
         return self._classified(sums / counts[:, None], labels, outputs, return_dict)
 
     def _classified(self, pooled, labels, outputs, return_dict):
@@ -175,14 +180,24 @@ class MeanPooledRobertaForSequenceClassification(_MeanPooledClassifier, RobertaP
         self.post_init()
 
 
-def packed_owner(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """Each token's sentence in a row of sentences packed end to end (position_ids restarting at 0), else None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+def packed_owner(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Each token's sentence, counted over the rows in order, where sentences are packed end to end (position_ids
+    restarting at 0 among a row's attended tokens), -1 for padding; None if no row holds two sentences."""
+    if position_ids is None or position_ids.dim() != 2:
         return None
-    starts = position_ids[0] == 0
-    if not bool(starts[1:].any()):
+    real = torch.ones_like(position_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if real.shape != position_ids.shape:
         return None
-    return starts.long().cumsum(0) - 1
+    starts = real & (position_ids == 0)
+    if not bool((starts.sum(1) > 1).any()):
+        return None
+    first = real.long().argmax(1)  # each row's first attended token must start a sentence of that row
+    rows = torch.arange(real.shape[0], device=real.device)
+    if not bool((starts[rows, first] | ~real.any(1)).all()):
+        raise ValueError("Packed sentences need position_ids starting at 0 at each row's first attended token: a "
+                         "row that begins inside a sentence would be pooled with another row's sentence.")
+    owner = starts.flatten().long().cumsum(0).view_as(position_ids) - 1
+    return owner.masked_fill(~real, -1)
 
 
 MEAN_POOLED_HEADS = (MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification)

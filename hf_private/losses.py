@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import unwrap_peft
+from .packing import PackedLayout
 
 PerExampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 
@@ -72,22 +73,26 @@ def default_per_example_loss(
     )
 
 
-def packed_causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor,
+def packed_causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor, layout: PackedLayout,
                             label_smoothing: float = 0.0) -> torch.Tensor:
-    """ℓ_b of each example packed end to end in one row (`hf_private.packing`): its mean over its own trained tokens,
-    as `default_per_example_loss` gives it padded. A target that starts an example is never predicted from the
-    previous example's last token (packing collators set its label to -100; it is ignored here whatever it is)."""
-    if logits.dim() != 3 or logits.shape[0] != 1 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"A packed chunk needs logits [1, tokens, vocab] and labels [1, tokens]; got "
+    """ℓ_b of each example packed end to end in rows (`hf_private.packing`): its mean over its own trained tokens,
+    as `default_per_example_loss` gives it padded. A target that starts an example (or a row's padding) is never
+    predicted from the previous example's last token (packing collators set its label to -100; it is ignored here
+    whatever it is)."""
+    shape = (layout.rows, layout.width)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != shape or tuple(labels.shape) != shape:
+        raise ValueError(f"A packed chunk of {layout.rows} row(s) of {layout.width} tokens needs logits "
+                         f"[{layout.rows}, {layout.width}, vocab] and labels [{layout.rows}, {layout.width}]; got "
                          f"{tuple(logits.shape)} and {tuple(labels.shape)}.")
-    lengths = lengths.to(logits.device)
-    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=logits.device), lengths)
-    targets = labels[0, 1:].masked_fill(owner[1:] != owner[:-1], IGNORE_INDEX)
-    tokens = F.cross_entropy(logits[0, :-1].float(), targets, ignore_index=IGNORE_INDEX, reduction="none",
-                             label_smoothing=label_smoothing)
+    owner = layout.owner(logits.device)
+    predicted = owner[:, 1:]
+    targets = labels[:, 1:].masked_fill((predicted != owner[:, :-1]) | (predicted < 0), IGNORE_INDEX).flatten()
+    tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX,
+                             reduction="none", label_smoothing=label_smoothing)
     trained = (targets != IGNORE_INDEX).to(tokens.dtype)
-    sums = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], tokens * trained)
-    counts = tokens.new_zeros(lengths.numel()).index_add(0, owner[1:], trained)
+    example = predicted.flatten().clamp(min=0)  # padding is never trained: its index does not matter
+    sums = tokens.new_zeros(layout.examples).index_add(0, example, tokens * trained)
+    counts = tokens.new_zeros(layout.examples).index_add(0, example, trained)
     return sums / counts.clamp(min=1)
 
 

@@ -33,14 +33,17 @@ from .held_out import Evaluations, TrainingRows, pad_token_id
 from .hub import AllowListedUpload, push_checkpoint, push_release
 from .label_checks import log_ignored_labels
 from .logs import get_logger
-from .losses import PerExampleLoss, check_per_example_losses
+from .losses import PerExampleLoss, check_per_example_losses, is_causal_lm
 from .methods import MethodConfig
 from .optimizer import noisy_optimizer
 from .packing import (
-    PACKED_ROW_TOKENS,
-    check_row_tokens,
+    PACKED_FORWARD_TOKENS,
+    check_packing_tokens,
+    lay_out_rows,
     packed_examples,
+    packed_layout,
     packed_pieces,
+    packed_shape,
     packs,
     slice_packed,
 )
@@ -86,7 +89,8 @@ class PrivateTrainingMixin:
      suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
 
     def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
-                 packed_row_tokens: int | None = PACKED_ROW_TOKENS, **trainer_kwargs: Any) -> None:
+                 packed_row_tokens: int | str | None = "auto",
+                 packed_forward_tokens: int | None = PACKED_FORWARD_TOKENS, **trainer_kwargs: Any) -> None:
         names = _positional_names(type(self))  # DPOTrainer's second positional parameter is ref_model
         given = {**dict(zip(names, trainer_args)), **trainer_kwargs}
         model, args = given.get("model"), given.get("args")
@@ -94,7 +98,9 @@ class PrivateTrainingMixin:
         checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
                                        given.get("train_dataset"),
                                        {k: v for k, v in given.items() if k not in ("model", "args")})
-        self.packed_row_tokens = check_row_tokens(packed_row_tokens)  # packed chunks: rows of whole examples
+        # packed chunks: rows of whole examples, several to a forward (hf_private.packing)
+        self.packed_row_tokens, self.packed_forward_tokens = check_packing_tokens(packed_row_tokens,
+                                                                                  packed_forward_tokens)
         self.dp_method = dp_config.build_method()
         warn_if_cls_head_on_mean_encoder(model)
         self.dataset_size = checked.dataset_size
@@ -217,8 +223,9 @@ class PrivateTrainingMixin:
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
         """Forward/backward `inputs` in chunks of at most per_device_train_batch_size units (examples; users at user
-        level, each with all of its examples), a packed chunk as rows of at most `packed_row_tokens` tokens of whole
-        units, each unit's terms into `engine`; the summed loss. The first chunk of
+        level, each with all of its examples), a packed chunk laid out as rows of whole units of at most
+        `packed_row_tokens` tokens, at most `packed_forward_tokens` padded tokens a forward (varlen kernels: a row a
+        forward), each unit's terms into `engine`; the summed loss. The first chunk of
         ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for unit independence,
         together with a probe chunk from the training set."""
         inputs = dict(inputs)
@@ -229,15 +236,17 @@ class PrivateTrainingMixin:
         rows = self.trainer_family.rows_per_unit(model, inputs)  # rows of one example (DPO: 2)
         total = torch.zeros((), device=self.args.device)
         lengths, per_device = packed_examples(inputs), self.args.per_device_train_batch_size
-        pieces = (unit_slices(unit_sizes, per_device) if lengths is None
-                  else packed_pieces(unit_sizes, lengths, per_device, self.packed_row_tokens))
-        for start, stop, units in pieces:
-            if lengths is not None:  # one row of whole examples: sliced by their tokens
-                part = slice_packed(inputs, start, stop)
+        pieces = ((start, stop, units, None) for start, stop, units in unit_slices(unit_sizes, per_device))
+        if lengths is not None:
+            shape = packed_shape(model, self.packed_row_tokens, self.packed_forward_tokens)
+            pieces = packed_pieces(unit_sizes, lengths, per_device, *shape)
+        for start, stop, units, packed_rows in pieces:
+            if packed_rows is not None:  # whole examples sliced by their tokens, laid out in rows
+                part = lay_out_rows(slice_packed(inputs, start, stop), packed_rows, not is_causal_lm(model))
             else:
                 part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
             unit_rows = rows if all(n == 1 for n in units) else [n * rows for n in units]
-            with engine.recording(len(units), unit_rows, packed=packed_examples(part)):
+            with engine.recording(len(units), unit_rows, packed=packed_layout(part)):
                 total = total + super().training_step(model, part, None)
             engine.finish_backward()
             if len(units) >= 2 and self.privacy_run.needs_independence_probe:

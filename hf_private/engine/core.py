@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..logs import get_logger
+from ..packing import PackedLayout
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
 from .packed_tokens import PackedTokens
@@ -316,7 +317,9 @@ class PerExampleGradientEngine:
                 )
             saved = call.saved
             packed = self._packed
-            if packed is not None and packed.holds(grad_output):  # one example per row, as a padded chunk
+            # one example per row, as a padded chunk (a token layer's output gradient is [rows, width, features])
+            split = packed is not None and grad_output.dim() >= 3 and packed.holds(grad_output)
+            if split:
                 if saved is not None and not packed.holds(saved):
                     raise ValueError(
                         f"{call.layer.name} reads an input of shape {tuple(saved.shape)} in a packed chunk of "
@@ -325,13 +328,16 @@ class PerExampleGradientEngine:
                 grad_output = packed.split(grad_output)
                 saved = packed.split(saved) if saved is not None else None
             call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
+            if split:  # a factored term's sum then runs over the examples' own tokens
+                call.terms = packed.marked(call.terms)
             call.saved = None  # keep only what the terms reference
 
         return hook
 
     @contextmanager
     def recording(self, batch_size: int, rows_per_example: int | Sequence[int] = 1,
-                  probe: bool = False, packed: Sequence[int] | torch.Tensor | None = None) -> Iterator[None]:
+                  probe: bool = False, packed: PackedLayout | Sequence[int] | torch.Tensor | None = None,
+                  ) -> Iterator[None]:
         """Record per-unit terms for the forward/backward of one physical chunk of `batch_size` privacy units.
 
         `batch_size` must come from the data (the sampler/collator), not from a tensor the model builds: every
@@ -340,9 +346,9 @@ class PerExampleGradientEngine:
         its rows. A sequence of `batch_size` ints gives every unit its own number of rows, consecutive and in order
         (user-level DP: a user's examples), summing to the chunk's rows. Terms may have one row per unit or the
         chunk's rows. `probe=True` computes norms only (see `finish_backward`), with autograd's own gradients off.
-        `packed`: the chunk's examples lie end to end in one row, these many tokens each (`hf_private.packing`); each
-        layer's tokens are regathered one example per row before its terms are formed, so every count above is in
-        examples, as for a padded chunk.
+        `packed`: the chunk's examples lie end to end in rows (`hf_private.packing.PackedLayout`; a sequence of
+        lengths: one row, these many tokens each); each layer's tokens are regathered one example per row before its
+        terms are formed, so every count above is in examples, as for a padded chunk.
         """
         if isinstance(rows_per_example, numbers.Integral) and not isinstance(rows_per_example, bool):
             rows_per_example = int(rows_per_example)
@@ -370,12 +376,13 @@ class PerExampleGradientEngine:
         frozen_for_chunk = [p for _, p in self.parameters] if self.verified or probe else []
         for p in frozen_for_chunk:
             p.requires_grad_(False)
-        packed = PackedTokens(packed) if packed is not None else None
-        if packed is not None and packed.examples != rows:
-            raise ValueError(f"recording() was told of a packed row of {packed.examples} examples for a chunk whose "
-                             f"units hold {rows}: every packed example must be one of the chunk's.")
+        if packed is not None:
+            packed = PackedTokens(packed if isinstance(packed, PackedLayout) else PackedLayout(packed))
+            if packed.examples != rows:
+                raise ValueError(f"recording() was told of {packed.examples} packed examples for a chunk whose "
+                                 f"units hold {rows}: every packed example must be one of the chunk's.")
         self._chunk = _Chunk(batch_size, rows_per_example, probe)
-        self._rows = 1 if packed is not None else rows  # the rows the model sees
+        self._rows = packed.rows if packed is not None else rows  # the rows the model sees
         self._packed = packed
         try:
             yield

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..packing import packed_examples, slice_packed
+from ..packing import packed_examples, packed_layout, slice_packed
 from .core import PerExampleGradientEngine
 from .terms import format_sizes, unit_sizes
 
@@ -114,7 +114,7 @@ def _unit_rows(units: tuple[int, ...] | None, num_examples: int, rows_per_exampl
 
 
 def _norms(engine, model, inputs, summed_loss, chunk) -> torch.Tensor:
-    with engine.recording(*chunk, probe=True, packed=packed_examples(inputs)):
+    with engine.recording(*chunk, probe=True, packed=packed_layout(inputs)):
         summed_loss(model, inputs).backward()
     return engine.finish_backward()
 

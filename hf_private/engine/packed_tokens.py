@@ -1,45 +1,71 @@
-"""A packed row's tokens regathered one example per row, so every layer rule sees an ordinary padded chunk.
+"""A packed chunk's tokens regathered one example per row, so every layer rule sees an ordinary padded chunk.
 
-An example's gradient on any layer is a sum over its own tokens, so the per-example terms of a packed row (examples
+An example's gradient on any layer is a sum over its own tokens, so the per-example terms of packed rows (examples
 laid end to end, `hf_private.packing`) are the terms of the same examples padded one per row: each layer's input and
 output gradient are gathered into [examples, longest example, ...] with zeros after each example's end, which add
-nothing to a norm, a cross term or a sum. Only the norm and sum computations see the padding (of the chunk's longest
-example); the forward and backward passes see none.
+nothing to a norm, a cross term or a sum. A row's own padding (rows of one forward are padded to the longest) belongs
+to no example and is left out. The per-example norms see each example padded to the chunk's longest; the clipped sums
+of factored terms run over the examples' own tokens (`PackedOuterTerm`), and the forward and backward passes see only
+the rows' padding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from .terms import padded_by_unit, unit_slots
+from ..packing import PackedLayout
+from .terms import OuterTerm, PackedOuterTerm, padded_by_unit, unit_slots
 
 
 class PackedTokens:
-    """Where each packed example's tokens lie in the row: `split` turns [1, tokens, ...] into [examples, longest,
+    """Where each packed example's tokens lie in the rows: `split` turns [rows, width, ...] into [examples, longest,
     ...], each token a row of its example as `terms.group_rows` groups rows into units."""
 
-    def __init__(self, lengths: Sequence[int] | torch.Tensor) -> None:
-        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
-        if lengths.dim() != 1 or not bool((lengths > 0).all()):
-            raise ValueError(f"Packed examples need one length >= 1 each, got {lengths.tolist()}.")
-        self.lengths = lengths
-        self.tokens = int(lengths.sum())
-        self._sizes = tuple(lengths.tolist())
+    def __init__(self, layout: PackedLayout) -> None:
+        self.layout = layout
+        self._sizes = tuple(layout.lengths.tolist())
+        self._index: dict[torch.device, torch.Tensor | None] = {}  # the real tokens of the flattened rows
         self._slots: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # owner and slot of every token
+        self._real: dict[torch.device, torch.Tensor] = {}  # [examples, longest]: each example's own tokens
 
     @property
     def examples(self) -> int:
-        return len(self._sizes)
+        return self.layout.examples
+
+    @property
+    def tokens(self) -> int:
+        return self.layout.tokens
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is laid out as the packed row: [1, tokens, ...]."""
-        return tensor.dim() >= 2 and tensor.shape[0] == 1 and tensor.shape[1] == self.tokens
+        """Whether `tensor` is laid out as the packed rows: [rows, width, ...]."""
+        return self.layout.holds(tensor)
 
     def split(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[1, tokens, ...] → [examples, longest, ...], zero after each example's last token."""
-        if tensor.device not in self._slots:
-            self._slots[tensor.device] = unit_slots(self._sizes, tensor.device)
-        owner, slot = self._slots[tensor.device]
-        return padded_by_unit(tensor[0].unsqueeze(1), owner, slot, self.examples, max(self._sizes))
+        """[rows, width, ...] → [examples, longest, ...], zero after each example's last token."""
+        device = tensor.device
+        if device not in self._slots:
+            self._slots[device] = unit_slots(self._sizes, device)
+            dense = self.layout.rows == 1  # one row holds no padding: its tokens are the examples'
+            self._index[device] = None if dense else self.layout.token_index(device)
+        index = self._index[device]
+        tokens = tensor[0] if index is None else tensor.flatten(0, 1).index_select(0, index)
+        owner, slot = self._slots[device]
+        return padded_by_unit(tokens.unsqueeze(1), owner, slot, self.examples, max(self._sizes))
+
+    def marked(self, terms: dict[str, object]) -> dict[str, object]:
+        """The terms of a split layer, each factored one marked with its examples' own tokens (`PackedOuterTerm`)."""
+        longest = max(self._sizes)
+        if min(self._sizes) == longest:
+            return terms  # no example is padded
+        return {name: self._marked(term) if type(term) is OuterTerm and tuple(term.left.shape[:2]) == (
+                    self.examples, longest) else term for name, term in terms.items()}
+
+    def _marked(self, term: OuterTerm) -> PackedOuterTerm:
+        device = term.left.device
+        if device not in self._real:
+            self._real[device] = torch.arange(max(self._sizes), device=device) < self.layout.lengths.to(device)[:, None]
+        return PackedOuterTerm(left=term.left, right=term.right, real=self._real[device])

@@ -25,7 +25,7 @@ dtype promoted to at least float32, never in bf16.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,15 @@ class OuterTerm:
     @property
     def batch_size(self) -> int:
         return self.left.shape[0]
+
+
+@dataclass
+class PackedOuterTerm(OuterTerm):
+    """An OuterTerm of packed examples regathered one per row (`packed_tokens`), each padded to the chunk's longest:
+    `real` [B, T] marks each example's own tokens, so that the clipped sum's GEMM runs over those alone (a sorted
+    SST-2 chunk's examples padded to their longest hold 1.47× their tokens)."""
+
+    real: torch.Tensor  # [B, T] bool
 
 
 @dataclass
@@ -189,7 +198,7 @@ def zero_examples(term, keep: torch.Tensor):
         return SampleTerm(masked(term.grad))
     if isinstance(term, IndexTerm):
         return IndexTerm(index=term.index, right=masked(term.right), num_rows=term.num_rows)
-    return OuterTerm(left=masked(term.left), right=masked(term.right))
+    return replace(term, left=masked(term.left), right=masked(term.right))
 
 
 def squared_norm(term) -> torch.Tensor:
@@ -222,8 +231,10 @@ def _index_squared_norm(term: IndexTerm) -> torch.Tensor:
 
 def inner(a, b) -> torch.Tensor:
     """⟨g_b^a, g_b^b⟩ per example for two terms of the same parameter (needed only for shared parameters)."""
-    rank = {SampleTerm: 0, IndexTerm: 1, OuterTerm: 2}
-    if rank[type(a)] > rank[type(b)]:
+    def rank(term) -> int:
+        return 0 if isinstance(term, SampleTerm) else 1 if isinstance(term, IndexTerm) else 2
+
+    if rank(a) > rank(b):
         a, b = b, a
     if isinstance(a, SampleTerm):
         return _inner_sample(a, b)
@@ -262,13 +273,17 @@ def clipped_sum(term, factors: torch.Tensor, shape: torch.Size, out: torch.Tenso
         scaled = (term.right * factors.view(-1, 1, 1)).reshape(-1, width)
         out = scaled.new_zeros(shape) if out is None else out
         return out.index_add_(0, term.index.reshape(-1), scaled)
-    left, right = term.left, term.right
-    if left.shape[2] <= right.shape[2]:  # scale the narrower factor
-        left = left * factors.view(-1, 1, 1)
+    # One GEMM over all (example, position) rows, as autograd's own weight gradient would be; a packed term's over
+    # its examples' own tokens.
+    per_row = factors.view(-1, 1).expand(term.left.shape[:2])
+    if isinstance(term, PackedOuterTerm):
+        left, right, per_row = term.left[term.real], term.right[term.real], per_row[term.real]
     else:
-        right = right * factors.view(-1, 1, 1)
-    # One GEMM over all (example, position) rows, as autograd's own weight gradient would be.
-    left, right = left.reshape(-1, left.shape[2]), right.reshape(-1, right.shape[2])
+        left, right, per_row = term.left.flatten(0, 1), term.right.flatten(0, 1), per_row.reshape(-1)
+    if left.shape[1] <= right.shape[1]:  # scale the narrower factor
+        left = left * per_row.unsqueeze(1)
+    else:
+        right = right * per_row.unsqueeze(1)
     if out is None:
         return torch.mm(left.t(), right).reshape(shape)
     out.view(left.shape[1], right.shape[1]).addmm_(left.t(), right)

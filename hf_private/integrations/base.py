@@ -33,7 +33,7 @@ from ..losses import (
     is_causal_lm,
     packed_causal_lm_losses,
 )
-from ..packing import PACKED_LENGTHS_KEY, packed_examples
+from ..packing import PACKED_LENGTHS_KEY, PACKED_ROWS_KEY, packed_layout
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,15 @@ class TrainerFamily:
             raise ValueError(f"Training batches need a 'labels' entry; got keys {sorted(inputs)}.")
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        lengths = packed_examples(inputs)
-        if lengths is None:
+        layout = packed_layout(inputs)
+        if layout is None:
             outputs = model(**inputs)
             return trainer.per_example_loss(model, outputs, labels), outputs
         inputs.pop(PACKED_LENGTHS_KEY)
+        inputs.pop(PACKED_ROWS_KEY, None)
         if not is_causal_lm(model):  # a head that separates packed sentences itself (hf_private's mean-pooled ones)
             outputs = model(**inputs)
-            check_packed_head(model, outputs, labels, len(lengths))
+            check_packed_head(model, outputs, labels, layout.examples)
             return trainer.per_example_loss(model, outputs, labels), outputs
         if trainer.custom_per_example_loss:
             raise ValueError("per_example_loss(model, outputs, labels) cannot say which packed example each token "
@@ -115,7 +116,7 @@ class TrainerFamily:
         # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
         # the default in a model's config, it does not, and packed examples would attend to each other)
         outputs = model(**inputs, use_cache=False)
-        return packed_causal_lm_losses(outputs.logits, labels, lengths, trainer.args.label_smoothing_factor), outputs
+        return packed_causal_lm_losses(outputs.logits, labels, layout, trainer.args.label_smoothing_factor), outputs
 
     def owns(self, cls: type) -> bool:
         return dotted_name(cls) in self.own_classes
