@@ -31,7 +31,11 @@ from hf_private.audit import (
     build_canaries,
     count_correct,
     epsilon_from_error_rates,
+    gdp_delta,
+    gdp_epsilon,
     one_run_epsilon_lower_bound,
+    one_run_gdp_p_value,
+    one_run_mu_lower_bound,
     one_run_p_value,
 )
 from hf_private.audit.cli import main, run_audit
@@ -70,6 +74,37 @@ def test_bound_is_the_edge_of_rejection():
         one_run_p_value(10, 5, 6, 1.0, 0.0)
 
 
+def test_the_ceiling_of_the_epsilon_delta_test_is_the_one_the_literature_states():
+    # every guess right, all canaries guessed, α = 0.05: ≈ 5.8 with 1,000 canaries and ≈ 8.1 with 10,000 (δ = 0)
+    assert one_run_epsilon_lower_bound(1000, 1000, 1000, 0.0) == pytest.approx(5.8, abs=0.05)
+    assert one_run_epsilon_lower_bound(10_000, 10_000, 10_000, 0.0) == pytest.approx(8.1, abs=0.05)
+
+
+def test_the_gaussian_profile_reads_the_gdp_literature():
+    # μ-GDP is (ε, δ(ε))-DP with δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Dong, Roth, Su): μ = 1 at ε = 1
+    assert gdp_delta(1.0, 1.0) == pytest.approx(0.12693674, abs=1e-7)
+    assert gdp_delta(1.0, gdp_epsilon(1.0, 1e-5)) == pytest.approx(1e-5, rel=1e-6)
+    assert gdp_epsilon(0.5, 1e-5) < gdp_epsilon(1.0, 1e-5) < gdp_epsilon(2.0, 1e-5)
+    assert gdp_epsilon(0.0, 1e-5) == 0.0
+
+
+@pytest.mark.parametrize("canaries, guesses, correct", [(1000, 200, 150), (1000, 200, 170), (1000, 200, 200),
+                                                         (300, 100, 80), (10_000, 2_000, 2_000)])
+def test_the_gdp_bound_certifies_at_least_the_epsilon_delta_bound_on_the_same_guesses(canaries, guesses, correct):
+    """A μ whose ε at δ is below the (ε, δ) bound has δ_μ(ε_lb) ≤ δ there, so it is rejected too."""
+    epsilon = one_run_epsilon_lower_bound(canaries, guesses, correct, DELTA)
+    mu = one_run_mu_lower_bound(canaries, guesses, correct, DELTA)
+    assert gdp_epsilon(mu, DELTA) >= epsilon - 1e-6 and epsilon > 0  # equal up to the bisections
+
+
+def test_the_gdp_bound_is_the_edge_of_rejection_and_chance_refutes_nothing():
+    mu = one_run_mu_lower_bound(500, 100, 90, DELTA)
+    assert (one_run_gdp_p_value(500, 100, 90, mu * 0.99, DELTA) < 0.05
+            <= one_run_gdp_p_value(500, 100, 90, mu * 1.01, DELTA))
+    assert one_run_mu_lower_bound(1000, 200, 112, DELTA) == 0.0
+    assert one_run_gdp_p_value(500, 100, 0, 1.0, DELTA) == 1.0
+
+
 def test_guesses_are_top_and_bottom_scores():
     scores = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
     included = torch.tensor([True, False, True, False, False, True])
@@ -106,6 +141,13 @@ def test_dp_sgd_passes_the_audit(dpsgd_audit):
     assert all(b.guesses == K_PLUS and b.confidence == pytest.approx(0.975) for b in result.bounds)
     assert 0.3 * CANARIES < result.included < 0.7 * CANARIES
     assert result.epsilon_lower_bound < CLAIMED_EPSILON and not result.refutes_claim
+    # the μ-GDP test on the same guesses certifies at least as much, and neither reaches the ceiling of 100 guesses
+    for bound in result.bounds:
+        assert bound.gdp_epsilon_lower_bound >= bound.epsilon_lower_bound - 1e-6
+        assert bound.gdp_epsilon_lower_bound == pytest.approx(gdp_epsilon(bound.mu_lower_bound, result.delta))
+    ceiling = result.ceiling
+    assert ceiling.epsilon == pytest.approx(one_run_epsilon_lower_bound(CANARIES, K_PLUS, K_PLUS, result.delta, 0.975))
+    assert ceiling.gdp_epsilon >= ceiling.epsilon - 1e-6 and result.gdp_epsilon_lower_bound < ceiling.gdp_epsilon
 
 
 def test_bitfit_passes_the_audit(tmp_path):
@@ -151,6 +193,7 @@ def test_mutation_broken_trainer_fails_the_audit(tmp_path, monkeypatch, bug):
     white = next(b for b in result.bounds if b.score == "white-box")
     assert result.epsilon_lower_bound > CLAIMED_EPSILON and result.refutes_claim, (bug, result.bounds)
     assert white.correct >= 0.97 * white.guesses
+    assert white.gdp_epsilon_lower_bound >= white.epsilon_lower_bound - 1e-6 > CLAIMED_EPSILON
 
 
 def test_dpfp_paper_mode_fails_the_audit(tmp_path):
@@ -260,6 +303,9 @@ def test_audit_reaches_the_card_as_a_lower_bound_not_the_guarantee(tmp_path, dps
     assert audit["kind"] == "empirical lower bound (not the guarantee)"
     assert audit["epsilon_lower_bound"] == pytest.approx(dpsgd_audit.epsilon_lower_bound, abs=1e-4)
     assert audit["confidence"] == 0.95 and audit["canaries"] == CANARIES and audit["date"] == dpsgd_audit.date
+    assert audit["gaussian_dp"]["mu_lower_bound"] == pytest.approx(dpsgd_audit.mu_lower_bound, abs=1e-4)
+    assert audit["ceiling"]["epsilon"] == pytest.approx(dpsgd_audit.ceiling.epsilon, abs=1e-4)
+    assert set(audit["scores"]["white-box"]["gaussian_dp"]) == {"mu_lower_bound", "epsilon_lower_bound_at_delta"}
     assert "lower bound, not the guarantee" in card.text and "never proves one" in card.text
     # The fixture's audit ran in insecure test mode on the training data: the composed guarantee cannot be formal, so
     # the card carries no ε, only the composed accounting labelled as bounding nothing (not ε_lb either).
@@ -381,6 +427,8 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
     result = json.loads(output.read_text())
     assert status == 0 and result["refutes_claim"] is False
     assert result["canaries"] == 40 and result["k_plus"] == 8 and result["claimed_epsilon"] <= 2.0
+    assert set(result["ceiling"]) == {"epsilon", "mu", "gdp_epsilon"} and result["ceiling"]["epsilon"] > 0
+    assert all({"mu_lower_bound", "gdp_epsilon_lower_bound"} <= set(b) for b in result["bounds"])
     assert result["audit_data"] == "private" and "composed" in result["declaration"]
     assert result["composed"]["training_epsilon"] == ledger.epsilon() < result["composed"]["epsilon"]
     out = capsys.readouterr().out

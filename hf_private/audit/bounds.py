@@ -13,6 +13,8 @@ import torch
 from scipy import stats
 
 _EPSILON_CEILING = 1e3  # bisection stops here; no finite number of guesses supports more
+_MU_FLOOR, _MU_CEILING = 1e-3, 64.0  # μ-GDP bisection range (μ = 64 is ε ≈ 2000 at δ = 1e-5)
+_GDP_GRID = 64  # ε points at which a μ-GDP profile is tested
 
 
 def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
@@ -50,6 +52,62 @@ def one_run_epsilon_lower_bound(
     while rejected(high) and high < _EPSILON_CEILING:
         low, high = high, 2 * high
     for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rejected(middle) else (low, middle)
+    return low
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """δ(ε) of μ-GDP (Dong, Roth, Su 2022, Corollary 2.13): Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)."""
+    if mu <= 0:
+        return 0.0
+    tail = math.exp(epsilon + stats.norm.logcdf(-epsilon / mu - mu / 2))
+    return max(0.0, float(stats.norm.cdf(-epsilon / mu + mu / 2)) - tail)
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The ε at which μ-GDP's δ(ε) falls to `delta` (δ(ε) decreases in ε): μ read as an (ε, δ) figure."""
+    if mu <= 0 or gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while gdp_delta(mu, high) > delta:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if gdp_delta(mu, middle) > delta else (low, middle)
+    return high
+
+
+def one_run_gdp_p_value(canaries: int, guesses: int, correct: int, mu: float, delta: float) -> float:
+    """p-value of "training is μ-GDP per canary".
+
+    μ-GDP is (ε, δ_μ(ε))-DP at every ε at once, so Steinke et al.'s bound on P[V ≥ v] holds at each ε of that
+    profile, and so does its minimum over any fixed grid of ε: a valid p-value that uses the whole trade-off curve
+    instead of one (ε, δ) point. The grid holds the point where the profile crosses the run's `delta`, so a μ whose
+    ε there the (ε, δ) test rejects is rejected too. (Mahloujifar et al., ICML 2025, bound the same event through f
+    directly, tighter.)
+    """
+    if correct == 0:
+        return 1.0
+    grid = [*np.linspace(0.0, mu * (mu / 2 + 4.0), _GDP_GRID), gdp_epsilon(mu, delta)]  # δ_μ < 1e-5 past the end
+    return min(one_run_p_value(canaries, guesses, correct, float(e), gdp_delta(mu, float(e))) for e in grid)
+
+
+def one_run_mu_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
+                           confidence: float = 0.95) -> float:
+    """sup{μ : the μ-GDP p-value < 1 − confidence}, by bisection; 0 when not even μ → 0 is rejected."""
+    check_confidence(confidence)
+    beta = 1.0 - confidence
+
+    def rejected(mu: float) -> bool:
+        return one_run_gdp_p_value(canaries, guesses, correct, mu, delta) < beta
+
+    if not rejected(_MU_FLOOR):
+        return 0.0
+    low, high = _MU_FLOOR, 1.0
+    while rejected(high) and high < _MU_CEILING:
+        low, high = high, 2 * high
+    for _ in range(40):
         middle = (low + high) / 2
         low, high = (middle, high) if rejected(middle) else (low, middle)
     return low

@@ -23,9 +23,15 @@ from ..adapters import unwrap_peft
 from ..logs import get_logger
 from ..privacy import PrivacyLedger
 from ..trainer import PrivateTrainer
-from .bounds import check_confidence, count_correct, one_run_epsilon_lower_bound
+from .bounds import (
+    check_confidence,
+    count_correct,
+    gdp_epsilon,
+    one_run_epsilon_lower_bound,
+    one_run_mu_lower_bound,
+)
 from .canaries import DESIGN_SEED, add_canary_tokens, canary_dataset, with_canaries
-from .result import AUDIT_DATA, AuditResult, ScoreBound, claimed_figure, compose_audits
+from .result import AUDIT_DATA, AuditCeiling, AuditResult, ScoreBound, claimed_figure, compose_audits
 from .scores import BLACK_BOX, SCORE_HELP, WHITE_BOX, canary_descent_directions, canary_losses, canary_rows
 
 logger = get_logger(__name__)
@@ -110,8 +116,19 @@ def run_audit(
             values = start_losses - canary_losses(trainer, rows)
         guesses, correct = count_correct(values, included, k_plus, k_minus)
         bound = one_run_epsilon_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
-        bounds.append(ScoreBound(score, SCORE_HELP[score], guesses, correct, per_score_confidence, bound))
-        logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f.", score, correct, guesses, bound)
+        mu = one_run_mu_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
+        bounds.append(ScoreBound(score, SCORE_HELP[score], guesses, correct, per_score_confidence, bound, mu,
+                                 gdp_epsilon(mu, trainer.delta)))
+        logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f; μ-GDP: μ_lb = %.3f (ε %.3f at δ).",
+                    score, correct, guesses, bound, mu, bounds[-1].gdp_epsilon_lower_bound)
+    ceiling_mu = one_run_mu_lower_bound(canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta,
+                                        per_score_confidence)
+    ceiling = AuditCeiling(
+        epsilon=one_run_epsilon_lower_bound(canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta,
+                                            per_score_confidence),
+        mu=ceiling_mu, gdp_epsilon=gdp_epsilon(ceiling_mu, trainer.delta))
+    logger.info("Audit ceiling with %d canaries and %d guesses: ε %.2f, μ %.2f (ε %.2f at δ).", canaries,
+                k_plus + k_minus, ceiling.epsilon, ceiling.mu, ceiling.gdp_epsilon)
     report = trainer.privacy_report()
     claim, claimed = claimed_figure(report)
     return AuditResult(
@@ -132,6 +149,7 @@ def run_audit(
         accountant=trainer.ledger.accountant,
         guarantee=report["guarantee"],
         dataset_fingerprint=getattr(train_dataset, "_fingerprint", None),
+        ceiling=ceiling,
     )
 
 
@@ -270,4 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
                 result.epsilon_lower_bound, 100 * result.confidence, verdict,
                 "claimed ε" if result.claim == "epsilon" else f"tested figure {result.claim}", result.claimed_epsilon)
+    logger.info("μ-GDP on the same guesses: μ_lb = %.3f, ε %.3f at δ = %.3g. The most these tests could certify with "
+                "%d canaries and %d guesses: ε %.3f; μ %.3f (ε %.3f at δ).", result.mu_lower_bound,
+                result.gdp_epsilon_lower_bound, result.delta, result.canaries, result.k_plus + result.k_minus,
+                result.ceiling.epsilon, result.ceiling.mu, result.ceiling.gdp_epsilon)
     return 1 if result.refutes_claim else 0

@@ -29,7 +29,8 @@ AUDIT_MECHANISM_PREFIX = "audit:"
 
 @dataclass(frozen=True)
 class ScoreBound:
-    """The bound one scoring rule gives; with two rules each is held at half the miss probability."""
+    """The bounds one scoring rule gives; with two rules each is held at half the miss probability. The (ε, δ) test
+    and the μ-GDP test read the same guesses; `gdp_epsilon_lower_bound` is μ read as ε at the audit's δ."""
 
     score: str
     description: str
@@ -37,6 +38,17 @@ class ScoreBound:
     correct: int
     confidence: float
     epsilon_lower_bound: float
+    mu_lower_bound: float = 0.0
+    gdp_epsilon_lower_bound: float = 0.0
+
+
+@dataclass(frozen=True)
+class AuditCeiling:
+    """The largest bounds the tests could certify with this many canaries and guesses: every guess right."""
+
+    epsilon: float
+    mu: float
+    gdp_epsilon: float
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,15 @@ class AuditResult:
     guarantee: str
     dataset_fingerprint: str | None
     claim: str = "epsilon"
+    ceiling: AuditCeiling | None = None
+
+    @property
+    def mu_lower_bound(self) -> float:
+        return max((b.mu_lower_bound for b in self.bounds), default=0.0)
+
+    @property
+    def gdp_epsilon_lower_bound(self) -> float:
+        return max((b.gdp_epsilon_lower_bound for b in self.bounds), default=0.0)
 
     @property
     def refutes_claim(self) -> bool:
@@ -85,7 +106,8 @@ class AuditResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
-             "declaration": self.declaration}
+             "declaration": self.declaration, "mu_lower_bound": self.mu_lower_bound,
+             "gdp_epsilon_lower_bound": self.gdp_epsilon_lower_bound}
         del d["claimed_epsilon"], d["claim"]
         return {**d, **self._claim_entry(4)}
 
@@ -113,8 +135,23 @@ class AuditResult:
             "method": self.method,
             "guesses": {"k_plus": self.k_plus, "k_minus": self.k_minus},
             "scores": {b.score: {"correct": b.correct, "guesses": b.guesses,
-                                 "epsilon_lower_bound": round(b.epsilon_lower_bound, 4)} for b in self.bounds},
-            "procedure": "one training run, Steinke, Nasr, Jagielski (NeurIPS 2023)",
+                                 "epsilon_lower_bound": round(b.epsilon_lower_bound, 4),
+                                 "gaussian_dp": {"mu_lower_bound": round(b.mu_lower_bound, 4),
+                                                 "epsilon_lower_bound_at_delta": round(b.gdp_epsilon_lower_bound, 4)}}
+                       for b in self.bounds},
+            "gaussian_dp": {
+                "mu_lower_bound": round(self.mu_lower_bound, 4),
+                "epsilon_lower_bound_at_delta": round(self.gdp_epsilon_lower_bound, 4),
+                "note": "refutes μ-GDP for every smaller μ; DP-SGD's trade-off is close to, not exactly, Gaussian, so "
+                        "this reads the run against a Gaussian curve, not against its accountant's (ε, δ)",
+            },
+            **({"ceiling": {"epsilon": round(self.ceiling.epsilon, 4), "gaussian_dp_mu": round(self.ceiling.mu, 4),
+                            "gaussian_dp_epsilon_at_delta": round(self.ceiling.gdp_epsilon, 4),
+                            "note": "the most these tests could certify with these canaries and guesses, every "
+                                    "guess right"}}
+               if self.ceiling is not None else {}),
+            "procedure": "one training run, Steinke, Nasr, Jagielski (NeurIPS 2023); μ-GDP on the same guesses through "
+                         "the Gaussian privacy profile",
         }
 
 
