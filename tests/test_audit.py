@@ -307,6 +307,7 @@ def test_audit_reaches_the_card_as_a_lower_bound_not_the_guarantee(tmp_path, dps
     assert audit["ceiling"]["epsilon"] == pytest.approx(dpsgd_audit.ceiling.epsilon, abs=1e-4)
     assert set(audit["scores"]["white-box"]["gaussian_dp"]) == {"mu_lower_bound", "epsilon_lower_bound_at_delta"}
     assert "lower bound, not the guarantee" in card.text and "never proves one" in card.text
+    assert f"could certify at most ε = {dpsgd_audit.ceiling.epsilon:.3g}" in " ".join(card.text.split())
     # The fixture's audit ran in insecure test mode on the training data: the composed guarantee cannot be formal, so
     # the card carries no ε, only the composed accounting labelled as bounding nothing (not ε_lb either).
     assert privacy["guarantee"] == "none" and "audit run" in privacy["guarantee_note"] and "epsilon" not in privacy
