@@ -7,6 +7,7 @@ the one-step distinguisher of each method's conformance test) uses the same few 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,16 +43,19 @@ def one_run_epsilon_lower_bound(
     """sup{ε : p(ε) < 1 − confidence}, by bisection; 0 when not even ε = 0 is rejected."""
     check_confidence(confidence)
     beta = 1.0 - confidence
+    return _largest_rejected(lambda epsilon: one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta,
+                             0.0, _EPSILON_CEILING, steps=60)
 
-    def rejected(epsilon: float) -> bool:
-        return one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta
 
-    if not rejected(0.0):
+def _largest_rejected(rejected: Callable[[float], bool], floor: float, ceiling: float, steps: int) -> float:
+    """sup{x : rejected(x)} for a hypothesis rejected below some edge (p-values grow with x): doubling from 1 up to
+    `ceiling`, then `steps` bisections; 0 when not even `floor` is rejected."""
+    if not rejected(floor):
         return 0.0
-    low, high = 0.0, 1.0
-    while rejected(high) and high < _EPSILON_CEILING:
+    low, high = floor, 1.0
+    while rejected(high) and high < ceiling:
         low, high = high, 2 * high
-    for _ in range(60):
+    for _ in range(steps):
         middle = (low + high) / 2
         low, high = (middle, high) if rejected(middle) else (low, middle)
     return low
@@ -98,19 +102,8 @@ def one_run_mu_lower_bound(canaries: int, guesses: int, correct: int, delta: flo
     """sup{μ : the μ-GDP p-value < 1 − confidence}, by bisection; 0 when not even μ → 0 is rejected."""
     check_confidence(confidence)
     beta = 1.0 - confidence
-
-    def rejected(mu: float) -> bool:
-        return one_run_gdp_p_value(canaries, guesses, correct, mu, delta) < beta
-
-    if not rejected(_MU_FLOOR):
-        return 0.0
-    low, high = _MU_FLOOR, 1.0
-    while rejected(high) and high < _MU_CEILING:
-        low, high = high, 2 * high
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if rejected(middle) else (low, middle)
-    return low
+    return _largest_rejected(lambda mu: one_run_gdp_p_value(canaries, guesses, correct, mu, delta) < beta,
+                             _MU_FLOOR, _MU_CEILING, steps=40)
 
 
 def count_correct(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_minus: int) -> tuple[int, int]:
