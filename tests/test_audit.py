@@ -23,7 +23,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from scipy import optimize, stats
-from transformers import DataCollatorWithPadding
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from hf_private import BitFitConfig, DPConfig, DPFPConfig, FrostConfig
 from hf_private.audit import (
@@ -194,6 +194,38 @@ def test_mutation_broken_trainer_fails_the_audit(tmp_path, monkeypatch, bug):
     assert result.epsilon_lower_bound > CLAIMED_EPSILON and result.refutes_claim, (bug, result.bounds)
     assert white.correct >= 0.97 * white.guesses
     assert white.gdp_epsilon_lower_bound >= white.epsilon_lower_bound - 1e-6 > CLAIMED_EPSILON
+
+
+def _language_model_audit(output_dir, trainer: str) -> AuditResult:
+    """New-token canaries in a causal LM (each a sequence of its own token, predicting itself): a tiny GPT-2 under
+    PrivateTrainer, or a tiny Llama under privatize(SFTTrainer) on pre-tokenized sequences."""
+    dp = DPConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000)
+    common = dict(canaries=CANARIES, k_plus=K_PLUS, seed=0)
+    if trainer == "causal-lm":
+        tok = tiny.tokenizer()
+        return run_audit(tiny.gpt2, tiny.lm_dataset(400, seed=1), dp, training_args(output_dir, **AUDIT_ARGS),
+                         data_collator=DataCollatorForLanguageModeling(tok, mlm=False), processing_class=tok, **common)
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_private import privatize
+    from tests.helpers import TRL_TEST_ARGS
+
+    args = SFTConfig(str(output_dir), **{**TRL_TEST_ARGS, "max_length": None}, **AUDIT_ARGS)
+    return run_audit(tiny.llama, tiny.lm_dataset(400, seed=1), dp, args, trainer_class=privatize(SFTTrainer),
+                     processing_class=tiny.chat_tokenizer(), **common)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["sound", "noise-not-added"])
+@pytest.mark.parametrize("trainer", ["causal-lm", "sft"])
+def test_language_model_canaries_audit_private_lm_training(tmp_path, monkeypatch, trainer, broken):
+    if broken:
+        BUGS["noise-not-added"](monkeypatch)
+    result = _language_model_audit(tmp_path, trainer)
+    assert {b.score for b in result.bounds} == {"white-box", "black-box"}
+    assert result.refutes_claim is broken, result.bounds
+    if broken:
+        white = next(b for b in result.bounds if b.score == "white-box")
+        assert white.correct >= 0.97 * white.guesses and result.epsilon_lower_bound > CLAIMED_EPSILON
 
 
 def test_dpfp_paper_mode_fails_the_audit(tmp_path):

@@ -51,13 +51,16 @@ def run_audit(
     seed: int | None = None,
     scores: Sequence[str] = (WHITE_BOX, BLACK_BOX),
     audit_data: str = "private",
+    trainer_class: type | None = None,
     **trainer_kwargs: Any,
 ) -> AuditResult:
     """Insert canaries, train once with `PrivateTrainer`, and bound ε from below.
 
     `model_factory()` builds the model to fine-tune (its vocabulary gets `canaries` new rows); `train_dataset` is a
     tokenized `datasets.Dataset`; `dp_config` and `args` are what the real run would use; `trainer_kwargs`
-    (`data_collator`, `processing_class`, `per_example_loss`, ...) go to `PrivateTrainer`. `k_plus` defaults to
+    (`data_collator`, `processing_class`, `per_example_loss`, ...) go to `trainer_class` (default `PrivateTrainer`;
+    a `privatize()`d class such as `privatize(SFTTrainer)`, with its own `args`, audits that trainer). A causal LM's
+    canary is a sequence of its new token, which predicts itself. `k_plus` defaults to
     a fifth of the canaries. `seed` fixes which canaries are included (the auditor's secret, independent of the
     training noise and of the canaries' design); None draws it from the OS. The white-box score needs a trainable
     input embedding and is skipped otherwise (DP-BiTFiT, LoRA); with two scores each is held at half the miss
@@ -94,7 +97,8 @@ def run_audit(
     logger.info("Audit: %d canaries, %d included, N=%d; guesses fixed in advance: k+=%d, k-=%d.",
                 canaries, int(included.sum()), len(data), k_plus, k_minus)
 
-    trainer = PrivateTrainer(model=model, args=args, train_dataset=data, dp_config=dp_config, **trainer_kwargs)
+    trainer_class = PrivateTrainer if trainer_class is None else trainer_class
+    trainer = trainer_class(model=model, args=args, train_dataset=data, dp_config=dp_config, **trainer_kwargs)
     rows = [canary_set[i] for i in range(canaries)]
     embedding = unwrap_peft(trainer.model).get_input_embeddings().weight
     active = [s for s in dict.fromkeys(scores) if s != WHITE_BOX or embedding.requires_grad]
