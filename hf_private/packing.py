@@ -177,6 +177,7 @@ class PackedLayout:
                              "examples, each row at least one.")
         self.row_tokens = [int(part.sum()) for part in torch.split(self.lengths, list(self.row_examples))]
         self.rows, self.width, self.tokens = len(self.row_examples), max(self.row_tokens), int(self.lengths.sum())
+        self._token_index: dict[torch.device, torch.Tensor] = {}  # read by every token tensor and layer of a chunk
 
     @property
     def examples(self) -> int:
@@ -188,8 +189,11 @@ class PackedLayout:
 
     def token_index(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Where every example's tokens lie in the rows flattened to [rows · width], examples in order."""
-        return torch.cat([torch.arange(row * self.width, row * self.width + n, device=device)
-                          for row, n in enumerate(self.row_tokens)])
+        device = torch.device(device)
+        if device not in self._token_index:
+            self._token_index[device] = torch.cat([torch.arange(row * self.width, row * self.width + n, device=device)
+                                                   for row, n in enumerate(self.row_tokens)])
+        return self._token_index[device]
 
     def owner(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[rows, width]: each token's example, -1 for padding."""
@@ -205,8 +209,8 @@ def lay_out_rows(batch: Mapping[str, Any], row_examples: Sequence[int], mask_pad
     A row's padding (input id 0, labels -100) sits at position 0, every padding token a segment of its own that no
     example attends to, at a position every model has: a causal LM's block-diagonal mask separates it by the
     restarting position_ids, and with `mask_padding` (a mean-pooled head, which reads an attention_mask beside packed
-    positions) an attention_mask marks it 0. Varlen
-    boundary entries describe one row and are dropped: rows share a forward only under masked attention.
+    positions) an attention_mask marks it 0. Varlen boundary entries describe one row and are dropped: rows share a
+    forward only under masked attention.
     """
     if len(row_examples) == 1:
         return dict(batch)

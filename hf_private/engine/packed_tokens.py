@@ -24,7 +24,6 @@ class PackedTokens:
     def __init__(self, layout: PackedLayout) -> None:
         self.layout = layout
         self._sizes = tuple(layout.lengths.tolist())
-        self._index: dict[torch.device, torch.Tensor | None] = {}  # the real tokens of the flattened rows
         self._slots: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # owner and slot of every token
         self._real: dict[torch.device, torch.Tensor] = {}  # [examples, longest]: each example's own tokens
 
@@ -49,10 +48,10 @@ class PackedTokens:
         device = tensor.device
         if device not in self._slots:
             self._slots[device] = unit_slots(self._sizes, device)
-            dense = self.layout.rows == 1  # one row holds no padding: its tokens are the examples'
-            self._index[device] = None if dense else self.layout.token_index(device)
-        index = self._index[device]
-        tokens = tensor[0] if index is None else tensor.flatten(0, 1).index_select(0, index)
+        if self.layout.rows == 1:  # one row holds no padding: its tokens are the examples'
+            tokens = tensor[0]
+        else:
+            tokens = tensor.flatten(0, 1).index_select(0, self.layout.token_index(device))
         owner, slot = self._slots[device]
         return padded_by_unit(tokens.unsqueeze(1), owner, slot, self.examples, max(self._sizes))
 
