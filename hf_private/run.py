@@ -50,6 +50,15 @@ logger = get_logger(__name__)
 NOISY_UPDATE = 0.05
 
 
+class Instrument(Protocol):
+    """Something attached to every training engine and optimizer of a run besides its method (the audit's gradient
+    canaries): `PrivacyRun.add_instrument`."""
+
+    def attach_engine(self, engine: PerExampleGradientEngine) -> None: ...
+
+    def attach_optimizer(self, optimizer: NoisyOptimizer) -> None: ...
+
+
 class TrainingSteps(Protocol):
     """What the run needs of the trainer: its arguments, the training data as collated, one Poisson sample of the
     privacy unit in physical chunks, and one chunked forward/backward pass into an engine (the trainer's own, so a
@@ -92,6 +101,7 @@ class PrivacyRun:
                         "base_model": public_base_model(base_model_name(model)), **user_level_facts(config)}
         self.ledger.subject = dict(self.subject)
         self.optimizer: NoisyOptimizer | None = None
+        self._instruments: list[Instrument] = []
         self.engine = self._new_engine()
         self._engine_suspended = False
         self.needs_independence_probe = True  # on the first chunk of ≥ 2, and again after every trainable-set switch
@@ -158,6 +168,8 @@ class PrivacyRun:
             on_step=lambda: self.record_release(self.mechanism_name),
         )
         self.method.attach_optimizer(self.optimizer)
+        for instrument in self._instruments:
+            instrument.attach_optimizer(self.optimizer)
         return self.optimizer
 
     def _new_engine(self) -> PerExampleGradientEngine:
@@ -165,7 +177,17 @@ class PrivacyRun:
         engine = PerExampleGradientEngine(self.model, self.max_grad_norm)
         engine.attach()
         self.method.attach_engine(engine)
+        for instrument in self._instruments:
+            instrument.attach_engine(engine)
         return engine
+
+    def add_instrument(self, instrument: Instrument) -> None:
+        """Attach `instrument` to the current training engine and optimizer and to every later one (a stage switch
+        or a method's re-selection builds a new engine): the audit's gradient canaries."""
+        self._instruments.append(instrument)
+        instrument.attach_engine(self.engine)
+        if self.optimizer is not None:
+            instrument.attach_optimizer(self.optimizer)
 
     def start_next_stage(self) -> None:
         """Between logical batches: switch to the next training stage's trainable set once its step is reached."""

@@ -152,9 +152,22 @@ def test_dp_sgd_passes_the_audit(dpsgd_audit):
 
 def test_bitfit_passes_the_audit(tmp_path):
     result = _audit(tmp_path, BitFitConfig)
-    assert [b.score for b in result.bounds] == ["black-box"], "BiTFiT freezes the embedding: no white-box score"
-    assert result.bounds[0].confidence == 0.95
+    # BiTFiT freezes the embedding: its white-box score comes from gradient canaries (tests/test_gradient_canaries.py)
+    assert [b.score for b in result.bounds] == ["white-box-gradient", "black-box"]
+    assert all(b.confidence == pytest.approx(0.975) for b in result.bounds)
     assert result.epsilon_lower_bound < CLAIMED_EPSILON
+
+
+def test_too_few_trainable_coordinates_for_gradient_canaries_skip_the_white_box_score_with_a_warning(tmp_path, caplog):
+    """The tiny BERT's BiTFiT trains 706 coordinates: 1000 gradient canaries cannot have one each."""
+    dp = BitFitConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000)
+    tok = tiny.tokenizer()
+    with caplog.at_level(logging.WARNING, logger="hf_private"):
+        result = run_audit(tiny.bert, tiny.sentiment_dataset(100, seed=1), dp,
+                           training_args(tmp_path, **{**AUDIT_ARGS, "num_train_epochs": 1}), canaries=1000, seed=0,
+                           data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+    assert [b.score for b in result.bounds] == ["black-box"] and result.bounds[0].confidence == 0.95
+    assert "706 trainable coordinates cannot give 1000 gradient canaries" in caplog.text
 
 
 def test_frost_passes_the_audit(tmp_path):

@@ -14,6 +14,7 @@ import os
 import random
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,8 +32,17 @@ from .bounds import (
     one_run_mu_lower_bound,
 )
 from .canaries import DESIGN_SEED, add_canary_tokens, canary_dataset, with_canaries
+from .gradient_canaries import GradientCanaryInserter, draw_gradient_canaries
 from .result import AUDIT_DATA, AuditCeiling, AuditResult, ScoreBound, claimed_figure, compose_audits
-from .scores import BLACK_BOX, SCORE_HELP, WHITE_BOX, canary_descent_directions, canary_losses, canary_rows
+from .scores import (
+    BLACK_BOX,
+    SCORE_HELP,
+    WHITE_BOX,
+    WHITE_BOX_GRADIENT,
+    canary_descent_directions,
+    canary_losses,
+    canary_rows,
+)
 
 logger = get_logger(__name__)
 
@@ -61,10 +71,14 @@ def run_audit(
     (`data_collator`, `processing_class`, `per_example_loss`, ...) go to `trainer_class` (default `PrivateTrainer`;
     a `privatize()`d class such as `privatize(SFTTrainer)`, with its own `args`, audits that trainer). A causal LM's
     canary is a sequence of its new token, which predicts itself. `k_plus` defaults to
-    a fifth of the canaries. `seed` fixes which canaries are included (the auditor's secret, independent of the
-    training noise and of the canaries' design); None draws it from the OS. The white-box score needs a trainable
-    input embedding and is skipped otherwise (DP-BiTFiT, LoRA); with two scores each is held at half the miss
-    probability, so the larger bound keeps the stated confidence.
+    a fifth of the canaries. `seed` fixes which canaries are included and the gradient canaries' coordinates (the
+    auditor's secret, independent of the training noise and of the canaries' design); None draws it from the OS.
+
+    `scores`: "white-box" reads the token canaries' embedding rows where the input embedding trains; where it does
+    not (LoRA, BiTFiT, sparse low-rank, DP-FP's head) it becomes "white-box-gradient": a second set of `canaries`
+    gradient canaries (`gradient_canaries`), each scored on its own inclusion. "black-box" reads the token canaries'
+    losses. Each score is held at its share of the miss probability, so the largest bound keeps the stated
+    confidence.
 
     `audit_data` says whose data `train_dataset` is. "private" (the default): the released model's training data,
     so the audit run is a second release of it and `PrivateTrainer.attach_audit` composes it into that model's ε.
@@ -74,8 +88,8 @@ def run_audit(
     if audit_data not in AUDIT_DATA:
         raise ValueError(f"audit_data must be one of {', '.join(map(repr, AUDIT_DATA))}, got {audit_data!r}.")
     check_confidence(confidence)
-    if not scores or set(scores) - {WHITE_BOX, BLACK_BOX}:
-        raise ValueError(f"scores must be a non-empty subset of {(WHITE_BOX, BLACK_BOX)}, got {tuple(scores)}.")
+    if not scores or set(scores) - set(SCORE_HELP):
+        raise ValueError(f"scores must be a non-empty subset of {tuple(SCORE_HELP)}, got {tuple(scores)}.")
     if canaries < 2:
         raise ValueError(f"The audit needs at least 2 canaries, got {canaries}.")
     k_plus = canaries // 5 if k_plus is None else k_plus
@@ -84,26 +98,34 @@ def run_audit(
     if len(train_dataset) == 0:
         raise ValueError("train_dataset is empty.")
 
-    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
-    included = torch.rand(canaries, generator=torch.Generator().manual_seed(seed)) < 0.5
-    model = model_factory()
-    # The canaries themselves (rows, labels) come from a fixed public seed, so nothing about them depends on S.
-    token_ids = add_canary_tokens(model, canaries, torch.Generator().manual_seed(DESIGN_SEED))
-    config = getattr(unwrap_peft(model), "config", None)
-    user_column = dp_config.user_column if dp_config.privacy_unit == "user" else None  # each canary a new user
-    canary_set = canary_dataset(train_dataset, token_ids, canary_length, int(getattr(config, "num_labels", 2) or 2),
-                                random.Random(DESIGN_SEED), user_column)
-    data = with_canaries(train_dataset, canary_set, included)
-    logger.info("Audit: %d canaries, %d included, N=%d; guesses fixed in advance: k+=%d, k-=%d.",
-                canaries, int(included.sum()), len(data), k_plus, k_minus)
-
-    trainer_class = PrivateTrainer if trainer_class is None else trainer_class
-    trainer = trainer_class(model=model, args=args, train_dataset=data, dp_config=dp_config, **trainer_kwargs)
-    rows = [canary_set[i] for i in range(canaries)]
-    embedding = unwrap_peft(trainer.model).get_input_embeddings().weight
-    active = [s for s in dict.fromkeys(scores) if s != WHITE_BOX or embedding.requires_grad]
-    if WHITE_BOX in scores and WHITE_BOX not in active:
-        logger.info("White-box score skipped: %s does not train the input embedding.", dp_config.method)
+    secret = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+    included = {TOKEN_CANARIES: torch.rand(canaries, generator=secret) < 0.5,
+                GRADIENT_CANARIES: torch.rand(canaries, generator=secret) < 0.5}
+    active = list(dict.fromkeys(scores))
+    setup = _AuditSetup(model_factory, train_dataset, dp_config, args, canaries, canary_length, included,
+                        trainer_class or PrivateTrainer, trainer_kwargs)
+    trainer = setup.trainer(_canary_sets(active))
+    if WHITE_BOX in active and not unwrap_peft(trainer.model).get_input_embeddings().weight.requires_grad:
+        coordinates = sum(p.numel() for _, p in trainer.privacy_run.engine.parameters)
+        if coordinates >= canaries:
+            logger.info("%s does not train the input embedding: the white-box score uses gradient canaries.",
+                        dp_config.method)
+            active = list(dict.fromkeys(WHITE_BOX_GRADIENT if s == WHITE_BOX else s for s in active))
+        else:
+            logger.warning("White-box score skipped: %s does not train the input embedding, and its %d trainable "
+                           "coordinates cannot give %d gradient canaries a coordinate each (audit with canaries=%d "
+                           "or fewer for one).", dp_config.method, coordinates, canaries, coordinates)
+            active.remove(WHITE_BOX)
+        if not active:
+            raise ValueError("No score is left to audit with: ask for the black-box score too, or fewer canaries.")
+        if _canary_sets(active) != setup.kinds:
+            trainer = setup.trainer(_canary_sets(active))
+    if WHITE_BOX_GRADIENT in active:
+        gradient = draw_gradient_canaries(trainer.privacy_run.engine.parameters, canaries,
+                                          setup.token_ids[GRADIENT_CANARIES][0], secret)
+        inserter = GradientCanaryInserter(trainer.model, gradient, dp_config.max_grad_norm)
+        trainer.privacy_run.add_instrument(inserter)
+    token_ids, rows = setup.token_ids.get(TOKEN_CANARIES), setup.rows.get(TOKEN_CANARIES)
     if WHITE_BOX in active:
         start_rows = canary_rows(trainer.model, token_ids)
         directions = canary_descent_directions(trainer, rows, token_ids)
@@ -116,13 +138,16 @@ def run_audit(
     for score in active:
         if score == WHITE_BOX:
             values = ((canary_rows(trainer.model, token_ids) - start_rows) * directions).sum(dim=1)
+        elif score == WHITE_BOX_GRADIENT:
+            values = inserter.scores()
         else:
             values = start_losses - canary_losses(trainer, rows)
-        guesses, correct = count_correct(values, included, k_plus, k_minus)
+        score_included = included[GRADIENT_CANARIES if score == WHITE_BOX_GRADIENT else TOKEN_CANARIES]
+        guesses, correct = count_correct(values, score_included, k_plus, k_minus)
         bound = one_run_epsilon_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
         mu = one_run_mu_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
         bounds.append(ScoreBound(score, SCORE_HELP[score], guesses, correct, per_score_confidence, bound, mu,
-                                 gdp_epsilon(mu, trainer.delta)))
+                                 gdp_epsilon(mu, trainer.delta), int(score_included.sum())))
         logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f; μ-GDP: μ_lb = %.3f (ε %.3f at δ).",
                     score, correct, guesses, bound, mu, bounds[-1].gdp_epsilon_lower_bound)
     ceiling_mu = one_run_mu_lower_bound(canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta,
@@ -143,7 +168,7 @@ def run_audit(
         delta=float(trainer.delta),
         method=dp_config.method,
         canaries=canaries,
-        included=int(included.sum()),
+        included=sum(int(included[kind].sum()) for kind in _canary_sets(active)),
         k_plus=k_plus,
         k_minus=k_minus,
         bounds=tuple(bounds),
@@ -156,6 +181,54 @@ def run_audit(
         ceiling=ceiling,
     )
 
+
+
+TOKEN_CANARIES, GRADIENT_CANARIES = "token", "gradient"
+
+
+def _canary_sets(scores: Sequence[str]) -> list[str]:
+    """The canary sets these scores read: token canaries (the embedding row, the loss), gradient canaries."""
+    return [kind for kind, wanted in ((TOKEN_CANARIES, {WHITE_BOX, BLACK_BOX}), (GRADIENT_CANARIES,
+                                                                                 {WHITE_BOX_GRADIENT}))
+            if wanted & set(scores)]
+
+
+@dataclass
+class _AuditSetup:
+    """Builds the audited trainer on the training set plus the included canaries of the sets it needs."""
+
+    model_factory: Callable[[], nn.Module]
+    train_dataset: Any
+    dp_config: Any
+    args: Any
+    canaries: int
+    canary_length: int
+    included: dict[str, torch.Tensor]
+    trainer_class: type
+    trainer_kwargs: dict[str, Any]
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    kinds: list[str] = field(default_factory=list)  # the canary sets of the trainer built last
+
+    def trainer(self, kinds: list[str]):
+        """A fresh model with `canaries` new tokens per set (their rows from the public design seed), each set's
+        canaries built alike (at user level each a new user) and its included ones appended to the training set."""
+        model = self.model_factory()
+        ids = add_canary_tokens(model, self.canaries * len(kinds), torch.Generator().manual_seed(DESIGN_SEED))
+        config = getattr(unwrap_peft(model), "config", None)
+        user_column = self.dp_config.user_column if self.dp_config.privacy_unit == "user" else None
+        canary_set = canary_dataset(self.train_dataset, ids, self.canary_length,
+                                    int(getattr(config, "num_labels", 2) or 2), random.Random(DESIGN_SEED), user_column)
+        m = self.canaries
+        self.kinds = kinds
+        self.token_ids = {kind: ids[i * m:(i + 1) * m] for i, kind in enumerate(kinds)}
+        self.rows = {kind: [canary_set[i * m + j] for j in range(m)] for i, kind in enumerate(kinds)}
+        chosen = torch.cat([self.included[kind] for kind in kinds])
+        data = with_canaries(self.train_dataset, canary_set, chosen)
+        logger.info("Audit: %s canaries (%d each), %d included, N=%d.", " and ".join(kinds), m, int(chosen.sum()),
+                    len(data))
+        return self.trainer_class(model=model, args=self.args, train_dataset=data, dp_config=self.dp_config,
+                                  **self.trainer_kwargs)
 
 
 # ---------------------------------------------------------------------- command line

@@ -40,6 +40,7 @@ class ScoreBound:
     epsilon_lower_bound: float
     mu_lower_bound: float = 0.0
     gdp_epsilon_lower_bound: float = 0.0
+    included: int | None = None  # of its canary set (white-box-gradient has a set of its own)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class AuditResult:
             "delta": self.delta,
             "method": self.method,
             "guesses": {"k_plus": self.k_plus, "k_minus": self.k_minus},
-            "scores": {b.score: {"correct": b.correct, "guesses": b.guesses,
+            "scores": {b.score: {"correct": b.correct, "guesses": b.guesses, "included": b.included,
                                  "epsilon_lower_bound": round(b.epsilon_lower_bound, 4),
                                  "gaussian_dp": {"mu_lower_bound": round(b.mu_lower_bound, 4),
                                                  "epsilon_lower_bound_at_delta": round(b.gdp_epsilon_lower_bound, 4)}}

@@ -1,4 +1,5 @@
-"""How a trained model is scored on each canary: white-box (its embedding row's movement) and black-box (its loss).
+"""How a trained model is scored on each token canary: white-box (its embedding row's movement) and black-box (its
+loss). Gradient canaries' white-box score is read during training (`gradient_canaries`).
 
 The scores read a trainer's model, collator and per-example loss (any object with those attributes); they never
 train, so the library does not depend on the trainer class.
@@ -15,9 +16,12 @@ from torch import nn
 from ..adapters import unwrap_peft
 
 WHITE_BOX = "white-box"
+WHITE_BOX_GRADIENT = "white-box-gradient"
 BLACK_BOX = "black-box"
 SCORE_HELP = {
     WHITE_BOX: "movement of the canary's own embedding row along its initial descent direction",
+    WHITE_BOX_GRADIENT: "the canary's secret coordinate in every step's released noisy gradient, summed and signed "
+                        "(a gradient of norm 10⁶·C inserted when the canary is sampled)",
     BLACK_BOX: "decrease of the canary's loss from the initial to the trained model",
 }
 

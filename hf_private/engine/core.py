@@ -53,6 +53,20 @@ logger = get_logger(__name__)
 
 #: a method's map of one parameter's per-example term to another (a mask); it must act on each example alone
 TermTransform = Callable[[object], object]
+
+
+@dataclass(frozen=True)
+class ChunkUnits:
+    """What a chunk transform may know of the chunk: each unit's rows, in order, and whether the rows are packed
+    (several examples end to end in one row, so the model's rows are not the units')."""
+
+    unit_rows: tuple[int, ...]
+    packed: bool
+
+
+#: the audit's map of a whole chunk's terms to others (gradient canaries: a canary unit's gradient replaced by the
+#: one inserted for it); it must act on each unit alone and keep the number of units
+ChunkTransform = Callable[[ChunkTerms, ChunkUnits], ChunkTerms]
 # Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total.
 _CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
 _CHECK_TOLERANCE_LOW_PRECISION = 5e-2
@@ -79,6 +93,7 @@ class _Chunk:
     examples: int
     rows_per_example: int | tuple[int, ...]
     probe: bool
+    packed: bool = False
 
     @property
     def total_rows(self) -> int:
@@ -86,6 +101,11 @@ class _Chunk:
         if isinstance(self.rows_per_example, int):
             return self.examples * self.rows_per_example
         return sum(self.rows_per_example)
+
+    @property
+    def units(self) -> ChunkUnits:
+        rows = self.rows_per_example
+        return ChunkUnits((rows,) * self.examples if isinstance(rows, int) else rows, self.packed)
 
     @property
     def grouped(self) -> bool:
@@ -174,6 +194,7 @@ class PerExampleGradientEngine:
         if reducer is not None:
             self.reducer = reducer
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
+        self._chunk_transforms: OrderedDict[int, ChunkTransform] = OrderedDict()
         self._calls: list[_Call] = []
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
         self._packed: PackedTokens | None = None  # a packed chunk's examples, while it is recorded
@@ -240,6 +261,15 @@ class PerExampleGradientEngine:
         transforms = self._term_transforms.setdefault(parameter, OrderedDict())
         handle = RemovableHandle(transforms)
         transforms[handle.id] = transform
+        return handle
+
+    def add_chunk_transform(self, transform: ChunkTransform) -> RemovableHandle:
+        """Apply `transform` to every training chunk's terms (units grouped, before the term transforms and the
+        reducer; never to a probe chunk). The audit's gradient canaries use it to replace a canary unit's gradient by
+        an inserted one, which then meets the method's masks and the clip as any unit's would. Like a term transform
+        it changes the mechanism: it must treat every unit alone and keep their number."""
+        handle = RemovableHandle(self._chunk_transforms)
+        self._chunk_transforms[handle.id] = transform
         return handle
 
     def _transformed(self, param: nn.Parameter, terms: list, examples: int) -> list:
@@ -381,7 +411,7 @@ class PerExampleGradientEngine:
             if packed.examples != rows:
                 raise ValueError(f"recording() was told of {packed.examples} packed examples for a chunk whose "
                                  f"units hold {rows}: every packed example must be one of the chunk's.")
-        self._chunk = _Chunk(batch_size, rows_per_example, probe)
+        self._chunk = _Chunk(batch_size, rows_per_example, probe, packed is not None)
         self._rows = packed.rows if packed is not None else rows  # the rows the model sees
         self._packed = packed
         try:
@@ -428,10 +458,16 @@ class PerExampleGradientEngine:
         if chunk.grouped:
             by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
                             for t in terms] for p, terms in by_param.items()}
-        if self._term_transforms:
-            by_param = {p: self._transformed(p, terms, chunk.examples) for p, terms in by_param.items()}
         reduced = ChunkTerms(examples=chunk.examples, terms=dict(by_param))
         by_param = None  # the reducer may drop each parameter's terms once used
+        if not chunk.probe:
+            for transform in self._chunk_transforms.values():
+                reduced = transform(reduced, chunk.units)
+                if reduced.examples != chunk.examples:
+                    raise ValueError(f"A chunk transform changed the number of units ({chunk.examples} → "
+                                     f"{reduced.examples}): it must map each unit's gradient alone.")
+        if self._term_transforms:
+            reduced.terms = {p: self._transformed(p, terms, chunk.examples) for p, terms in reduced.terms.items()}
         if chunk.probe:
             return flat_norms(reduced).detach()
         return self._reducer.reduce(reduced).detach()
