@@ -74,16 +74,29 @@ def in_compute_dtype(saved: torch.Tensor, grad_output: torch.Tensor) -> torch.Te
     return saved if saved.dtype == grad_output.dtype else saved.to(grad_output.dtype)
 
 
+# Gram-matrix multiply-adds worth one pass over an instantiated gradient's values (its norm, its share of the clipped
+# sum): a pass is memory-bound, a Gram GEMM is not. With 64 the ghost norm keeps every BERT/GPT-2 weight at T = 128
+# and gives way to instantiation for the MLP weights at T = 512 (benchmarks/engine_profile.py, #36).
+_GRAM_MACS_PER_PASS = 64
+# How much larger than the factors it frees an instantiated gradient may be when it saves Gram work.
+_INSTANTIATE_GROWTH = 2
+
+
 def ghost_norm_is_cheaper(seq_len: int, left_width: int, right_width: int) -> bool:
     """Whether to keep a weight's factors for the ghost norm rather than instantiate its per-example gradient.
 
     The factors (T·(P+D) values per example) are what the ghost norm must hold until the clip; an instantiated
-    gradient (P·D values) replaces them, and costs less compute in every case: one GEMM plus a B-weighted
-    reduction, against Gram matrices (T²·(P+D)) plus the same GEMM. So instantiate whenever it is no larger than
-    the factors it frees. This is fastDP's 2T² < P·D rule made exact for the factors actually stored: the two
-    agree at T=128 on BERT/GPT-2 shapes; at T=512 square 768×768 weights instantiate (smaller and faster).
+    gradient (P·D values) replaces them. Instantiating costs one GEMM (the one the ghost path's clipped sum runs
+    anyway) and passes over P·D values; the ghost norm costs Gram matrices, T²·(P+D) multiply-adds. So instantiate
+    whenever it is no larger than the factors it frees (fastDP's 2T² < P·D rule made exact for the factors actually
+    stored: at T = 128 on BERT/GPT-2 shapes they agree), and also when it is at most twice their size and the Gram
+    work outweighs the passes (at T = 512 the 768×3072 MLP weights: 1.2× the factors, Grams 427 passes' worth).
     """
-    return left_width * right_width > seq_len * (left_width + right_width)
+    instantiated, factors = left_width * right_width, seq_len * (left_width + right_width)
+    if instantiated <= factors:
+        return False
+    grams = seq_len * seq_len * (left_width + right_width)
+    return not (instantiated <= _INSTANTIATE_GROWTH * factors and grams > _GRAM_MACS_PER_PASS * instantiated)
 
 
 def outer_product_term(left: torch.Tensor, right: torch.Tensor) -> OuterTerm | SampleTerm:
