@@ -6,13 +6,14 @@ here the drawn-ahead values are shown to be the synchronous path's bit for bit, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
 import pytest
 import torch
 
-from hf_private import DPConfig
+from hf_private import DPConfig, run
 from hf_private.privacy import GaussianNoise
 from hf_private.privacy.noise import _Draw
 from tests import tiny
@@ -23,27 +24,28 @@ STD = 0.7
 CHUNKS = 1 + 1 + 2  # one request per chunk of 2¹⁷ values of each tensor
 
 
-def _release(noise: GaussianNoise, std: float = STD, sizes: list[int] = SIZES, ahead: bool = True) -> torch.Tensor:
+def _release(noise: GaussianNoise, std: float = STD, sizes: list[int] = SIZES,
+             prepare: bool = True) -> torch.Tensor:
     tensors = [torch.zeros(size) for size in sizes]
-    if ahead:
+    if prepare:
         noise.prepare(sizes, std)
     noise.add_(tensors, std)
     return torch.cat(tensors)
 
 
 def test_drawn_ahead_equals_drawn_in_the_step_bit_for_bit():
-    ahead, in_step = GaussianNoise("cpu", test_seed=5), GaussianNoise("cpu", test_seed=5, ahead=False)
+    ahead, in_step = GaussianNoise("cpu", test_seed=5, ahead=True), GaussianNoise("cpu", test_seed=5)
     for _ in range(3):
-        assert torch.equal(_release(ahead), _release(in_step, ahead=False))
+        assert torch.equal(_release(ahead), _release(in_step, prepare=False))
     assert ahead.random._requests == in_step.random._requests
-    assert in_step._values is None, "ahead=False keeps no parameter-sized buffer"
+    assert in_step._values is None, "without drawing ahead no parameter-sized buffer is kept"
 
 
 def test_a_draw_for_other_sizes_or_std_is_discarded_never_used():
-    noise = GaussianNoise("cpu", test_seed=6)
+    noise = GaussianNoise("cpu", test_seed=6, ahead=True)
     noise.prepare(SIZES, STD)
     drawn = noise._next
-    other = _release(noise, std=2 * STD, ahead=False)  # another std: drawn in the step, from later requests
+    other = _release(noise, std=2 * STD, prepare=False)  # another std: drawn in the step, from later requests
     assert drawn.spent and noise._next is None and noise._used == 0
     assert noise.random._requests == 2 * CHUNKS
     with pytest.raises(RuntimeError, match="already used or discarded"):
@@ -52,25 +54,25 @@ def test_a_draw_for_other_sizes_or_std_is_discarded_never_used():
     drawn = noise._next
     noise.add_([torch.zeros(6)], STD)  # other sizes: drawn in the step too
     assert drawn.spent and noise._used == 0
-    again = GaussianNoise("cpu", test_seed=6)  # the discards happen in the same order: replay still holds
+    again = GaussianNoise("cpu", test_seed=6, ahead=True)  # the discards happen in the same order: replay still holds
     again.prepare(SIZES, STD)
-    assert torch.equal(_release(again, std=2 * STD, ahead=False), other)
+    assert torch.equal(_release(again, std=2 * STD, prepare=False), other)
 
 
 def test_prepare_twice_for_the_same_release_draws_once():
-    noise = GaussianNoise("cpu", test_seed=7)
+    noise = GaussianNoise("cpu", test_seed=7, ahead=True)
     noise.prepare(SIZES, STD)
     first = noise._next
     noise.prepare(SIZES, STD)
     assert noise._next is first and noise._generations == 1
-    GaussianNoise("cpu", ahead=False).prepare(SIZES, STD)  # a no-op
+    GaussianNoise("cpu").prepare(SIZES, STD)  # a no-op: on a CPU only when asked for
 
 
 def test_a_draw_is_never_used_twice():
-    noise = GaussianNoise("cpu", test_seed=8)
+    noise = GaussianNoise("cpu", test_seed=8, ahead=True)
     noise.prepare(SIZES, STD)
     used = noise._next
-    _release(noise, ahead=False)
+    _release(noise, prepare=False)
     with pytest.raises(RuntimeError, match="already used or discarded"):
         used.take()
     noise._next = used  # put back a used draw: refused
@@ -89,7 +91,7 @@ def _largest_overlap(releases: list[torch.Tensor]) -> float:
 
 
 def test_every_release_comes_from_fresh_requests():
-    noise = GaussianNoise("cpu", test_seed=9)
+    noise = GaussianNoise("cpu", test_seed=9, ahead=True)
     releases = []
     for _ in range(12):
         before = noise.random._requests
@@ -100,7 +102,7 @@ def test_every_release_comes_from_fresh_requests():
 
 
 def test_mutation_a_buffer_left_undrawn_fails_the_freshness_check(monkeypatch):
-    noise = GaussianNoise("cpu", test_seed=9)
+    noise = GaussianNoise("cpu", test_seed=9, ahead=True)
     releases = [_release(noise)]
     monkeypatch.setattr(_Draw, "_draw", lambda self, sampler: None)  # the buffer keeps the last release's values
     releases.append(_release(noise))
@@ -108,7 +110,7 @@ def test_mutation_a_buffer_left_undrawn_fails_the_freshness_check(monkeypatch):
 
 
 def test_a_failed_draw_raises_in_the_step(monkeypatch):
-    noise = GaussianNoise("cpu", test_seed=10)
+    noise = GaussianNoise("cpu", test_seed=10, ahead=True)
 
     def broken(tensor, std):
         raise OSError("no entropy")
@@ -121,7 +123,7 @@ def test_a_failed_draw_raises_in_the_step(monkeypatch):
 
 def test_a_device_other_than_cpu_draws_ahead_through_the_copy_path():
     # The meta device takes the sampler's non-CPU branch (keystream copied to the device); no values to check.
-    noise = GaussianNoise("meta", test_seed=11)
+    noise = GaussianNoise("meta", test_seed=11)  # ahead by default off the CPU
     tensors = [torch.zeros(size, device="meta") for size in SIZES]
     noise.prepare(SIZES, STD)
     noise.add_(tensors, STD)
@@ -129,6 +131,7 @@ def test_a_device_other_than_cpu_draws_ahead_through_the_copy_path():
 
 
 def test_every_training_step_adds_noise_drawn_ahead(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "GaussianNoise", functools.partial(GaussianNoise, ahead=True))  # as on an accelerator
     taken = []
     take = _Draw.take
     monkeypatch.setattr(_Draw, "take", lambda self: taken.append(self.generation) or take(self))
