@@ -104,6 +104,7 @@ class HfPrivate:
         self.batch_size = batch_size
 
     def step(self, chunks):
+        self.optimizer.prepare_noise()  # as the trainer does: the noise is drawn while the chunks run
         for batch in chunks:
             with self.engine.recording(self.batch_size):
                 per_example_loss(self.model, batch).sum().backward()
@@ -182,7 +183,8 @@ def arms_for(mode: str, compared: list[str] | None = None) -> list[tuple[str, ty
 
 
 def noise_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 5) -> float:
-    """Median time to draw and add the noise of one step: one N(0, σ²C²) value per trainable coordinate."""
+    """Median time to draw and add the noise of one step in the step (no `prepare`): one N(0, σ²C²) value per
+    trainable coordinate, the work that drawing ahead moves off the step's critical path."""
     noise = GaussianNoise(device)
     buffers = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in model.parameters() if p.requires_grad]
     noise.add_(buffers, SIGMA * CLIP)  # warm-up

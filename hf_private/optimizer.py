@@ -59,11 +59,19 @@ def noise_once_then_sum(tensors: list[torch.Tensor], add_noise: Callable[[list[t
     """`add_noise` on exactly one process (rank 0, before the reduction), then the sum over processes: the result is
     Σ of every process's part plus one noise draw, never one per process. The DP-SGD step and a method's own releases
     (`MethodRun.release`) both go through here."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed or dist.get_rank() == 0:
+    if adds_noise_here():
         add_noise(tensors)
-    if distributed:
+    if _distributed():
         all_reduce(tensors)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def adds_noise_here() -> bool:
+    """Whether this process is the one that `noise_once_then_sum` has add the noise: rank 0, or the only one."""
+    return not _distributed() or dist.get_rank() == 0
 
 
 class NoisyOptimizer(torch.optim.Optimizer):
@@ -198,6 +206,13 @@ class NoisyOptimizer(torch.optim.Optimizer):
         that claims no guarantee, whose steps the ledger records as such)."""
         if self.noise_multiplier > 0:
             self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+
+    def prepare_noise(self) -> None:
+        """Start drawing this logical batch's noise in the background (`GaussianNoise.prepare`), where `add_noise`
+        will add it, so the step does not wait for it. Called once the batch's trainable set and σ are known."""
+        if self.noise_multiplier > 0 and adds_noise_here():
+            self.noise.prepare([p.numel() for _, p in self.engine.parameters],
+                               self.noise_multiplier * self.max_grad_norm)
 
     def all_reduce(self, totals: list[torch.Tensor]) -> None:
         all_reduce_sum(totals)

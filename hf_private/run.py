@@ -172,6 +172,11 @@ class PrivacyRun:
             instrument.attach_optimizer(self.optimizer)
         return self.optimizer
 
+    def prepare_noise(self) -> None:
+        """Once the logical batch's trainable set and σ are known: draw its noise while forward and backward run."""
+        if self.optimizer is not None:
+            self.optimizer.prepare_noise()
+
     def _new_engine(self) -> PerExampleGradientEngine:
         """The engine for the current trainable set, with the method's reducer and term transforms."""
         engine = PerExampleGradientEngine(self.model, self.max_grad_norm)

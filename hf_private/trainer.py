@@ -217,6 +217,7 @@ class PrivateTrainingMixin:
         if not self.privacy_run.may_step():
             self._stop_for_budget()
             return torch.zeros((), device=self.args.device)
+        self.privacy_run.prepare_noise()
         # The unwrapped model: DDP must not all-reduce un-clipped gradients (the optimizer reduces clipped sums).
         total = self.record_chunks(self.accelerator.unwrap_model(model), inputs, self.engine)
         return total / (self.expected_batch_size / self.args.world_size)

@@ -166,8 +166,9 @@ ALPHA = 1e-6  # fixed keys make these deterministic; the level only guards again
 
 
 def _noise(count: int, std: float) -> torch.Tensor:
-    noise = GaussianNoise("cpu", test_seed=99)
+    noise = GaussianNoise("cpu", test_seed=99, ahead=True)
     parts = [torch.zeros(count // 4), torch.zeros(count - count // 4)]  # two tensors, one not a chunk multiple
+    noise.prepare([part.numel() for part in parts], std)  # drawn ahead, as training noise is (test_noise_ahead.py)
     noise.add_(parts, std)
     return torch.cat(parts).double()
 

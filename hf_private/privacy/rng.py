@@ -29,6 +29,7 @@ import hmac
 import math
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -199,9 +200,17 @@ class GaussianSampler:
         self.random = random
         self.pairs = pairs_per_chunk
         self.device = torch.device(device)
-        self._bytes = bytearray(PAIR_BYTES * self.pairs)
-        self._raw = torch.frombuffer(self._bytes, dtype=torch.uint8)
         on = dict(device=self.device)
+        # On CUDA the keystream goes into two pinned host buffers in turn, each copied to the device asynchronously:
+        # the next chunk's keystream is drawn while this one's copy runs, and a buffer is refilled only after its copy
+        # has finished (its event). Elsewhere one pageable buffer, copied (or, on CPU, viewed) synchronously.
+        self._pinned = self.device.type == "cuda"
+        turns = 2 if self._pinned else 1
+        self._hosts = [torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, pin_memory=self._pinned)
+                       for _ in range(turns)]
+        self._copied: list[torch.cuda.Event | None] = [None] * turns
+        self._turn = 0
+        self._raw = torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, **on) if self._pinned else None
         self._bits63 = torch.empty(self.pairs, dtype=torch.int64, **on)
         self._bits24 = torch.empty(self.pairs, dtype=torch.int32, **on)
         self._radius64 = torch.empty(self.pairs, dtype=torch.float64, **on)
@@ -214,28 +223,53 @@ class GaussianSampler:
 
         Only the keystream for `pairs` is drawn: a small tensor must not pay for a whole chunk.
         """
-        self.random.fill_(memoryview(self._bytes)[: PAIR_BYTES * pairs])  # one request: radius bits, angle bits
-        radius_bits = self._raw[: 8 * pairs].view(torch.int64)
-        angle_bits = self._raw[8 * pairs : PAIR_BYTES * pairs].view(torch.int32)
+        raw = self._keystream(PAIR_BYTES * pairs)  # one request: radius bits, angle bits
+        radius_bits = raw[: 8 * pairs].view(torch.int64)
+        angle_bits = raw[8 * pairs :].view(torch.int32)
         bits63, bits24 = self._bits63[:pairs], self._bits24[:pairs]
         radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
-        torch.bitwise_and(radius_bits.to(self.device, non_blocking=True), _MASK_63, out=bits63)
+        torch.bitwise_and(radius_bits, _MASK_63, out=bits63)
         radius64.copy_(bits63).add_(_HALF).mul_(_ULP_63).log_().mul_(-2.0 * std * std).sqrt_()
         radius.copy_(radius64)
-        torch.bitwise_and(angle_bits.to(self.device, non_blocking=True), _MASK_24, out=bits24)
+        torch.bitwise_and(angle_bits, _MASK_24, out=bits24)
         torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
         values = self._values[: 2 * pairs]
         torch.cos(angle, out=values[:pairs]).mul_(radius)
         torch.sin(angle, out=values[pairs:]).mul_(radius)
         return values
 
+    def _keystream(self, size: int) -> torch.Tensor:
+        """`size` fresh keystream bytes (one request) as a uint8 tensor on the device."""
+        if not self._pinned:
+            host = self._hosts[0][:size]
+            self.random.fill_(memoryview(host.numpy()))
+            return host.to(self.device, non_blocking=True)  # a view on CPU; from pageable memory a synchronous copy
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # this buffer's previous copy has left it
+        host = self._hosts[turn][:size]
+        self.random.fill_(memoryview(host.numpy()))
+        raw = self._raw[:size]
+        raw.copy_(host, non_blocking=True)  # queued on the current stream, before this chunk's transform
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
+        return raw
+
     def add_(self, tensor: torch.Tensor, std: float) -> None:
         """tensor += N(0, std²) elementwise, in place; `tensor` must be contiguous."""
+        self._apply(tensor, std, torch.Tensor.add_)
+
+    def draw_(self, tensor: torch.Tensor, std: float) -> None:
+        """Overwrite `tensor` with N(0, std²) draws: the values `add_` would add with the same requests."""
+        self._apply(tensor, std, torch.Tensor.copy_)
+
+    def _apply(self, tensor: torch.Tensor, std: float,
+               combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
         flat = tensor.view(-1)
         step = 2 * self.pairs
         for start in range(0, flat.numel(), step):
             part = flat[start : start + step]
-            part.add_(self._chunk(std, (part.numel() + 1) // 2)[: part.numel()])
+            combine(part, self._chunk(std, (part.numel() + 1) // 2)[: part.numel()])
 
 
 @functools.lru_cache(maxsize=1024)
