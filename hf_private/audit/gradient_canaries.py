@@ -109,10 +109,13 @@ class GradientCanaryInserter:
         if units.packed:
             raise ValueError("Gradient canaries need one example a row: audit without packing (no padding-free "
                              "collator, no packed dataset).")
-        if rows.numel() != sum(units.unit_rows):
-            raise RuntimeError(f"The gradient canaries saw {rows.numel()} rows in the chunk's training forwards, the "
-                               f"engine {sum(units.unit_rows)}: they cannot tell which units are canaries.")
-        per_unit = torch.split(rows, list(units.unit_rows))
+        expected = sum(units.unit_rows)
+        if rows.numel() < expected:
+            raise RuntimeError(f"The gradient canaries saw {rows.numel()} rows in training forwards since the last "
+                               f"chunk, the engine {expected}: they cannot tell which units are canaries.")
+        # The chunk's own forward comes last; a training-mode forward before it that no training engine reduced (a
+        # method's measurement with an engine of its own) leaves rows that are not the chunk's.
+        per_unit = torch.split(rows[rows.numel() - expected:], list(units.unit_rows))
         canary = torch.tensor([int(unit.max()) for unit in per_unit], dtype=torch.long)
         for unit, index in zip(per_unit, canary.tolist()):
             if index >= 0 and unit.numel() != 1:
