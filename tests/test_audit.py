@@ -120,12 +120,13 @@ def test_error_rate_bound_of_a_perfect_test_is_limited_by_the_trials():
 
 
 # ---------------------------------------------------------------- one-run canary audit (Tier 2)
-def _audit(output_dir, config_cls=DPConfig, seed: int = 0) -> AuditResult:
+def _audit(output_dir, config_cls=DPConfig, seed: int = 0, canaries: int = CANARIES,
+           k_plus: int | None = K_PLUS) -> AuditResult:
     dp = config_cls(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000 + seed)
     tok = tiny.tokenizer()
     return run_audit(
         tiny.bert, tiny.sentiment_dataset(400, seed=1), dp, training_args(output_dir, **AUDIT_ARGS),
-        canaries=CANARIES, k_plus=K_PLUS, seed=seed, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        canaries=canaries, k_plus=k_plus, seed=seed, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
     )
 
 
@@ -170,13 +171,6 @@ def test_too_few_trainable_coordinates_for_gradient_canaries_skip_the_white_box_
     assert "706 trainable coordinates cannot give 1000 gradient canaries" in caplog.text
 
 
-def test_frost_passes_the_audit(tmp_path):
-    """FrostConfig at the claimed ε (selection rounds and DP-SGD composed) gives ε_lb below it, like DPConfig above."""
-    result = _audit(tmp_path, FrostConfig)
-    assert result.claimed_epsilon == pytest.approx(CLAIMED_EPSILON, abs=0.05)
-    assert result.epsilon_lower_bound < CLAIMED_EPSILON and not result.refutes_claim
-
-
 def _skip_clipping(monkeypatch):
     original = PerExampleGradientEngine.__init__
 
@@ -199,14 +193,28 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("bug", sorted(BUGS))
-def test_mutation_broken_trainer_fails_the_audit(tmp_path, monkeypatch, bug):
-    BUGS[bug](monkeypatch)
-    result = _audit(tmp_path)
+@pytest.mark.parametrize(("config_cls", "bug"), [
+    *[pytest.param(DPConfig, bug, id=f"dp-sgd-{bug or 'sound'}") for bug in [None, *sorted(BUGS)]],
+    # DP-FROST trains only its selected partitions, which here leave the embedding out: its rows cannot move, so only
+    # the sound run is asserted (the gap is in the README's audit section)
+    pytest.param(FrostConfig, None, id="dp-frost-sound"),
+])
+def test_methods_training_the_embedding_are_audited_by_its_rows_at_the_default_m(tmp_path, monkeypatch, config_cls,
+                                                                                  bug):
+    """run_audit's defaults (m = 1000, k₊ = 200): a sound run is not refuted; a broken one is, by the white-box score
+    of the canaries' embedding rows (the methods without a trainable embedding: tests/test_gradient_canaries.py)."""
+    if bug is not None:
+        BUGS[bug](monkeypatch)
+    result = _audit(tmp_path, config_cls, canaries=1000, k_plus=None)
     white = next(b for b in result.bounds if b.score == "white-box")
-    assert result.epsilon_lower_bound > CLAIMED_EPSILON and result.refutes_claim, (bug, result.bounds)
-    assert white.correct >= 0.97 * white.guesses
-    assert white.gdp_epsilon_lower_bound >= white.epsilon_lower_bound - 1e-6 > CLAIMED_EPSILON
+    assert white.guesses == 200
+    for bound in result.bounds:
+        assert bound.gdp_epsilon_lower_bound >= bound.epsilon_lower_bound - 1e-6
+    if bug is None:  # DP-FROST: its selection rounds and DP-SGD composed to the claim
+        assert result.claimed_epsilon == pytest.approx(CLAIMED_EPSILON, abs=0.05)
+        assert result.epsilon_lower_bound < CLAIMED_EPSILON and not result.refutes_claim, result.bounds
+    else:
+        assert result.refutes_claim and white.epsilon_lower_bound > CLAIMED_EPSILON, (bug, result.bounds)
 
 
 def _language_model_audit(output_dir, trainer: str) -> AuditResult:
