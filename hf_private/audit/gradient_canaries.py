@@ -8,10 +8,11 @@ from the auditor's secret seed. The replacement happens before the method's mask
 run clips it to C and noises it; a run that skips the clip releases all of it.
 
 The score reads that coordinate of every step's released noisy gradient (the optimizer's input, after the method's
-gradient transforms) and sums it, signed: the whole sequence of released gradients is what the accountant's ε covers,
-and the released weights are a function of it. For plain SGD the score is the final weight's movement along the
-canary (scaled); reading the gradients keeps it so under Adam and under RGP, whose weights mix the carriers'
-coordinates. Only these canaries' coordinates are read, so the score costs nothing per step beyond a gather.
+gradient transforms) and sums it less its median step, signed (`GradientCanaryInserter.scores`): the whole sequence
+of released gradients is what the accountant's ε covers, and the released weights are a function of it. For plain SGD
+the plain sum is the final weight's movement along the canary (scaled); reading the gradients keeps it so under Adam and
+under RGP, whose weights mix the carriers' coordinates. Only these canaries' coordinates are read, so the score costs
+nothing per step beyond a gather.
 """
 
 from __future__ import annotations
@@ -126,11 +127,12 @@ class GradientCanaryInserter:
     # ------------------------------------------------------------------ engine: the inserted gradients
     def attach_engine(self, engine: PerExampleGradientEngine) -> None:
         trained = dict(engine.parameters)
-        missing = [name for name in self.canaries.parameter_names if name not in trained]
+        holding = {self.canaries.parameter_names[slot] for slot in self.canaries.parameter.unique().tolist()}
+        missing = sorted(holding - trained.keys())
         if missing:
             raise ValueError(f"The gradient canaries' parameters {missing[:3]} are not trained by this engine: the "
                              "audit needs a trainable set that stays the same for the whole run.")
-        self._parameters = {name: trained[name] for name in self.canaries.parameter_names}
+        self._parameters = {name: trained[name] for name in holding}
         engine.add_chunk_transform(self._insert)
 
     def _insert(self, chunk: ChunkTerms, units: ChunkUnits) -> ChunkTerms:
