@@ -1,12 +1,12 @@
 """Per-example gradient engine: hooks on the model's own modules, one backward pass, terms handed to a reducer.
 
-Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on
-the layer output receives the output gradient and turns it into per-example terms: factored for the ghost
-norm, or instantiated at once where that is cheaper (biases are always reduced to B×p at once). When
-backward has finished for the whole chunk, `finish_backward` checks the terms, applies the chunk transforms (the
-audit's gradient canaries) and a method's term transforms (masks: before any norm) and hands them to `engine.reducer` (reducers.py; by default DP-SGD's flat
-clip: every example's norm over *all* trainable tensors, the clip factors and the clipped sums), then drops
-everything: nothing is kept across chunks but what the reducer accumulates.
+Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on the
+layer output receives the output gradient and turns it into per-example terms: factored for the ghost norm, or
+instantiated at once where that is cheaper (biases are always reduced to B×p at once). When backward has finished
+for the whole chunk, `finish_backward` checks the terms, applies the chunk transforms (the audit's gradient
+canaries) and a method's term transforms (masks: before any norm) and hands them to `engine.reducer` (reducers.py;
+by default DP-SGD's flat clip: every example's norm over *all* trainable tensors, the clip factors and the clipped
+sums), then drops everything: nothing is kept across chunks but what the reducer accumulates.
 
 Autograd's own parameter gradients would be computed and thrown away, so while a chunk is recorded the
 trainable parameters are flagged `requires_grad=False` ("ghost differentiation"): backward then only
