@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithPadding
 
-from hf_private import BitFitConfig, DPConfig, DPFPConfig, DPLoRAConfig, SparseLowRankConfig
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, DPLoRAConfig, FrostConfig, SparseLowRankConfig
 from hf_private.audit import AuditResult
 from hf_private.audit.canaries import add_canary_tokens
 from hf_private.audit.cli import run_audit
@@ -30,14 +30,16 @@ from tests.helpers import training_args
 from tests.test_audit import AUDIT_ARGS, BUGS, CLAIMED_EPSILON, CLIP, DELTA
 
 DEFAULT_CANARIES = 1000  # run_audit's default m
-# The methods whose audits had the black-box score alone before gradient canaries. Each needs at least m trainable
-# coordinates (a canary's own): BiTFiT's biases and DP-FP's head are widened to hold 1000.
+# The methods whose input embedding is not always trained. Each needs at least m coordinates it always trains (a
+# canary's own): BiTFiT's biases and DP-FP's and DP-FROST's heads are widened to hold 1000.
 METHODS = {
     "dp-lora": (DPLoRAConfig, {}),
     "bitfit": (BitFitConfig, dict(hidden_size=64)),
     "sparse-lowrank-lora": (functools.partial(SparseLowRankConfig, variant="lora"), {}),
     "sparse-lowrank-rgp": (functools.partial(SparseLowRankConfig, variant="rgp"), {}),
     "dp-fp-head": (functools.partial(DPFPConfig, mode="sound"), dict(hidden_size=512)),
+    # DP-FROST trains the embedding only when a selection picks it: its canaries live in the head it always trains
+    "dp-frost": (FrostConfig, dict(hidden_size=512)),
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import unwrap_peft
+from ..adapters import auxiliary_parameter_names, unwrap_peft
 from ..logs import get_logger
 from ..privacy import PrivacyLedger
 from ..trainer import PrivateTrainer
@@ -105,8 +105,8 @@ def run_audit(
     setup = _AuditSetup(model_factory, train_dataset, dp_config, args, canaries, canary_length, included,
                         trainer_class or PrivateTrainer, trainer_kwargs)
     trainer = setup.trainer(_canary_sets(active))
-    if WHITE_BOX in active and not unwrap_peft(trainer.model).get_input_embeddings().weight.requires_grad:
-        coordinates = sum(p.numel() for _, p in trainer.privacy_run.engine.parameters)
+    if WHITE_BOX in active and not _trains_input_embedding(trainer):
+        coordinates = sum(p.numel() for _, p in _always_trained(trainer))
         if coordinates >= canaries:
             logger.info("%s does not train the input embedding: the white-box score uses gradient canaries.",
                         dp_config.method)
@@ -121,8 +121,8 @@ def run_audit(
         if _canary_sets(active) != setup.kinds:
             trainer = setup.trainer(_canary_sets(active))
     if WHITE_BOX_GRADIENT in active:
-        gradient = draw_gradient_canaries(trainer.privacy_run.engine.parameters, canaries,
-                                          setup.token_ids[GRADIENT_CANARIES][0], secret)
+        gradient = draw_gradient_canaries(_always_trained(trainer), canaries, setup.token_ids[GRADIENT_CANARIES][0],
+                                          secret)
         inserter = GradientCanaryInserter(trainer.model, gradient, dp_config.max_grad_norm)
         trainer.privacy_run.add_instrument(inserter)
     token_ids, rows = setup.token_ids.get(TOKEN_CANARIES), setup.rows.get(TOKEN_CANARIES)
@@ -184,6 +184,20 @@ def run_audit(
 
 
 TOKEN_CANARIES, GRADIENT_CANARIES = "token", "gradient"
+
+
+def _always_trained(trainer) -> list[tuple[str, nn.Parameter]]:
+    """The engine's tensors the method trains from the first step on: those it names as trained before any step
+    (`DPMethod.trained_parameter_names`) and the auxiliary ones trained in their place (RGP's carriers). Every
+    trainable one for most methods; DP-FROST's head alone, as its selected partitions change from one selection to
+    the next."""
+    names = trainer.dp_method.trained_parameter_names(trainer.model) | auxiliary_parameter_names(trainer.model)
+    return [(name, p) for name, p in trainer.privacy_run.engine.parameters if name in names]
+
+
+def _trains_input_embedding(trainer) -> bool:
+    embedding = unwrap_peft(trainer.model).get_input_embeddings().weight
+    return any(p is embedding for _, p in _always_trained(trainer))
 
 
 def _canary_sets(scores: Sequence[str]) -> list[str]:
