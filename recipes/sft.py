@@ -30,6 +30,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from paper_defaults import method_name, split_batch  # noqa: E402
+from process_group import leave_process_group  # noqa: E402
 
 from hf_private import privatize  # noqa: E402
 from hf_private.instruction_demo import (  # noqa: E402
@@ -272,15 +273,6 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"σ = {result['noise_multiplier']:.3f}; {result['seconds']:.0f} s; private adapter, privacy ledger "
                  f"and card in {result['output_dir']}")
     return "\n".join(lines)
-
-
-def leave_process_group() -> None:
-    """Every rank leaves the process group together before the interpreter exits. Left to interpreter teardown, a
-    DPO run's rank 1 was now and then aborted after its work was done ("terminate called without an active
-    exception", exit code -6): a collective's thread destroyed while still running."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
