@@ -158,3 +158,24 @@ def test_a_dp_sgd_run_can_be_audited_with_gradient_canaries_too(tmp_path, monkey
     assert sound.bounds[0].confidence == 0.95
     BUGS["noise-not-added"](monkeypatch)
     assert audit(tmp_path / "broken").refutes_claim
+
+
+def test_gradient_canaries_audit_a_user_level_run(tmp_path, monkeypatch):
+    """At user level every gradient canary is a user of its own, one example in a unit of the user's rows: DP-LoRA
+    under ULS (100 users of 4 examples) is not refuted, and refuted unnoised."""
+    dp = DPLoRAConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000,
+                      privacy_unit="user", user_column="user_id", examples_per_user=4)
+    tok = tiny.tokenizer()
+    data = tiny.sentiment_dataset(400, seed=1)
+    data = data.add_column("user_id", [i // 4 for i in range(len(data))])
+
+    def audit(path):
+        return run_audit(tiny.bert, data, dp, training_args(path, **AUDIT_ARGS), canaries=DEFAULT_CANARIES, seed=0,
+                         data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+
+    sound = audit(tmp_path / "sound")
+    assert sound.bounds[0].score == "white-box-gradient"
+    assert_power(sound, sound.bounds[0], None)
+    BUGS["noise-not-added"](monkeypatch)
+    broken = audit(tmp_path / "broken")
+    assert_power(broken, broken.bounds[0], "noise-not-added")
