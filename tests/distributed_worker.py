@@ -40,6 +40,7 @@ from hf_private import (  # noqa: E402
 from hf_private.method_run import MethodRun  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
+from recipes.process_group import leave_process_group  # noqa: E402
 from tests import tiny  # noqa: E402
 
 DATASET_SIZE = 64
@@ -168,9 +169,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()
     run(ns.method, ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")))
-    # Every rank leaves the process group together, as recipes/sft.py does: left to interpreter teardown, a rank was
-    # now and then aborted after its work was done ("terminate called without an active exception", exit code -6;
-    # once in three CI runs, test_rgp_carriers_agree_on_every_rank_without_a_test_seed).
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # left to interpreter teardown, a rank was once aborted after its work was done (exit code -6; in three CI runs)
+    leave_process_group()

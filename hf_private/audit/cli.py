@@ -236,7 +236,9 @@ class _AuditSetup:
         m = self.canaries
         self.kinds = kinds
         self.token_ids = {kind: ids[i * m:(i + 1) * m] for i, kind in enumerate(kinds)}
-        self.rows = {kind: [canary_set[i * m + j] for j in range(m)] for i, kind in enumerate(kinds)}
+        # the token canaries' rows, which their scores read; gradient canaries are scored from the released gradients
+        self.rows = {kind: [canary_set[i * m + j] for j in range(m)] for i, kind in enumerate(kinds)
+                     if kind == TOKEN_CANARIES}
         chosen = torch.cat([self.included[kind] for kind in kinds])
         data = with_canaries(self.train_dataset, canary_set, chosen)
         logger.info("Audit: %s canaries (%d each), %d included, N=%d.", " and ".join(kinds), m, int(chosen.sum()),

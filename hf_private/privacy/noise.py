@@ -106,8 +106,10 @@ class GaussianNoise:
 
         Nothing new if the pending draw is for the same sizes and std; a pending draw for others is discarded.
         """
+        if not self.ahead:  # every training step calls this: nothing to build on a CPU
+            return
         key = (tuple(int(size) for size in sizes), float(std))
-        if not self.ahead or (self._next is not None and self._next.key == key):
+        if self._next is not None and self._next.key == key:
             return
         self._discard(self._next)
         self._next = None
