@@ -5,6 +5,9 @@ draws are made in chunks into small reused buffers (`GaussianSampler`); torch's 
 chunk's arithmetic. (Separate worker threads with their own substreams were slower on a 2-core CPU: the chunk
 kernels already use both.)
 
+On CUDA the keystream itself is made on the device, by ChaCha20 compiled into one kernel there (`device_chacha`,
+checked against RFC 8439 before use): nothing crosses the bus, and the CPU's one-core keystream is not the limit.
+
 Drawing ahead (on an accelerator by default): once a release's sizes and std are known (`prepare`, at the start of a
 logical batch), a background thread draws its values into one fp32 buffer — the memory of one fp32 copy of the
 noised coordinates — while forward and backward run, and `add_` adds them. The values are those the synchronous path

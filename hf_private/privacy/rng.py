@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from scipy import stats
 
 from ..logs import get_logger
+from . import device_chacha
 
 logger = get_logger(__name__)
 
@@ -121,6 +122,7 @@ class SecretRandom:
         self._requests = 0
         self._children = 0
         self._lock = threading.Lock()
+        self._device_keys: dict[torch.device, torch.Tensor] = {}
         self.insecure = test_seed is not None
 
     def __repr__(self) -> str:  # never show the key
@@ -147,18 +149,35 @@ class SecretRandom:
         child.insecure = self.insecure
         return child
 
-    def fill_(self, buffer: bytearray | memoryview) -> None:
-        """Overwrite `buffer` with fresh keystream bytes (one request, one nonce)."""
-        size = memoryview(buffer).nbytes
+    def _nonce(self, size: int) -> bytes:
+        """The 96-bit nonce of a new request of `size` bytes: never given twice."""
         if size > _MAX_REQUEST_BYTES:
             raise ValueError(f"One request may draw at most {_MAX_REQUEST_BYTES} bytes, got {size}.")
         with self._lock:
             request = self._requests
             self._requests += 1
+        return request.to_bytes(8, "little") + self._stream.to_bytes(4, "little")
+
+    def fill_(self, buffer: bytearray | memoryview) -> None:
+        """Overwrite `buffer` with fresh keystream bytes (one request, one nonce)."""
+        size = memoryview(buffer).nbytes
         # cryptography's 16-byte ChaCha20 nonce: 4-byte little-endian block counter, then the 96-bit nonce.
-        nonce = b"\0\0\0\0" + request.to_bytes(8, "little") + self._stream.to_bytes(4, "little")
-        encryptor = Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor()
+        encryptor = Cipher(algorithms.ChaCha20(self._key, b"\0\0\0\0" + self._nonce(size)), mode=None).encryptor()
         encryptor.update_into(_zeros(size), buffer)  # keystream XOR zeros = keystream
+
+    def device_keystream(self, size: int, function: device_chacha.BlockFunction,
+                         device: torch.device) -> torch.Tensor:
+        """`size` fresh keystream bytes (one request, one nonce) made on `device` by `function` (see
+        `device_chacha.block_function`): the bytes `fill_` gives for the same request, as a uint8 tensor there.
+
+        The key goes to the device as an argument of the block function, kept here (one copy per device) and never
+        elsewhere.
+        """
+        nonce = device_chacha.words(self._nonce(size), device)
+        key = self._device_keys.get(device)
+        if key is None:
+            key = self._device_keys[device] = device_chacha.words(self._key, device)
+        return device_chacha.keystream(function, key, nonce, size)
 
     def random_bytes(self, count: int) -> bytes:
         buffer = bytearray(count)
@@ -196,18 +215,26 @@ class GaussianSampler:
     The work per value is fixed — no rejection loop — so its time does not depend on anything private.
     """
 
-    def __init__(self, random: SecretRandom, pairs_per_chunk: int = 1 << 16, device: torch.device | str = "cpu"):
+    def __init__(self, random: SecretRandom, pairs_per_chunk: int | None = None,
+                 device: torch.device | str = "cpu", keystream: str | None = None):
+        """`keystream`: where the keystream is made. "host": by `random.fill_` on the CPU, copied to an accelerator;
+        "device": by ChaCha20 in tensor ops on the device itself (`device_chacha`), compiled on CUDA. By default
+        "device" on CUDA if its compiled kernel reproduces RFC 8439 there, else "host". Either gives the same bytes
+        for the same requests. `pairs_per_chunk`: 2¹⁶ by default; 2²² with the device keystream, whose kernels cost
+        per call rather than per byte."""
         self.random = random
-        self.pairs = pairs_per_chunk
         self.device = torch.device(device)
+        self._block_function = self._device_block_function(keystream)
+        self.keystream = "host" if self._block_function is None else "device"
+        self.pairs = pairs_per_chunk or (1 << 22 if self._block_function is not None else 1 << 16)
         on = dict(device=self.device)
-        # On CUDA the keystream goes into two pinned host buffers in turn, each copied to the device asynchronously:
-        # the next chunk's keystream is drawn while this one's copy runs, and a buffer is refilled only after its copy
-        # has finished (its event). Elsewhere one pageable buffer, copied (or, on CPU, viewed) synchronously.
-        self._pinned = self.device.type == "cuda"
+        # With the host keystream on CUDA it goes into two pinned host buffers in turn, each copied to the device
+        # asynchronously: the next chunk's keystream is drawn while this one's copy runs, and a buffer is refilled only
+        # after its copy has finished (its event). Elsewhere one pageable buffer, copied (on CPU, viewed) synchronously.
+        self._pinned = self.device.type == "cuda" and self._block_function is None
         turns = 2 if self._pinned else 1
-        self._hosts = [torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, pin_memory=self._pinned)
-                       for _ in range(turns)]
+        host_bytes = 0 if self._block_function is not None else PAIR_BYTES * self.pairs
+        self._hosts = [torch.empty(host_bytes, dtype=torch.uint8, pin_memory=self._pinned) for _ in range(turns)]
         self._copied: list[torch.cuda.Event | None] = [None] * turns
         self._turn = 0
         self._raw = torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, **on) if self._pinned else None
@@ -238,8 +265,23 @@ class GaussianSampler:
         torch.sin(angle, out=values[pairs:]).mul_(radius)
         return values
 
+    def _device_block_function(self, keystream: str | None) -> device_chacha.BlockFunction | None:
+        """The checked block function for the device keystream, or None for the host keystream."""
+        if keystream not in (None, "host", "device"):
+            raise ValueError(f'keystream must be "host", "device" or None, got {keystream!r}.')
+        if keystream == "host" or (keystream is None and self.device.type != "cuda"):
+            return None
+        function = device_chacha.block_function(self.device, compile=self.device.type == "cuda")
+        if function is None and keystream == "device":
+            raise RuntimeError(f"The device keystream cannot be used on {self.device} (the warning above says why).")
+        if function is None:
+            logger.warning("The noise keystream is made on the CPU and copied to %s.", self.device)
+        return function
+
     def _keystream(self, size: int) -> torch.Tensor:
         """`size` fresh keystream bytes (one request) as a uint8 tensor on the device."""
+        if self._block_function is not None:
+            return self.random.device_keystream(size, self._block_function, self.device)
         if not self._pinned:
             host = self._hosts[0][:size]
             self.random.fill_(memoryview(host.numpy()))
