@@ -19,9 +19,9 @@ from hf_private.privacy.noise import _Draw
 from tests import tiny
 from tests.helpers import make_trainer
 
-SIZES = [1000, 3, 200_001]  # an odd size, and one over a chunk (2¹⁷ values)
+SIZES = [1000, 3, 600_001]  # an odd size, and one over a chunk (2¹⁹ values)
 STD = 0.7
-CHUNKS = 1 + 1 + 2  # one request per chunk of 2¹⁷ values of each tensor
+CHUNKS = 1 + 1 + 2  # one request per chunk of 2¹⁹ values of each tensor
 
 
 def _release(noise: GaussianNoise, std: float = STD, sizes: list[int] = SIZES,

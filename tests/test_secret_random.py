@@ -176,6 +176,7 @@ def _noise(count: int, std: float) -> torch.Tensor:
 def _gaussian_verdict(values: torch.Tensor, std: float) -> dict[str, bool]:
     n = values.numel()
     z = (values / std).numpy()
+    pairs = GaussianSampler(SecretRandom(key=bytes(KEY_BYTES))).pairs
     variance = float((values**2).mean())
     tail = float((values.abs() > 4 * std).double().mean())
     tail_expected = 2 * stats.norm.sf(4)
@@ -184,7 +185,8 @@ def _gaussian_verdict(values: torch.Tensor, std: float) -> dict[str, bool]:
         "variance": abs(variance / std**2 - 1) < 6 * (2 / n) ** 0.5,
         "mean": abs(float(values.mean()) / std) < 6 / n**0.5,
         "tail": abs(tail - tail_expected) < 6 * (tail_expected / n) ** 0.5,
-        "pairs uncorrelated": abs(stats.pearsonr(z[0 : 1 << 16], z[1 << 16 : 1 << 17])[0]) < 6 / (1 << 16) ** 0.5,
+        # a chunk's values are its pairs' cosines, then their sines: the two halves of the first chunk
+        "pairs uncorrelated": abs(stats.pearsonr(z[:pairs], z[pairs : 2 * pairs])[0]) < 6 / pairs**0.5,
     }
 
 
