@@ -104,6 +104,12 @@ def test_engine_matches_fp64_per_example_loop(name):
     engine.detach()
 
 
+@pytest.mark.parametrize("name", ["bert", "gpt2-tied", "llama"])
+def test_halved_gram_blocks_match_the_per_example_loop(name, monkeypatch):
+    monkeypatch.setattr(terms, "_HALVED_GRAM_MIN_POSITIONS", 2)  # the long-sequence path at the tests' T
+    test_engine_matches_fp64_per_example_loop(name)
+
+
 def test_lora_uses_both_ghost_and_instantiated_norms(monkeypatch):
     """LoRA factors (r·d small) instantiate; square hidden×hidden weights use the ghost norm at T=12."""
     model = _lora(tiny.roberta().double(), "SEQ_CLS")

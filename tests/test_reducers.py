@@ -242,6 +242,40 @@ def test_zero_rows_and_columns_equal_masking_each_example(kind):
                           expected.flatten(1).pow(2).sum(1), rtol=1e-12)
 
 
+@pytest.mark.parametrize("positions", [8, 64, 65])  # one Gram; halved blocks; halved blocks of odd length
+def test_ghost_norms_from_gram_blocks_equal_the_instantiated_norms(positions):
+    gen = torch.Generator().manual_seed(positions)
+    term = OuterTerm(left=torch.randn(3, positions, 6, generator=gen, dtype=torch.float64),
+                     right=torch.randn(3, positions, 5, generator=gen, dtype=torch.float64))
+    assert len(terms.gram_blocks(term.left)) == (1 if positions < 64 else 3)
+    assert torch.allclose(terms.squared_norm(term), instantiate(term).flatten(1).pow(2).sum(1), rtol=1e-12)
+
+
+def test_factor_grams_form_a_shared_input_once_and_never_another_tensors(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    hidden = rand(3, 70, 16)  # the input Q, K and V read: one tensor, three weights' right factor
+    outputs = [rand(3, 70, 8) for _ in range(3)]
+    formed = []
+    gram_blocks = terms.gram_blocks
+    monkeypatch.setattr(terms, "gram_blocks", lambda factor: formed.append(factor) or gram_blocks(factor))
+    grams = terms.FactorGrams()
+    for grad in outputs:
+        term = OuterTerm(left=grad, right=hidden)
+        expected = instantiate(term).flatten(1).pow(2).sum(1)
+        assert torch.allclose(terms.squared_norm(term, grams), expected, rtol=1e-12)
+    assert len(formed) == 4, "three output-gradient factors and the shared input once"
+    # The same values in another tensor, or other values at the same address (another view): Grams of their own.
+    wide = rand(3, 70, 32)
+    columns, packed = wide[:, :, :16], wide.as_strided((3, 70, 16), (70 * 16, 16, 1))
+    assert columns.data_ptr() == packed.data_ptr() and not torch.equal(columns, packed)
+    for other in (hidden.clone(), columns, packed):
+        term = OuterTerm(left=outputs[2], right=other)
+        assert torch.allclose(terms.squared_norm(term, grams), instantiate(term).flatten(1).pow(2).sum(1),
+                              rtol=1e-12)
+    assert len(formed) == 4 + 3
+
+
 def test_term_transform_handle_removes_it():
     model, batch = _model("bert")
     weight = model.classifier.weight

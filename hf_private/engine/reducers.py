@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .terms import accumulation_dtype, cast_term, clipped_sum, combined_squared_norm, zero_examples
+from .terms import FactorGrams, accumulation_dtype, cast_term, clipped_sum, combined_squared_norm, zero_examples
 
 # max_grad_norm / (norm + _CLIP_STABILITY): the flat clip's factor, as DP-SGD has always computed it here
 _CLIP_STABILITY = 1e-6
@@ -42,8 +42,9 @@ class ChunkTerms:
 def flat_norms(chunk: ChunkTerms) -> torch.Tensor:
     """Each example's L2 norm over the concatenation of all trainable tensors (cross terms of shared ones included)."""
     norms_sq = None
+    grams = FactorGrams()  # one parameter's input factor is often the next one's (Q, K, V)
     for param, terms in chunk.terms.items():
-        contribution = combined_squared_norm(terms, accumulation_dtype(param))
+        contribution = combined_squared_norm(terms, accumulation_dtype(param), grams)
         norms_sq = contribution if norms_sq is None else norms_sq + contribution.to(norms_sq.dtype)
     return norms_sq.sqrt() if norms_sq is not None else torch.zeros(chunk.examples)
 

@@ -221,8 +221,8 @@ class GaussianSampler:
         """`keystream`: where the keystream is made. "host": by `random.fill_` on the CPU, copied to an accelerator;
         "device": by ChaCha20 in tensor ops on the device itself (`device_chacha`), compiled on CUDA. By default
         "device" on CUDA if its compiled kernel reproduces RFC 8439 there, else "host". Either gives the same bytes
-        for the same requests. `pairs_per_chunk`: 2¹⁸ by default (the fastest on a 2-core CPU); 2²² with the device keystream, whose kernels cost
-        per call rather than per byte."""
+        for the same requests. `pairs_per_chunk`: 2¹⁸ by default (the fastest on a 2-core CPU); 2²² with the device
+        keystream, whose kernels cost per call rather than per byte."""
         self.random = random
         self.device = torch.device(device)
         self._block_function = self._device_block_function(keystream)
