@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from hf_private.privacy import device_chacha
+from hf_private.privacy import GaussianNoise, device_chacha
 from hf_private.privacy.rng import GaussianSampler, SecretRandom
 from tests.test_secret_random import _chacha20_block
 
@@ -119,3 +119,18 @@ def test_a_compiler_that_fails_leaves_the_device_keystream_unused(monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="hf_private"):
         assert device_chacha.block_function(CPU, compile=True) is None
     assert "cannot run on cpu (RuntimeError: no compiler toolchain)" in caplog.text
+
+
+def test_noise_drawn_ahead_from_the_device_keystream_equals_the_host_noise():
+    # The accelerator's path as a whole: drawn ahead in a background thread, from the device keystream.
+    sizes, std = [1000, 3, 600_001], 0.7
+    released = []
+    for keystream in ("host", "device"):
+        noise = GaussianNoise("cpu", test_seed=21, ahead=True)
+        noise.sampler = GaussianSampler(noise.random, 1 << 18, keystream=keystream)
+        tensors = [torch.zeros(size) for size in sizes]
+        noise.prepare(sizes, std)
+        noise.add_(tensors, std)
+        assert noise._used == 1  # the draw made ahead was the one added
+        released.append(torch.cat(tensors))
+    assert torch.equal(*released) and released[0].std() > 0.5

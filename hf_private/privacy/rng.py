@@ -258,7 +258,7 @@ class GaussianSampler:
         radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
         torch.bitwise_and(radius_bits, _MASK_63, out=bits63)
         # −2 ln u in float64 (u's 63 bits matter near 0, where the tail is), then a float32 square root and scale:
-        # −2 ln u needs no float64 range or precision for its root (2⁻⁵² … 177.4), and float32's root is 3× cheaper.
+        # −2 ln u (0, or 2⁻⁵² to 177.4) needs no float64 range or precision for a float32 root, 3× cheaper.
         radius64.copy_(bits63).add_(_HALF).mul_(_ULP_63).log_().mul_(-2.0)
         radius.copy_(radius64).sqrt_().mul_(std)
         torch.bitwise_and(angle_bits, _MASK_24, out=bits24)
