@@ -276,6 +276,22 @@ def test_factor_grams_form_a_shared_input_once_and_never_another_tensors(monkeyp
     assert len(formed) == 4 + 3
 
 
+def test_factor_grams_cast_a_shared_bf16_input_once_and_compute_in_the_accumulation_dtype(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 66, 16, generator=gen).to(torch.bfloat16)  # as bf16 autocast stores it
+    outputs = [torch.randn(2, 66, 8, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    formed = []
+    gram_blocks = terms.gram_blocks
+    monkeypatch.setattr(terms, "gram_blocks", lambda factor: formed.append(factor.dtype) or gram_blocks(factor))
+    grams = terms.FactorGrams()
+    for grad in outputs:
+        term = OuterTerm(left=grad, right=hidden)
+        got = terms.combined_squared_norm([term], torch.float32, grams)
+        expected = instantiate(terms.cast_term(term, torch.float64)).flatten(1).pow(2).sum(1)
+        assert got.dtype == torch.float32 and torch.allclose(got.double(), expected, rtol=1e-5)
+    assert formed == [torch.float32] * 4, "cast to fp32 and formed once for the shared input"
+
+
 def test_term_transform_handle_removes_it():
     model, batch = _model("bert")
     weight = model.classifier.weight

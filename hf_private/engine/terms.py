@@ -219,7 +219,10 @@ def zero_examples(term, keep: torch.Tensor):
 _HALVED_GRAM_MIN_POSITIONS = 64
 
 
-def gram_blocks(factor: torch.Tensor) -> tuple[tuple[torch.Tensor, float], ...]:
+GramBlocks = tuple[tuple[torch.Tensor, float], ...]
+
+
+def gram_blocks(factor: torch.Tensor) -> GramBlocks:
     """The per-example Gram F Fᵀ of a [B, T, W] factor as (block, weight) pairs whose weighted elementwise products
     with another factor's blocks sum to Σ_ij (F Fᵀ)_ij (G Gᵀ)_ij: Gram matrices are symmetric, so of the four
     half-size blocks one off-diagonal block counts twice."""
@@ -235,37 +238,39 @@ class FactorGrams:
     """The Gram blocks of the last two factors seen, reused when a term's factor is one of them.
 
     Consecutive weights often share a factor: Q, K and V read the same hidden states, so their input factor is one
-    tensor, and between their turns comes only each one's own output-gradient factor. A kept factor is referenced
-    here, so its memory cannot be reused by another tensor while its blocks are kept: the same address, shape,
-    strides and dtype then mean the same values (nothing writes to a term's factors while norms are computed).
+    tensor, and between their turns comes only each one's own output-gradient factor. A factor is keyed as it was
+    stored, before any cast to the accumulation dtype (under bf16 autocast the cast is made once too). A kept factor
+    is referenced here, so its memory cannot be reused by another tensor while its blocks are kept: the same address,
+    shape, strides and dtype then mean the same values (nothing writes to a term's factors while norms are computed).
     """
 
     def __init__(self, slots: int = 2) -> None:
         self._slots = slots
-        self._kept: list[tuple[torch.Tensor, tuple]] = []
+        self._kept: list[tuple[torch.Tensor, torch.dtype, GramBlocks]] = []
 
-    def __call__(self, factor: torch.Tensor) -> tuple[tuple[torch.Tensor, float], ...]:
-        for i, (kept, blocks) in enumerate(self._kept):
-            if (kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape
+    def __call__(self, factor: torch.Tensor, dtype: torch.dtype | None = None) -> GramBlocks:
+        """The blocks of `factor` cast to `dtype` (its own by default)."""
+        dtype = dtype or factor.dtype
+        for i, (kept, kept_dtype, blocks) in enumerate(self._kept):
+            if (kept_dtype == dtype and kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape
                     and kept.stride() == factor.stride() and kept.dtype == factor.dtype
                     and kept.device == factor.device):
                 self._kept.append(self._kept.pop(i))  # the most recently used is kept longest
                 return blocks
-        blocks = gram_blocks(factor)
-        self._kept = [*self._kept, (factor, blocks)][-self._slots :]
+        blocks = gram_blocks(factor.to(dtype))
+        self._kept = [*self._kept, (factor, dtype, blocks)][-self._slots :]
         return blocks
 
 
-def squared_norm(term, grams: FactorGrams | None = None) -> torch.Tensor:
-    """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable. `grams`: Gram blocks
-    shared with the other terms of the same chunk (see `FactorGrams`)."""
-    if isinstance(term, SampleTerm):
-        return term.grad.flatten(1).pow(2).sum(1)
-    if isinstance(term, IndexTerm):
-        return _index_squared_norm(term)
+def squared_norm(term, grams: FactorGrams | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable, computed in `dtype`
+    (the term's own by default). `grams`: Gram blocks shared with the other terms of the same chunk (`FactorGrams`)."""
+    if not isinstance(term, OuterTerm):
+        term = cast_term(term, dtype) if dtype is not None else term
+        return term.grad.flatten(1).pow(2).sum(1) if isinstance(term, SampleTerm) else _index_squared_norm(term)
     grams = grams or FactorGrams(slots=1)
     total = None
-    for (left, weight), (right, _) in zip(grams(term.left), grams(term.right)):
+    for (left, weight), (right, _) in zip(grams(term.left, dtype), grams(term.right, dtype)):
         part = (left * right).flatten(1).sum(1)
         part = part * weight if weight != 1.0 else part
         total = part if total is None else total + part
@@ -366,9 +371,9 @@ def cast_term(term, dtype: torch.dtype):
 # ---------------------------------------------------------------- one parameter's terms together
 def combined_squared_norm(terms: list, dtype: torch.dtype, grams: FactorGrams | None = None) -> torch.Tensor:
     """‖Σ_i g_b^i‖² per example over all terms of one parameter, cross terms included, computed in `dtype`."""
-    terms = [cast_term(t, dtype) for t in terms]
     grams = grams or FactorGrams()
-    total = sum(squared_norm(t, grams) for t in terms)
+    total = sum(squared_norm(t, grams, dtype) for t in terms)
+    terms = [cast_term(t, dtype) for t in terms] if len(terms) > 1 else terms
     for i in range(len(terms)):
         for j in range(i + 1, len(terms)):
             total = total + 2 * inner(terms[i], terms[j])
