@@ -244,8 +244,9 @@ class FactorGrams:
     shape, strides and dtype then mean the same values (nothing writes to a term's factors while norms are computed).
     """
 
-    def __init__(self, slots: int = 2) -> None:
-        self._slots = slots
+    _SLOTS = 2
+
+    def __init__(self) -> None:
         self._kept: list[tuple[torch.Tensor, torch.dtype, GramBlocks]] = []
 
     def __call__(self, factor: torch.Tensor, dtype: torch.dtype | None = None) -> GramBlocks:
@@ -258,7 +259,7 @@ class FactorGrams:
                 self._kept.append(self._kept.pop(i))  # the most recently used is kept longest
                 return blocks
         blocks = gram_blocks(factor.to(dtype))
-        self._kept = [*self._kept, (factor, dtype, blocks)][-self._slots :]
+        self._kept = [*self._kept, (factor, dtype, blocks)][-self._SLOTS :]
         return blocks
 
 
@@ -268,7 +269,7 @@ def squared_norm(term, grams: FactorGrams | None = None, dtype: torch.dtype | No
     if not isinstance(term, OuterTerm):
         term = cast_term(term, dtype) if dtype is not None else term
         return term.grad.flatten(1).pow(2).sum(1) if isinstance(term, SampleTerm) else _index_squared_norm(term)
-    grams = grams or FactorGrams(slots=1)
+    grams = grams or FactorGrams()
     total = None
     for (left, weight), (right, _) in zip(grams(term.left, dtype), grams(term.right, dtype)):
         part = (left * right).flatten(1).sum(1)

@@ -51,6 +51,9 @@ _MASK_24 = (1 << 24) - 1
 _HALF, _ULP_53, _ULP_63 = 0.5, 2.0**-53, 2.0**-63
 # Bytes per pair of Gaussians: 8 for the radius uniform (63 bits used), 4 for the angle (24 bits used).
 PAIR_BYTES = 12
+# Pairs per chunk of the Gaussian sampler: the fastest on a 2-core CPU; with the device keystream, whose kernels cost
+# per call rather than per byte, larger.
+HOST_CHUNK_PAIRS, DEVICE_CHUNK_PAIRS = 1 << 18, 1 << 22
 
 #: A pair's largest radius in standard deviations, √(−2 ln u) at the smallest radius uniform u = 2⁻⁶⁴: ≈ 9.419.
 #: No draw exceeds it: every pair lies in a disc of this radius around its mean.
@@ -221,13 +224,11 @@ class GaussianSampler:
         """`keystream`: where the keystream is made. "host": by `random.fill_` on the CPU, copied to an accelerator;
         "device": by ChaCha20 in tensor ops on the device itself (`device_chacha`), compiled on CUDA. By default
         "device" on CUDA if its compiled kernel reproduces RFC 8439 there, else "host". Either gives the same bytes
-        for the same requests. `pairs_per_chunk`: 2¹⁸ by default (the fastest on a 2-core CPU); 2²² with the device
-        keystream, whose kernels cost per call rather than per byte."""
+        for the same requests. `pairs_per_chunk`: `HOST_CHUNK_PAIRS` or `DEVICE_CHUNK_PAIRS` by default."""
         self.random = random
         self.device = torch.device(device)
         self._block_function = self._device_block_function(keystream)
-        self.keystream = "host" if self._block_function is None else "device"
-        self.pairs = pairs_per_chunk or (1 << 22 if self._block_function is not None else 1 << 18)
+        self.pairs = pairs_per_chunk or (DEVICE_CHUNK_PAIRS if self._block_function is not None else HOST_CHUNK_PAIRS)
         on = dict(device=self.device)
         # With the host keystream on CUDA it goes into two pinned host buffers in turn, each copied to the device
         # asynchronously: the next chunk's keystream is drawn while this one's copy runs, and a buffer is refilled only
@@ -267,6 +268,11 @@ class GaussianSampler:
         torch.cos(angle, out=values[:pairs]).mul_(radius)
         torch.sin(angle, out=values[pairs:]).mul_(radius)
         return values
+
+    @property
+    def keystream(self) -> str:
+        """Where this sampler's keystream is made: "host" or "device"."""
+        return "host" if self._block_function is None else "device"
 
     def _device_block_function(self, keystream: str | None) -> device_chacha.BlockFunction | None:
         """The checked block function for the device keystream, or None for the host keystream."""
