@@ -20,7 +20,7 @@ import time
 import torch
 
 from hf_private.privacy import device_chacha
-from hf_private.privacy.rng import PAIR_BYTES, GaussianSampler, SecretRandom
+from hf_private.privacy.rng import DEVICE_CHUNK_PAIRS, HOST_CHUNK_PAIRS, PAIR_BYTES, GaussianSampler, SecretRandom
 
 KEY = bytes(range(32))  # a public benchmark key: these draws protect nothing
 
@@ -51,7 +51,7 @@ def _check_stream(function: device_chacha.BlockFunction, device: torch.device) -
 
 def _device_keystream_seconds(function: device_chacha.BlockFunction, device: torch.device, size: int,
                               repeats: int) -> float:
-    random, chunk = SecretRandom(key=KEY), PAIR_BYTES * (1 << 22)  # the sampler's chunk with the device keystream
+    random, chunk = SecretRandom(key=KEY), PAIR_BYTES * DEVICE_CHUNK_PAIRS  # the sampler's requests
 
     def device_keystream():
         for start in range(0, size, chunk):
@@ -63,7 +63,7 @@ def _device_keystream_seconds(function: device_chacha.BlockFunction, device: tor
 def measure(device: torch.device, values: int, compile: bool, repeats: int) -> dict:
     pairs = (values + 1) // 2
     bytes_needed = PAIR_BYTES * pairs
-    host_buffer = bytearray(PAIR_BYTES * (1 << 16))
+    host_buffer = bytearray(PAIR_BYTES * HOST_CHUNK_PAIRS)  # the sampler's requests
     host_random = SecretRandom(key=KEY)
 
     def host_keystream():
