@@ -84,6 +84,74 @@ def user_level_facts(config: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- who wrote what
+def user_ids(dataset: Any, column: str) -> list[int | str]:
+    """Each example's user, as `plain_user_ids` reads it: the one reading of a user column (the index of users, so
+    ULS, ELS, the probe and resume; the audit's new users). A `datasets.Dataset` is read as stored, its format (and
+    any transform) aside: the ids are metadata, never model inputs."""
+    names = getattr(dataset, "column_names", None)
+    if names is not None and column not in names:
+        raise ValueError(f"user_column={column!r} is not a column of the training set (columns: {names}). Add "
+                         "each example's user id, or set privacy_unit='example'.")
+    if hasattr(dataset, "with_format"):  # a datasets.Dataset: the stored values in one read, whatever its format
+        dataset = dataset.with_format(None)
+    try:
+        values = list(dataset[column][:]) if names is not None else [dataset[i][column] for i in range(len(dataset))]
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"The training examples have no {column!r} entry (user_column): {error}.") from None
+    return plain_user_ids(values, column)
+
+
+def plain_user_ids(values: Sequence[Any], column: str) -> list[int | str]:
+    """The ids as plain Python integers or strings, so one user is one value whatever the dataset's format: a 0-d
+    tensor (`with_format("torch")`) hashes by identity and would make every row a user of its own. Tensors and numpy
+    scalars read as the number they hold, whole floats as integers (a column with a gap is stored as floats).
+    Refused, rows named: a missing id (None, NaN), a float that is not whole, anything but one integer or string,
+    and a column mixing integers and strings ("1" and 1 would be two users)."""
+    plain: list[int | str] = []
+    refused: dict[str, list[int]] = {}
+    for row, value in enumerate(values):
+        value, problem = _plain_user_id(value)
+        if problem:
+            refused.setdefault(problem, []).append(row)
+        plain.append(value)
+    if refused:
+        problem, rows = next(iter(refused.items()))
+        raise ValueError(f"{len(rows)} training examples have {problem} in column {column!r} ({_rows(rows)}): every "
+                         "example must belong to one user, named by an integer or a string, or the user-level "
+                         "guarantee would not cover it. Drop them or give each its user.")
+    kinds = {str: [], int: []}
+    for row, value in enumerate(plain):
+        kinds[type(value)].append(row)
+    if kinds[str] and kinds[int]:
+        raise ValueError(f"Column {column!r} (user_column) mixes string ids ({_rows(kinds[str])}) and integer ids "
+                         f"({_rows(kinds[int])}): '1' and 1 would count as two users. Give every id one type, e.g. "
+                         f"dataset.cast_column({column!r}, Value('string')).")
+    return plain
+
+
+def _plain_user_id(value: Any) -> tuple[Any, str | None]:
+    """(the id as a plain value, None), or (the value, why it is no user id)."""
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
+        if getattr(value, "ndim", 0) != 0:
+            return value, "an array, not one id,"
+        value = value.item()
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return value, "no user"
+    if isinstance(value, bool):
+        return value, "a boolean, not an id,"
+    if isinstance(value, float):
+        return (int(value), None) if value.is_integer() else (value, "a float id that is not a whole number")
+    if isinstance(value, int | str):
+        return value, None
+    return value, f"a {type(value).__name__}, not an integer or string id,"
+
+
+def _rows(rows: Sequence[int], shown: int = 5) -> str:
+    """Row numbers for a message: the first few, then how many more."""
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:shown]))}{more}"
+
+
 @dataclass(frozen=True)
 class UserIndex:
     """The users of a training set: `user_of[i]` is example i's user number (0 … users − 1, in first-seen order)."""
@@ -93,22 +161,9 @@ class UserIndex:
 
     @classmethod
     def of(cls, dataset: Any, column: str) -> UserIndex:
-        """Read `column` of `dataset`; refuse a missing column and examples without a user."""
-        names = getattr(dataset, "column_names", None)
-        if names is not None and column not in names:
-            raise ValueError(f"user_column={column!r} is not a column of the training set (columns: {names}). Add "
-                             "each example's user id, or set privacy_unit='example'.")
-        try:
-            values = list(dataset[column]) if names is not None else [dataset[i][column] for i in range(len(dataset))]
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"The training examples have no {column!r} entry (user_column): {error}.") from None
-        missing = [i for i, value in enumerate(values) if value is None or (isinstance(value, float)
-                                                                           and math.isnan(value))]
-        if missing:
-            raise ValueError(f"{len(missing)} training examples have no user in column {column!r} (e.g. row "
-                             f"{missing[0]}): every example must belong to a user, or the user-level guarantee would "
-                             "not cover it. Drop them or give each its user.")
-        numbers: dict[Any, int] = {}
+        """Read `column` of `dataset` (`user_ids`) and number its users by value."""
+        numbers: dict[int | str, int] = {}
+        values = user_ids(dataset, column)
         user_of = np.fromiter((numbers.setdefault(value, len(numbers)) for value in values), dtype=np.int64,
                               count=len(values))
         return cls(column, user_of)

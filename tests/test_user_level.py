@@ -65,6 +65,36 @@ def test_the_index_numbers_users_in_first_seen_order_and_refuses_examples_withou
         UserIndex.of(Dataset.from_dict({"user_id": ["a"]}), "author")
 
 
+@pytest.mark.parametrize("data_format", [None, "torch", "numpy"])
+def test_users_are_compared_by_value_whatever_the_datasets_format(data_format):
+    dataset = Dataset.from_dict({"user_id": [7, 3, 7, 3, 9]}).with_format(data_format)
+    assert UserIndex.of(dataset, "user_id").user_of.tolist() == [0, 1, 0, 1, 2]
+    # a dataset of rows (no column access), its ids as tensors, numpy scalars and whole floats: one user
+    rows = [{"user_id": value} for value in (torch.tensor(7), np.int64(7), 7.0, np.float32(7.0), 7)]
+    assert UserIndex.of(rows, "user_id").user_of.tolist() == [0] * 5
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("ids, message", [
+    (["1", 1, "2", 2], r"mixes string ids \(rows 0, 2\) and integer ids \(rows 1, 3\)"),
+    ([1.0, NAN, 2.0, NAN], r"2 training examples have no user in column 'user_id' \(rows 1, 3\)"),
+    ([1.0, 1.5, 2.0], r"a float id that is not a whole number in column 'user_id' \(row 1\)"),
+    ([1, None, 2], r"no user in column 'user_id' \(row 1\)"),
+    ([True, False], r"a boolean, not an id, in column 'user_id' \(rows 0, 1\)"),
+    ([[1], [2]], r"a list, not an integer or string id, in column 'user_id' \(rows 0, 1\)"),
+])
+@pytest.mark.parametrize("data_format", [None, "torch"])
+def test_ids_that_are_not_one_plain_value_are_refused_with_their_rows(ids, message, data_format):
+    rows = [{"user_id": torch.tensor(i) if data_format and isinstance(i, float) else i} for i in ids]
+    with pytest.raises(ValueError, match=message):
+        UserIndex.of(rows, "user_id")
+    if all(isinstance(i, float) for i in ids):  # a float column as the datasets library stores it
+        with pytest.raises(ValueError, match=message):
+            UserIndex.of(Dataset.from_dict({"user_id": ids}).with_format(data_format), "user_id")
+
+
 # ---------------------------------------------------------------------- ULS: Poisson over users
 def _heavy_tailed_users(users: int, seed: int = 0) -> UserIndex:
     rng = np.random.default_rng(seed)
@@ -162,12 +192,13 @@ def independent_epsilon(privacy: dict) -> float:
     return accountant.get_epsilon(privacy["delta"] - privacy.get("sampler_tail_delta", 0.0))
 
 
-def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int) -> torch.Tensor:
+def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int,
+                 data_format: str | None = None) -> torch.Tensor:
     """Σ of the clipped per-unit gradients plus the replayed noise, read off one SGD step at q = 1 (`units`: the
-    expected batch, every user under ULS, every kept example under ELS)."""
+    expected batch, every user under ULS, every kept example under ELS; `data_format`: the dataset's, e.g. "torch")."""
     model = tiny.bert()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users), dp=dp,
+    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users).with_format(data_format), dp=dp,
                            per_device_train_batch_size=units, max_steps=1, learning_rate=1.0, optim="sgd",
                            lr_scheduler_type="constant", weight_decay=0.0)
     assert trainer.sample_rate == 1.0
@@ -176,10 +207,11 @@ def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: i
     return (before - after) * units
 
 
-def uls_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int) -> torch.Tensor:
+def uls_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int, data_format: str | None = None,
+                     units: int | None = None) -> torch.Tensor:
     dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
                   user_column="user_id", examples_per_user=k)
-    return released_sum(tmp_path, dataset, users, dp, len(set(users)))
+    return released_sum(tmp_path, dataset, users, dp, units or len(set(users)), data_format)
 
 
 MATES, MATE_USERS = _user_rows(6, 2)  # six users with two examples each
@@ -193,10 +225,16 @@ def _with_added() -> tuple[Dataset, list]:
     return concatenate_datasets([MATES, ADDED]), MATE_USERS + ADDED_USERS
 
 
-def sensitivity(tmp_path, clip: float, k: int) -> float:
+def sensitivity(tmp_path, clip: float, k: int, data_format: str | None = None, rows_as_units: bool = False) -> float:
+    """How far adding the user moves the release; `rows_as_units`: a batch of every row, so q = 1 for an index that
+    counts rows as users."""
     data, users = _with_added()
-    return float((uls_released_sum(tmp_path / "with", data, users, clip, k)
-                  - uls_released_sum(tmp_path / "without", MATES, MATE_USERS, clip, k)).norm())
+
+    def release(name: str, dataset: Dataset, ids: list) -> torch.Tensor:
+        return uls_released_sum(tmp_path / name, dataset, ids, clip, k, data_format,
+                                units=len(ids) if rows_as_units else None)
+
+    return float((release("with", data, users) - release("without", MATES, MATE_USERS)).norm())
 
 
 CLIP = 0.01  # below every example's gradient norm: every user is clipped
@@ -213,6 +251,32 @@ def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_
     monkeypatch.setattr(hf_private.trainer, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
     monkeypatch.setattr(hf_private.trainer, "probe_example_independence", lambda *args, **kwargs: None)
     assert sensitivity(tmp_path, CLIP, 10) > 3 * CLIP
+
+
+def torch_formatted_users(tmp_path, data: Dataset, users: list) -> int:
+    """The users a user-level trainer counts in `data` with `users` as its user column, in the torch format."""
+    dp = DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=1)
+    trainer = make_trainer(tmp_path, dataset=with_users(data, users).with_format("torch"), dp=dp,
+                           per_device_train_batch_size=2)
+    return trainer.dataset_size
+
+
+def test_ids_read_as_tensors_count_users_and_one_user_moves_the_release_by_at_most_C(tmp_path):
+    """with_format("torch") hands the ids over as 0-d tensors, which hash by identity: read by value, the trainer
+    counts 7 users, not 22 rows, and the added user with ten examples moves the release by at most C."""
+    data, users = _with_added()
+    assert torch_formatted_users(tmp_path / "count", data, users) == len(set(users)) < len(users)
+    for k in (1, 10):
+        assert sensitivity(tmp_path / str(k), CLIP, k, data_format="torch") <= CLIP * (1 + 1e-4)
+
+
+def test_the_tensor_id_test_fails_when_ids_are_compared_as_the_dataset_hands_them_over(tmp_path, monkeypatch):
+    """Without `users.user_ids` (the column listed as the torch format gives it): every row is a user of its own, so
+    N counts rows and the added user's ten examples each move the release by up to C."""
+    monkeypatch.setattr(hf_private.users, "user_ids", lambda dataset, column: list(dataset[column]))
+    data, users = _with_added()
+    assert torch_formatted_users(tmp_path / "count", data, users) == len(users)
+    assert sensitivity(tmp_path, CLIP, 1, data_format="torch", rows_as_units=True) > 3 * CLIP
 
 
 HUGE = 50.0  # above every user's gradient norm here: nothing is clipped

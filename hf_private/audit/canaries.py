@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..adapters import unwrap_peft
+from ..users import user_ids
 
 DESIGN_SEED = 2023  # public: the canaries' embedding rows and labels; only their inclusion is secret
 
@@ -74,8 +75,8 @@ def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_lab
 
     users: tuple = ()
     if user_column is not None:
-        taken = set(train_dataset[user_column])
-        if all(isinstance(u, int | np.integer) for u in taken):
+        taken = set(user_ids(train_dataset, user_column))  # as the trainer reads them: 0-d tensors are integers
+        if all(isinstance(u, int) for u in taken):
             start = max(taken) + 1
             users = (user_column, *range(start, start + len(token_ids)))
         else:
