@@ -1,10 +1,16 @@
 """Is an evaluation set held out? Checked against the training set before its metrics are called held-out.
 
 Metrics on training examples are un-noised functions of the private data: the card must never present them as a
-held-out result. An evaluation set overlaps the training set when it is the same object, has the same `datasets`
-fingerprint, or has a row that repeats a training example (`row_identity`): the same unpadded tokens, the same text,
-or, for sets stored at different max_length, the same first tokens (at least MIN_PREFIX) up to where the shorter set
-stops. Labels are left out: the same input under another label still shows what the model learnt from that example.
+held-out result. Both sets are compared unit by unit (`row_identity.examples`): a row, or each sequence of a row that
+packs several (TRL's packing). An evaluation set overlaps the training set when it is the same object, has the same
+`datasets` fingerprint, or has a unit that repeats a training unit: the same unpadded tokens, the same text, or, for
+sets stored at different max_length, the same first tokens (at least MIN_PREFIX) up to where the shorter set stops.
+Labels, and columns a trainer derives from a unit (DPO's precomputed reference log-probabilities), are left out: the
+same input under another label still shows what the model learnt from that example.
+
+Three verdicts: held-out, overlapping, and unknown where the check cannot tell (a packed row it cannot cut into its
+sequences, on either side; rows packed so that sequences may be cut across them; sets with no column in common).
+Only a held-out set's metrics are published.
 
 Memory: a 16-byte blake2b key per training row for tokens and one for text (about 100 bytes each in a Python set),
 one more set when a truncation comparison is needed, and a key per evaluation row it must test that way; time is
@@ -24,7 +30,8 @@ logger = get_logger(__name__)
 
 HELD_OUT = "held-out"
 OVERLAPS = "overlaps the training data"
-# What a shared row repeats; the card's held-out heading says the same ("checked to repeat no ...").
+UNKNOWN = "not known to be held out"
+# What a shared unit repeats; the card's held-out heading says the same ("checked to repeat no ...").
 COMPARED = "training example's tokens, padding ignored, or text"
 
 _LABEL_COLUMNS = ("label", "labels", "label_ids")
@@ -35,70 +42,110 @@ class _Keys(NamedTuple):
     tokens: set[bytes]
     texts: set[bytes]
     longest: int  # the longest token row: the training set's truncation length, if it was truncated
+    undivided: int  # training rows packing sequences that could not be cut apart
+
+
+class Overlap(NamedTuple):
+    """What the check found in one evaluation set."""
+
+    shared: int  # its units that repeat a training unit
+    units: int  # its units compared
+    unknown: str | None  # why units that repeat none may still be training data (None: they are not)
+
+    @property
+    def verdict(self) -> str:
+        return OVERLAPS if self.shared else UNKNOWN if self.unknown else HELD_OUT
 
 
 class TrainingRows:
-    """The training set's row keys, computed once (on first need) per way of comparing."""
+    """The training set's unit keys, computed once (on first need) per way of comparing.
+
+    `label_columns`: labels, and the columns a trainer derives from a unit (left out of its key). `unmarked`: why the
+    trainer's evaluation rows may hold parts of units that nothing in a row delimits (TRL packing that cuts
+    sequences across rows), which leaves every set not shown to overlap unknown; None when rows hold whole units.
+    """
 
     def __init__(self, train_dataset, input_columns: Sequence[str], label_columns: Sequence[str] = (),
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, unmarked: str | None = None) -> None:
         self.train_dataset = train_dataset
         self.input_columns = list(input_columns)  # what the model accepts; other columns never reach it
         self.label_columns = {*_LABEL_COLUMNS, *label_columns}
         self.pad_token_id = pad_token_id
+        self.unmarked = unmarked
         self._keys: dict[Identity, _Keys] = {}
         self._prefixes: dict[tuple[Identity, int], set[bytes]] = {}
-        self._checked: dict[int, tuple[Any, int]] = {}  # id → (dataset, overlap); holding it keeps its id unique
+        self._checked: dict[int, tuple[Any, Overlap]] = {}  # id → (dataset, overlap); holding it keeps its id unique
 
-    def overlap(self, eval_dataset, name: str) -> int:
-        """How many rows of `eval_dataset` are training rows (all, for the training set); warns once per set."""
+    def overlap(self, eval_dataset, name: str) -> Overlap:
+        """What `eval_dataset` shares with the training data (all of it, for the training set); warns once per set."""
         seen = self._checked.get(id(eval_dataset))
         if seen is not None and seen[0] is eval_dataset:
             return seen[1]
-        count, size = self._count_overlap(eval_dataset)
-        self._checked[id(eval_dataset)] = (eval_dataset, count)
-        if count:
+        found = self._count_overlap(eval_dataset)
+        self._checked[id(eval_dataset)] = (eval_dataset, found)
+        if found.shared:
             logger.warning(
-                "Evaluation set %r shares %d of its %d rows with the training data (each repeats a %s): its metrics "
-                "are un-noised functions of the private training data, not a held-out result, and the model card "
-                "will not publish them.", name, count, size, COMPARED,
+                "Evaluation set %r shares %d of its %d units (rows, or the sequences packed in a row) with the "
+                "training data (each repeats a %s): its metrics are un-noised functions of the private training "
+                "data, not a held-out result, and the model card will not publish them.",
+                name, found.shared, found.units, COMPARED,
             )
-        return count
+        elif found.unknown:
+            logger.warning(
+                "Evaluation set %r could not be checked against the training data: %s. Its metrics may be un-noised "
+                "functions of the private training data, and the model card will not publish them as held-out.",
+                name, found.unknown,
+            )
+        return found
 
-    def _count_overlap(self, eval_dataset) -> tuple[int, int]:
-        """(rows of `eval_dataset` that are training rows, rows of `eval_dataset`); one pass, streaming sets too."""
+    def _count_overlap(self, eval_dataset) -> Overlap:
+        """Units of `eval_dataset` that are training units, and why the rest may be; one pass, streaming sets too."""
         train = self.train_dataset
         fingerprint = getattr(eval_dataset, "_fingerprint", None)
         if eval_dataset is train or (fingerprint is not None and fingerprint == getattr(train, "_fingerprint", None)):
-            return len(eval_dataset), len(eval_dataset)
+            return Overlap(len(eval_dataset), len(eval_dataset), None)
         how = identity(train, eval_dataset, self.input_columns, self.label_columns, self.pad_token_id)
         if how is None:
-            return 0, 0  # no column in common: no row can be shared
+            return Overlap(0, 0, "it has no column in common with the training set, so no row can be compared")
         known = self._training_keys(how)
-        shared = size = longest = 0
-        untested: list[tuple[int, bytes]] = []  # (cut, prefix key) per unmatched row; the cut applying shows at the end
+        shared = size = longest = undivided = 0
+        untested: list[tuple[int, bytes]] = []  # (cut, prefix key) per unmatched unit; the cut applying shows last
         for example in examples(eval_dataset, how):
             size += 1
             longest = max(longest, example.length)
             if token_key(example) in known.tokens or text_key(example) in known.texts:
                 shared += 1
-            elif (cut := min(known.longest, example.length)) > MIN_PREFIX:
+                continue
+            undivided += example.undivided
+            if (cut := min(known.longest, example.length)) > MIN_PREFIX:
                 untested.append((cut, prefix_key(example, cut)))
         cut = min(known.longest, longest)
         if untested and longest != known.longest and cut > MIN_PREFIX:
             truncated = self._training_prefixes(how, cut)
             shared += sum(row_cut == cut and key in truncated for row_cut, key in untested)
-        return shared, size
+        return Overlap(shared, size, self._unknown(undivided, known.undivided))
+
+    def _unknown(self, undivided: int, training_undivided: int) -> str | None:
+        """Why units that matched nothing may still be training units."""
+        if undivided:
+            return (f"{undivided} of its rows pack several sequences that could not be cut apart (their seq_lengths "
+                    "or restarting position_ids do not add up, or the row has text or other columns that are not one "
+                    "value per token), so their sequences were not compared")
+        if training_undivided:
+            return (f"{training_undivided} training rows pack several sequences that could not be cut apart, so "
+                    "their sequences are not known")
+        return self.unmarked
 
     def _training_keys(self, how: Identity) -> _Keys:
         if how not in self._keys:
-            tokens, texts, longest = set(), set(), 0
+            tokens, texts, longest, undivided = set(), set(), 0, 0
             for example in examples(self.train_dataset, how):
                 tokens.add(token_key(example))
                 if (text := text_key(example)) is not None:
                     texts.add(text)
                 longest = max(longest, example.length)
-            self._keys[how] = _Keys(tokens, texts, longest)
+                undivided += example.undivided
+            self._keys[how] = _Keys(tokens, texts, longest, undivided)
         return self._keys[how]
 
     def _training_prefixes(self, how: Identity, cut: int) -> set[bytes]:
@@ -115,14 +162,14 @@ class Evaluations:
 
     def __init__(self, training_rows: TrainingRows, eval_dataset) -> None:
         self.training_rows = training_rows
-        self.results: dict[str, tuple[str, dict[str, float]]] = {}  # prefix → (HELD_OUT or OVERLAPS, last metrics)
+        self.results: dict[str, tuple[str, dict[str, float]]] = {}  # prefix → (verdict, last metrics)
         self.predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
         for prefix, dataset in eval_sets(eval_dataset):
             training_rows.overlap(dataset, prefix)
 
     def record(self, dataset, prefix: str, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """`evaluate()` on `dataset`, its predictions counted if held out, its metrics recorded under `prefix`."""
-        status = OVERLAPS if self.training_rows.overlap(dataset, prefix) else HELD_OUT
+        status = self.training_rows.overlap(dataset, prefix).verdict
         with self.predictions.counting(held_out=status == HELD_OUT):
             metrics = evaluate()
         self.results[prefix] = (status, published_metrics(metrics, prefix))
@@ -159,8 +206,12 @@ def card_evaluation(results: Mapping[str, tuple[str, dict[str, float]]]) -> tupl
     for prefix, (status, metrics) in results.items():
         if status == HELD_OUT:
             published.update(metrics)
-        else:
+        elif status == OVERLAPS:
             notes.append(f"`{prefix}` was evaluated on data overlapping the training data: its metrics are "
                          "un-noised, not covered by the privacy guarantee and not a held-out result, so they are "
                          "not published.")
+        else:
+            notes.append(f"`{prefix}` was evaluated on data that could not be checked against the training data "
+                         "(the training log says why): its metrics may be un-noised functions of the training data, "
+                         "not covered by the privacy guarantee, so they are not published as a held-out result.")
     return published, notes

@@ -9,6 +9,10 @@ re-tokenised with padding="max_length", with another max_length, or again from i
   label or segment ids are still the training example. Other model inputs (e.g. pixel_values) are kept as stored.
 - Truncation: see `prefix_key`.
 - Text: the string columns both sets have, together, Unicode-NFKC-normalised, case-folded and whitespace-collapsed.
+- Units: a row that packs several sequences (TRL's `seq_lengths`, or `position_ids` restarting at 0 within the
+  attended tokens) is cut into them, and each is compared alone: a packed row repeats no training row, but its
+  sequences may each be one. A packed row whose marks do not add up, or whose other columns cannot be cut with its
+  tokens, is kept whole and marked `undivided`: nothing then shows that it holds no training sequence.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import torch
 
 TOKENS = "input_ids"
 MASK = "attention_mask"
-# They change with padding and say nothing the tokens do not.
-PER_TOKEN = (MASK, "token_type_ids", "position_ids", "special_tokens_mask")
+POSITIONS = "position_ids"
+#: TRL's mark of a packed row: the length of each sequence in it, in order
+SEQ_LENGTHS = "seq_lengths"
+# They change with padding or packing and say nothing the tokens do not.
+PER_TOKEN = (MASK, "token_type_ids", POSITIONS, "special_tokens_mask", SEQ_LENGTHS)
 # Fewest leading tokens two rows must share for a truncation match: shorter common openings are common phrases.
 MIN_PREFIX = 16
 _BATCH = 4096
@@ -44,11 +51,12 @@ class Identity:
 
 
 class Example(NamedTuple):
-    """One row as the check sees it."""
+    """One unit as the check sees it: a row, or one sequence of a packed row."""
 
     sequences: tuple[tuple[int, ...], ...]  # unpadded token rows; () without tokens
     others: Any
     text: tuple[str, ...]  # normalised; () without shared text columns
+    undivided: bool = False  # a packed row that could not be cut into its sequences, keyed whole
 
     @property
     def length(self) -> int:
@@ -75,15 +83,58 @@ def identity(train, eval_dataset, input_columns: Sequence[str], label_columns: s
 
 
 def examples(dataset, how: Identity) -> Iterator[Example]:
-    """Each row of `dataset` as an `Example`, in one pass (streaming sets too)."""
+    """Each unit of `dataset` as an `Example` (a row, or each sequence of a packed row), in one pass (streaming sets
+    too)."""
     columns = _columns(dataset) or []
     mask = how.tokens and MASK in columns
+    marks = [c for c in (SEQ_LENGTHS, POSITIONS) if how.tokens and c in columns][:1]  # seq_lengths, if both
     wanted = None if how.others is None else [
-        *((TOKENS,) if how.tokens else ()), *((MASK,) if mask else ()), *how.others, *how.texts]
+        *((TOKENS,) if how.tokens else ()), *((MASK,) if mask else ()), *marks, *how.others, *how.texts]
     for row in _rows(dataset, wanted):
-        sequences = unpadded(row[TOKENS], row[MASK] if mask else None, how.pad_token_id) if how.tokens else ()
-        others = row if how.others is None else tuple(row[c] for c in how.others)
-        yield Example(sequences, others, tuple(normalised(row[c]) for c in how.texts))
+        runs = _packed_runs(row[TOKENS], row[marks[0]], marks[0], row[MASK] if mask else None) if marks else [[]]
+        if runs is not None and len(runs) == 1:
+            sequences = unpadded(row[TOKENS], row[MASK] if mask else None, how.pad_token_id) if how.tokens else ()
+            others = row if how.others is None else tuple(row[c] for c in how.others)
+            yield Example(sequences, others, tuple(normalised(row[c]) for c in how.texts))
+        else:
+            yield from _units(row, runs, how, mask)
+
+
+def _units(row: Mapping[str, Any], runs: list[list[int]] | None, how: Identity, mask: bool) -> Iterator[Example]:
+    """The sequences of a packed row (`runs`: each one's token positions), each keyed as an unpacked row would be.
+    The row is kept whole, `undivided`, when its marks do not add up (None), or when it has text columns or model
+    inputs that are not one value per token (they belong to the whole row)."""
+    tokens = row[TOKENS]
+    per_token = all(isinstance(row[c], list) and len(row[c]) == len(tokens) for c in how.others)
+    if runs is None or how.texts or not per_token:
+        yield Example(unpadded(tokens, row[MASK] if mask else None, how.pad_token_id),
+                      tuple(row[c] for c in how.others), tuple(normalised(row[c]) for c in how.texts), undivided=True)
+        return
+    for run in runs:
+        sequence = _unpadded_row([tokens[i] for i in run], None, how.pad_token_id)
+        if sequence:  # a run of padding alone is no unit
+            yield Example((sequence,), tuple([row[c][i] for i in run] for c in how.others), ())
+
+
+def _packed_runs(tokens: list[Any], marks: Any, mark: str, mask: list[int] | None) -> list[list[int]] | None:
+    """The token positions of each sequence of a flat token row, from its `seq_lengths` or from its `position_ids`
+    restarting at 0 (positions whose attention_mask is 0 left out): one run for a row that packs nothing, None when
+    the marks do not add up to the row."""
+    if not tokens or isinstance(tokens[0], list):
+        return [list(range(len(tokens)))]  # empty, or one row per choice: nothing packed
+    if mark == SEQ_LENGTHS:
+        if not isinstance(marks, list) or sum(marks) != len(tokens) or min(marks, default=0) < 1:
+            return None
+        starts = np.cumsum([0, *marks]).tolist()
+        return [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    if not isinstance(marks, list) or len(marks) != len(tokens):
+        return None
+    attended = [i for i in range(len(tokens)) if mask is None or mask[i]]
+    restarts = [k for k in range(1, len(attended)) if marks[attended[k]] == 0]
+    if not restarts:
+        return [attended]
+    runs = [attended[a:b] for a, b in zip([0, *restarts], [*restarts, len(attended)])]
+    return runs if all(marks[i] == j for run in runs for j, i in enumerate(run)) else None
 
 
 def token_key(example: Example) -> bytes:

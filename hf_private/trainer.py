@@ -129,8 +129,10 @@ class PrivateTrainingMixin:
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
-        self._evaluations = Evaluations(TrainingRows(self.train_dataset, self._signature_columns, self.label_names,
-                                                     pad_token_id(self.processing_class)), self.eval_dataset)
+        training_rows = TrainingRows(self.train_dataset, self._signature_columns,
+                                     [*self.label_names, *checked.family.derived_columns],
+                                     pad_token_id(self.processing_class), checked.family.unmarked_units(self.args))
+        self._evaluations = Evaluations(training_rows, self.eval_dataset)
         self.privacy_run.log_plan()
         log_ignored_labels(checked.labels)
 

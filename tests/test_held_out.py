@@ -18,8 +18,8 @@ from datasets import Dataset, concatenate_datasets
 from huggingface_hub import ModelCard
 from transformers import DataCollatorWithPadding
 
-from hf_private import DPConfig, PrivateTrainer, demo, model_card
-from hf_private.held_out import COMPARED, TrainingRows
+from hf_private import DPConfig, PrivateTrainer, demo, model_card, row_identity
+from hf_private.held_out import COMPARED, HELD_OUT, OVERLAPS, UNKNOWN, TrainingRows, card_evaluation
 from tests import tiny
 from tests.helpers import training_args
 
@@ -76,7 +76,7 @@ def test_evaluation_on_training_data_is_not_published_as_held_out(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, eval_dataset)
     shared = 10 if evaluated == "training rows under another fingerprint" else len(train)
-    assert f"{OVERLAP_WARNING} {shared} of its {len(eval_dataset)} rows" in caplog.text
+    assert f"{OVERLAP_WARNING} {shared} of its {len(eval_dataset)} units" in caplog.text
     assert "input_ids" not in caplog.text  # a count, never row contents
     metrics = trainer.evaluate()
     _assert_withheld(_card(trainer), "eval", metrics)
@@ -119,7 +119,7 @@ def test_row_hashes_ignore_labels_and_storage_format():
     train = tiny.sentiment_dataset(40)
     rows = TrainingRows(train, ["input_ids", "attention_mask", "label"])  # what the model accepts, as Trainer says
     relabelled = train.select(range(5)).map(lambda row: {"label": 1 - row["label"]})
-    assert rows.overlap(relabelled, "relabelled") == 5, "the same input under another label is a training input"
+    assert rows.overlap(relabelled, "relabelled").shared == 5, "the same input under another label is a training input"
 
     class Tensors(torch.utils.data.Dataset):  # a plain torch dataset holding tensors, not a datasets.Dataset
         def __len__(self):
@@ -128,11 +128,93 @@ def test_row_hashes_ignore_labels_and_storage_format():
         def __getitem__(self, i):
             return {key: torch.tensor(train[i + 10][key]) for key in ("input_ids", "attention_mask", "label")}
 
-    assert rows.overlap(Tensors(), "tensors") == 4
+    assert rows.overlap(Tensors(), "tensors").shared == 4
 
     class Stream(torch.utils.data.IterableDataset):  # no length: read by iteration, as evaluation reads it
         def __iter__(self):
             return (train[i] for i in range(20, 23))
 
-    assert rows.overlap(Stream(), "stream") == 3
-    assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh") == 0
+    assert rows.overlap(Stream(), "stream").shared == 3
+    assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh").shared == 0
+
+
+# ---------------------------------------------------------------------- units: the sequences of packed rows
+LM_INPUTS = ["input_ids", "attention_mask", "position_ids", "seq_lengths", "labels"]
+
+
+def _packed(dataset: Dataset) -> Dataset:
+    """TRL's BFD packing (rows of at most 64 tokens, `seq_lengths` marking each sequence): several sequences a row."""
+    from trl import pack_dataset
+
+    packed = pack_dataset(dataset.select_columns(["input_ids"]), 64, "bfd")
+    assert len(packed) < len(dataset) and max(map(len, packed["seq_lengths"])) > 1
+    return packed
+
+
+def _packed_by_positions(dataset: Dataset) -> Dataset:
+    """Four sequences a row, end to end, marked only by position_ids restarting at 0 (then right padding, masked)."""
+    rows = []
+    for start in range(0, len(dataset), 4):
+        ids = [token for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"]
+               for token in row]
+        positions = [p for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"]
+                     for p in range(len(row))]
+        rows.append({"input_ids": ids + [0, 0], "position_ids": positions + [0, 1],
+                     "attention_mask": [1] * len(ids) + [0, 0]})
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("pack", [_packed, _packed_by_positions], ids=["seq_lengths", "position_ids"])
+def test_packed_rows_are_compared_sequence_by_sequence(pack):
+    train = tiny.lm_dataset(40)
+    rows = TrainingRows(train, LM_INPUTS, pad_token_id=0)
+    seen = rows.overlap(pack(train), "packed training set")
+    assert (seen.shared, seen.units, seen.verdict) == (40, 40, OVERLAPS)
+    assert rows.overlap(pack(concatenate_datasets([train.select(range(3)), tiny.lm_dataset(37, seed=9)])),
+                        "three training sequences").shared == 3
+    fresh = rows.overlap(pack(tiny.lm_dataset(40, seed=9)), "fresh")
+    assert (fresh.shared, fresh.verdict) == (0, HELD_OUT)
+
+
+def test_a_packed_training_set_is_compared_by_its_sequences_too():
+    train = tiny.lm_dataset(40)
+    rows = TrainingRows(_packed(train), LM_INPUTS, pad_token_id=0)
+    assert rows.overlap(train.select(range(5)), "five sequences").shared == 5
+    assert rows.overlap(tiny.lm_dataset(40, seed=9), "fresh").verdict == HELD_OUT
+
+
+def test_mutation_packed_rows_compared_whole_pass_as_held_out(monkeypatch):
+    """The check as it was: each packed row one unit. The training sequences, packed, then repeat no training row."""
+    train = tiny.lm_dataset(40)
+    monkeypatch.setattr(row_identity, "_packed_runs", lambda tokens, *args: [list(range(len(tokens)))])
+    assert TrainingRows(train, LM_INPUTS, pad_token_id=0).overlap(_packed(train), "packed").verdict == HELD_OUT
+
+
+def test_rows_that_cannot_be_cut_into_their_sequences_are_unknown(caplog):
+    train = tiny.lm_dataset(40)
+    rows = TrainingRows(train, LM_INPUTS, pad_token_id=0)
+    fresh = _packed(tiny.lm_dataset(40, seed=9))
+    miscounted = fresh.map(lambda row: {"seq_lengths": [*row["seq_lengths"][:-1], row["seq_lengths"][-1] + 1]})
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
+        found = rows.overlap(miscounted, "miscounted")
+    assert (found.shared, found.verdict) == (0, UNKNOWN) and "could not be cut apart" in found.unknown
+    assert "could not be checked" in caplog.text
+    # a packed row whose text belongs to the whole row cannot be cut with its tokens
+    texted = fresh.map(lambda row, i: {"text": f"row {i}"}, with_indices=True)
+    assert TrainingRows(train.map(lambda row, i: {"text": f"text {i}"}, with_indices=True), LM_INPUTS,
+                        pad_token_id=0).overlap(texted, "texted").verdict == UNKNOWN
+    # on the training side: nothing shows which sequences the evaluation set must not repeat
+    packed_train = TrainingRows(_packed(train).map(lambda row: {"seq_lengths": [1]}), LM_INPUTS, pad_token_id=0)
+    assert packed_train.overlap(tiny.lm_dataset(40, seed=9), "fresh").verdict == UNKNOWN
+    # nothing in common to compare
+    assert rows.overlap(Dataset.from_dict({"pixels": [[0.5]] * 4}), "other columns").verdict == UNKNOWN
+
+
+def test_only_held_out_sets_are_published_and_an_unknown_one_is_named():
+    metrics = {"eval_dev_loss": 1.0, "eval_seen_loss": 2.0, "eval_packed_loss": 3.0}
+    published, notes = card_evaluation({"eval_dev": (HELD_OUT, {"eval_dev_loss": 1.0}),
+                                        "eval_seen": (OVERLAPS, {"eval_seen_loss": 2.0}),
+                                        "eval_packed": (UNKNOWN, {"eval_packed_loss": 3.0})})
+    assert published == {"eval_dev_loss": metrics["eval_dev_loss"]}
+    assert [note.split(" was evaluated on data ")[0] for note in notes] == ["`eval_seen`", "`eval_packed`"]
+    assert "could not be checked against the training data" in notes[1]

@@ -44,11 +44,11 @@ def test_padded_copy_is_training_data():
     texts, labels = demo.sentiment_texts(40)
     rows = TrainingRows(tiny.sentiment_dataset(40), INPUTS, pad_token_id=0)
     padded = _encoded(tiny.tokenizer(), texts, labels, padding="max_length", max_length=16)
-    assert rows.overlap(padded, "padded") == 40
+    assert rows.overlap(padded, "padded").shared == 40
     unmasked = _encoded(tiny.tokenizer(), texts, labels, padding="max_length", max_length=20,
                         return_attention_mask=False)
-    assert rows.overlap(unmasked, "unmasked") == 40, "without a mask, the pad id shows the padding"
-    assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh") == 0
+    assert rows.overlap(unmasked, "unmasked").shared == 40, "without a mask, the pad id shows the padding"
+    assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh").shared == 0
 
 
 def test_padded_multiple_choice_copy_is_training_data():
@@ -60,8 +60,8 @@ def test_padded_multiple_choice_copy_is_training_data():
                 "attention_mask": [mask + [0] * (width - len(mask)) for mask in row["attention_mask"]]}
 
     rows = TrainingRows(train, INPUTS)
-    assert rows.overlap(train.map(pad), "padded") == 12
-    assert rows.overlap(tiny.multiple_choice_dataset(12, seed=9).map(pad), "fresh") == 0
+    assert rows.overlap(train.map(pad), "padded").shared == 12
+    assert rows.overlap(tiny.multiple_choice_dataset(12, seed=9).map(pad), "fresh").shared == 0
 
 
 def test_copy_at_another_max_length_is_training_data():
@@ -71,8 +71,8 @@ def test_copy_at_another_max_length_is_training_data():
         train = _encoded(tok, texts, labels, max_length=train_length, padding="max_length")
         rows = TrainingRows(train, INPUTS, pad_token_id=tok.pad_token_id)
         copy = _encoded(tok, texts[:10] + fresh[10:], labels, max_length=eval_length)
-        assert rows.overlap(copy, f"{eval_length} tokens") == 10, (train_length, eval_length)
-        assert rows.overlap(_encoded(tok, fresh, labels, max_length=eval_length), "fresh") == 0
+        assert rows.overlap(copy, f"{eval_length} tokens").shared == 10, (train_length, eval_length)
+        assert rows.overlap(_encoded(tok, fresh, labels, max_length=eval_length), "fresh").shared == 0
 
 
 def test_retokenised_text_is_training_data():
@@ -87,7 +87,7 @@ def test_retokenised_text_is_training_data():
     restyled = [f"  {text.capitalize()}\n" for text in texts]  # case and spacing do not make a new text
     copy = _encoded(other, restyled, labels, padding="max_length", max_length=16).add_column("sentence", restyled)
     assert copy["input_ids"][0] != train["input_ids"][0]
-    assert TrainingRows(train, INPUTS).overlap(copy, "re-tokenised") == 40
+    assert TrainingRows(train, INPUTS).overlap(copy, "re-tokenised").shared == 40
 
 
 def test_texts_sharing_an_opening_with_training_texts_are_held_out():
@@ -100,4 +100,4 @@ def test_texts_sharing_an_opening_with_training_texts_are_held_out():
     near = (_encoded(tiny.tokenizer(), longer + changed, labels, padding="max_length", max_length=16)
             .add_column("sentence", longer + changed).add_column("id", [str(i) for i in range(60)]))
     assert max(map(len, train["input_ids"])) - 1 < MIN_PREFIX  # too short an opening to call a copy
-    assert TrainingRows(train, INPUTS, pad_token_id=0).overlap(near, "near") == 0
+    assert TrainingRows(train, INPUTS, pad_token_id=0).overlap(near, "near").shared == 0

@@ -22,6 +22,7 @@ import hf_private.trainer
 from hf_private import DPConfig, privatize
 from hf_private.demo import NEGATIVE, NEUTRAL, POSITIVE
 from hf_private.engine import PerExampleGradientEngine
+from hf_private.held_out import HELD_OUT, OVERLAPS, TrainingRows
 from hf_private.integrations import family_of
 from hf_private.integrations.trl_dpo import PAIR_LOSSES, PairCollator, reference_logps, sequence_logps
 from tests import tiny
@@ -183,6 +184,25 @@ def test_precomputed_reference_log_probs_give_the_same_pair_losses(tmp_path):
     torch.testing.assert_close(from_dataset, recomputed, rtol=1e-4, atol=1e-5)
     stored.train()
     assert stored.privacy_report()["steps"] > 0
+
+
+def test_training_pairs_with_precomputed_reference_log_probs_are_not_held_out(tmp_path):
+    """precompute_ref_log_probs adds each pair's reference log-probabilities, computed for each set apart (in other
+    batches, so possibly other floats): the held-out check compares the pairs themselves, never those columns."""
+    trainer = dpo_trainer(tmp_path, tiny.preference_pairs(16), ref_model=tiny.llama(), precompute_ref_log_probs=True,
+                          trainer_kwargs={"eval_dataset": tiny.preference_pairs(16)})
+    rows = trainer._evaluations.training_rows
+    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.eval_dataset.column_names)
+    assert rows.overlap(trainer.eval_dataset, "eval").verdict == OVERLAPS
+    # the same pairs, tokenized only, their reference log-probabilities off in the last places
+    nudged = trainer.eval_dataset.remove_columns(["prompt", "chosen", "rejected"]).map(
+        lambda row: {"ref_chosen_logps": row["ref_chosen_logps"] * (1 + 1e-6)})
+    assert rows.overlap(nudged, "nudged").shared == 16
+    # mutation: the derived columns kept in the pairs' keys
+    kept = TrainingRows(rows.train_dataset, rows.input_columns, (), rows.pad_token_id)
+    assert kept.overlap(nudged, "nudged").verdict == HELD_OUT
+    trainer.evaluate()
+    assert trainer._evaluations.results["eval"][0] == OVERLAPS
 
 
 # ---------------------------------------------------------------------- the adapter, the card

@@ -10,6 +10,8 @@ The settings SFT refuses are rows of tests/test_preflight.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,9 +21,10 @@ from peft import LoraConfig, PeftModel
 from trl import SFTConfig, SFTTrainer  # the test extra installs trl: CI must run these, never skip them
 
 import hf_private.trainer
-from hf_private import DPConfig, privatize
+from hf_private import DPConfig, privatize, row_identity
 from hf_private.demo import NEGATIVE, NEUTRAL, POSITIVE
 from hf_private.engine.reducers import FlatL2ClipReducer
+from hf_private.held_out import HELD_OUT, OVERLAPS, UNKNOWN
 from hf_private.integrations import family_of
 from hf_private.losses import IGNORE_INDEX
 from tests import tiny
@@ -216,6 +219,66 @@ def test_the_independence_test_fails_when_the_batch_normalisation_is_put_back(tm
     next_to_short, next_to_long = contributions(tmp_path, HUGE, batch_normalised_loss)
     assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
 
+
+
+# ---------------------------------------------------------------------- packed evaluation sets: held out or not
+PACKED = dict(max_length=56, per_device_train_batch_size=4, max_steps=1)  # 5 to 7 of the 24 sequences a packed row
+
+
+def packed_eval_trainer(tmp_path, eval_dataset, **config):
+    return sft_trainer(tmp_path, tiny.prompt_completions(24), trainer_kwargs={"eval_dataset": eval_dataset},
+                       **{**PACKED, **config})
+
+
+def _card_text(trainer) -> str:
+    trainer.save_model()
+    return ModelCard.load(trainer.args.output_dir + "/README.md").text
+
+
+def test_the_packed_training_set_evaluated_is_not_held_out(tmp_path):
+    """packing=True packs the evaluation set too (several sequences a row, none equal to a training sequence): its
+    sequences are compared one by one, so the training set evaluated is found, and its metrics are withheld."""
+    trainer = packed_eval_trainer(tmp_path, tiny.prompt_completions(24), packing=True)
+    assert min(map(len, trainer.eval_dataset["seq_lengths"])) > 1, "no packed row is one sequence alone"
+    found = trainer._evaluations.training_rows.overlap(trainer.eval_dataset, "eval")
+    assert (found.shared, found.units, found.verdict) == (24, 24, OVERLAPS)
+    metrics = trainer.evaluate()
+    assert trainer._evaluations.results["eval"][0] == OVERLAPS
+    text = _card_text(trainer)
+    assert "On held-out data" not in text and "`eval` was evaluated on data overlapping the training data" in text
+    assert not any(key in text for key in metrics if key.startswith("eval_"))
+
+
+def test_mutation_packed_evaluation_rows_compared_whole_are_called_held_out(tmp_path, monkeypatch):
+    """The check as it was: each packed evaluation row one unit. Then no row repeats a training sequence."""
+    monkeypatch.setattr(row_identity, "_packed_runs", lambda tokens, *args: [list(range(len(tokens)))])
+    trainer = packed_eval_trainer(tmp_path, tiny.prompt_completions(24), packing=True)
+    assert trainer._evaluations.training_rows.overlap(trainer.eval_dataset, "eval").verdict == HELD_OUT
+
+
+def test_a_disjoint_packed_evaluation_set_is_held_out(tmp_path):
+    dev = Dataset.from_list([_pc(3, 2, 40 + 7 * i) for i in range(16)])
+    train = tiny.prompt_completions(24)
+    assert not {(row["prompt"], row["completion"]) for row in dev} & set(zip(train["prompt"], train["completion"]))
+    trainer = packed_eval_trainer(tmp_path, dev, packing=True)
+    assert max(map(len, trainer.eval_dataset["seq_lengths"])) > 1
+    loss = trainer.evaluate()["eval_loss"]
+    assert trainer._evaluations.results["eval"][0] == HELD_OUT
+    assert f"| eval_loss | {round(loss, 4)} |" in _card_text(trainer)
+
+
+def test_evaluation_rows_packed_across_sequences_are_unknown(tmp_path, caplog):
+    """eval_packing with 'wrapped' (allowed: training is not packed) cuts sequences across rows: nothing in a row
+    says where a sequence starts, so no verdict of held-out is possible and nothing is published as one."""
+    dev = Dataset.from_list([_pc(3, 2, 40 + 7 * i) for i in range(16)])
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
+        trainer = packed_eval_trainer(tmp_path, dev, eval_packing=True, packing_strategy="wrapped")
+    assert "packing_strategy='wrapped'" in caplog.text and "could not be checked" in caplog.text
+    metrics = trainer.evaluate()
+    assert trainer._evaluations.results["eval"][0] == UNKNOWN
+    text = _card_text(trainer)
+    assert "On held-out data" not in text and "`eval` was evaluated on data that could not be checked" in text
+    assert not any(key in text for key in metrics if key.startswith("eval_"))
 
 
 # ---------------------------------------------------------------------- the README's script

@@ -69,6 +69,8 @@ class TrainerFamily:
     refused_keywords: tuple[RefusedKeyword, ...] = ()
     #: whether a user's `per_example_loss(model, outputs, labels)` can be the unit's loss (not for a pair loss)
     accepts_per_example_loss = True
+    #: columns the trainer computes from each unit (not what the unit is): the held-out check leaves them out
+    derived_columns: tuple[str, ...] = ()
 
     def unit(self, train_dataset: Any) -> str:
         """The privacy unit, as "one training <unit>" reads on the card."""
@@ -87,6 +89,12 @@ class TrainerFamily:
         """The training set as the trainer prepared it, one unit per row: a family undoes a preparation that put
         several units in one row (TRL's dataset packing), so that the sampler draws units."""
         return dataset
+
+    def unmarked_units(self, args: Any) -> str | None:
+        """Why a row the trainer prepares for evaluation may hold parts of units that nothing in it delimits (the
+        held-out check then cannot clear it); None: each row holds whole units, several only with `seq_lengths` or
+        restarting `position_ids` (`hf_private.row_identity`)."""
+        return None
 
     def training_collator(self, collate_fn: Callable[[list], Mapping[str, Any]]) -> Callable:
         """How a training chunk is collated: the trainer's own collator, unless the family regroups the rows."""

@@ -64,6 +64,17 @@ class SFTFamily(TrainerFamily):
             return dataset
         return unpack_rows(dataset)
 
+    def unmarked_units(self, args: Any) -> str | None:
+        """Evaluation sets are packed with `eval_packing` (else `packing`) and the same `packing_strategy`, which
+        only `packing=True` restricts to 'bfd': 'bfd_split' and 'wrapped' cut sequences across rows."""
+        packing = args.packing if getattr(args, "eval_packing", None) is None else args.eval_packing
+        strategy = getattr(args, "packing_strategy", "bfd")
+        if not packing or strategy == "bfd":
+            return None
+        return (f"SFTTrainer packs evaluation sets with packing_strategy={strategy!r}, which cuts sequences across "
+                "rows, so a row's pieces cannot be matched to whole training sequences (use "
+                "packing_strategy='bfd' or eval_packing=False)")
+
     def unit(self, train_dataset: Any) -> str:
         """"conversation" (messages, or a conversational prompt and completion), "prompt-completion pair", or
         "sequence" (a text, or a tokenized sequence)."""
