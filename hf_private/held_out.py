@@ -20,6 +20,7 @@ one pass over each set, plus one over the training set per truncation length com
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any, NamedTuple
 
 from .logs import get_logger
@@ -158,22 +159,47 @@ class TrainingRows:
 
 class Evaluations:
     """Each evaluation's metrics with the verdict on the very set that produced them (what the card may publish), and
-    the held-out predictions counted for the collapse warning. Overlapping sets given at construction warn at once."""
+    the held-out predictions counted for the collapse warning. Overlapping sets given at construction warn at once.
+
+    The verdict is made on the set an evaluation reads (`reading`, as its dataloader is built), as the trainer's
+    evaluate prepared it: TRL tokenizes a set passed to `evaluate()`, appends an EOS to its text and packs it, so the
+    set as passed is not the set evaluated. An evaluation that built no dataloader through `reading` is unknown."""
 
     def __init__(self, training_rows: TrainingRows, eval_dataset) -> None:
         self.training_rows = training_rows
         self.results: dict[str, tuple[str, dict[str, float]]] = {}  # prefix → (verdict, last metrics)
         self.predictions = HeldOutPredictions()  # counted in compute_loss, checked after evaluate()
+        self._open: tuple[str, ExitStack] | None = None  # the evaluation under way: its prefix, its counting
+        self._verdicts: list[str] = []  # of the sets it read
         for prefix, dataset in eval_sets(eval_dataset):
             training_rows.overlap(dataset, prefix)
 
-    def record(self, dataset, prefix: str, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """`evaluate()` on `dataset`, its predictions counted if held out, its metrics recorded under `prefix`."""
-        status = self.training_rows.overlap(dataset, prefix).verdict
-        with self.predictions.counting(held_out=status == HELD_OUT):
-            metrics = evaluate()
+    def record(self, prefix: str, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """`evaluate()`, its metrics recorded under `prefix` with the verdict on the set it read."""
+        self._verdicts = []
+        with ExitStack() as counting:
+            self._open = (prefix, counting)
+            try:
+                metrics = evaluate()
+            finally:
+                self._open = None
+        status = self._verdicts[0] if len(set(self._verdicts)) == 1 else UNKNOWN
+        if not self._verdicts:
+            logger.warning("Evaluation %r read no set through PrivateTrainingMixin.get_eval_dataloader (a subclass "
+                           "overrides it without calling super()?): the set evaluated was not checked against the "
+                           "training data, and the model card will not publish its metrics as held-out.", prefix)
         self.results[prefix] = (status, published_metrics(metrics, prefix))
         return metrics
+
+    def reading(self, dataset) -> None:
+        """The set the evaluation under way reads: judged, and its predictions counted if held out (outside an
+        evaluation, e.g. in predict(), nothing is recorded)."""
+        if self._open is None:
+            return
+        prefix, counting = self._open
+        verdict = self.training_rows.overlap(dataset, prefix).verdict
+        self._verdicts.append(verdict)
+        counting.enter_context(self.predictions.counting(held_out=verdict == HELD_OUT))
 
 
 def pad_token_id(processing_class) -> int | None:

@@ -322,12 +322,20 @@ class PrivateTrainingMixin:
             dataset = self.eval_dataset[dataset]
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
-        metrics = self._evaluations.record(dataset, metric_key_prefix, partial(
+        metrics = self._evaluations.record(metric_key_prefix, partial(
             super().evaluate, eval_dataset, ignore_keys, metric_key_prefix, **kwargs))
         settings = self.privacy_run.collapse_settings(self.args.learning_rate)
         self._evaluations.predictions.warn_if_collapsed(metric_key_prefix, self.model, settings, reduce=(
             partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
         return metrics
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """Trainer's, once the set it reads is judged held out or not (`held_out.Evaluations.reading`): here the set
+        is as the class's evaluate prepared it (TRL tokenizes, appends an EOS to and packs a set passed to evaluate)."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is not None:
+            self._evaluations.reading(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
+        return super().get_eval_dataloader(eval_dataset)
 
     # ------------------------------------------------------------------ saving and the card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

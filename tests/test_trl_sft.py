@@ -281,6 +281,24 @@ def test_evaluation_rows_packed_across_sequences_are_unknown(tmp_path, caplog):
     assert not any(key in text for key in metrics if key.startswith("eval_"))
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_set_passed_to_evaluate_is_judged_as_trl_prepares_it(tmp_path, packing, monkeypatch, caplog):
+    """SFTTrainer.evaluate(dataset) tokenizes the set, appends an EOS to each completion and packs it: the check reads
+    the set so prepared, where the dataloader is built. The training set as passed repeats no prepared training row
+    (its completions lack the EOS; packed, it shares no column): compared as passed, it was called held-out."""
+    train = tiny.prompt_completions(24)
+    trainer = sft_trainer(tmp_path, train, packing=packing, **PACKED)
+    as_passed = trainer._evaluations.training_rows.overlap(train, "as passed").verdict
+    assert as_passed == (UNKNOWN if packing else HELD_OUT)
+    trainer.evaluate(train)
+    assert trainer._evaluations.results["eval"][0] == OVERLAPS
+    # a subclass whose get_eval_dataloader skips the check: the set evaluated is not known, never held-out
+    monkeypatch.setattr(PrivateSFTTrainer, "get_eval_dataloader", SFTTrainer.get_eval_dataloader)
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
+        trainer.evaluate(Dataset.from_list([_pc(3, 2, 40 + 7 * i) for i in range(16)]))
+    assert trainer._evaluations.results["eval"][0] == UNKNOWN and "read no set" in caplog.text
+
+
 # ---------------------------------------------------------------------- the README's script
 def test_readme_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "DP SFT with TRL", executed unchanged: a LoRA adapter trained privately on
