@@ -19,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .adapters import save_private_adapter
 from .artifacts import DP_CONFIG_NAME, LEDGER_NAME, METHOD_STATE_NAME, TRAINING_ARGS_NAME, USER_CAP_NAME
 from .privacy import PrivacyLedger
+from .user_cap import FINGERPRINT
 
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
@@ -49,15 +50,17 @@ def save_privacy_record(output_dir: str, ledger: PrivacyLedger, dp_config, metho
             json.dump(method_state, f, indent=2, sort_keys=True)
 
 
-def save_user_cap(output_dir: str, kept: Any, config: Any) -> None:
-    """ELS: which examples every user kept (`users.cap_examples`), so a resumed run keeps the very same ones."""
+def save_user_cap(output_dir: str, record: dict[str, list[str]], config: Any) -> None:
+    """ELS: which examples every user kept, by content (`user_cap.UserExamples.record`), so a resumed run keeps the
+    very same ones whatever the order of its rows."""
     with open(os.path.join(output_dir, USER_CAP_NAME), "w") as f:
         json.dump({"user_column": config.user_column, "max_examples_per_user": config.max_examples_per_user,
-                   "kept": [int(i) for i in kept]}, f)
+                   "fingerprint": FINGERPRINT, "users": record}, f)
 
 
-def load_user_cap(checkpoint: str, config: Any) -> list[int]:
-    """The examples an ELS run kept, from its checkpoint; refused when missing or drawn under another cap."""
+def load_user_cap(checkpoint: str, config: Any) -> dict[str, list[str]]:
+    """The examples an ELS run kept, per user by content, from its checkpoint; refused when missing, drawn under
+    another cap, or naming the examples by row number (an earlier version's: rows in another order are others)."""
     path = os.path.join(checkpoint, USER_CAP_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(
@@ -66,11 +69,16 @@ def load_user_cap(checkpoint: str, config: Any) -> list[int]:
             "than max_examples_per_user. Resume from a checkpoint written by this version, or start afresh.")
     with open(path) as f:
         record = json.load(f)
+    if record.get("fingerprint") != FINGERPRINT:
+        raise ValueError(f"{path} names the kept examples by row number (an earlier version) or by another "
+                         "fingerprint: in a training set whose rows come in another order those numbers are other "
+                         "examples, and a user could keep more than max_examples_per_user. Start afresh in a new "
+                         "output_dir.")
     if (record["user_column"], record["max_examples_per_user"]) != (config.user_column, config.max_examples_per_user):
         raise ValueError(f"{path} was drawn for user_column={record['user_column']!r}, max_examples_per_user="
                          f"{record['max_examples_per_user']}; this run has {config.user_column!r}, "
                          f"{config.max_examples_per_user}. Resume with the same settings.")
-    return record["kept"]
+    return record["users"]
 
 
 def load_method_state(checkpoint: str) -> dict[str, Any]:

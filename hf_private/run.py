@@ -40,6 +40,7 @@ from .privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, 
 from .privacy.epsilon_log import EpsilonLog, horizon_cap
 from .privacy.rng import test_stream_seed
 from .sampling import sampling_random
+from .user_cap import UserExamples
 from .users import UserIndex, cap_examples, stages_for, user_level_facts
 
 logger = get_logger(__name__)
@@ -115,6 +116,8 @@ class PrivacyRun:
         self._requested_steps = self.plan.planned_steps
         self._epsilon_log = EpsilonLog(self.ledger, 0)  # the ε of the log lines; begin() starts a new one
         self.budget_exhausted = False
+        self._user_cap: dict[str, list[str]] | None = None  # ELS: the same, by content, as checkpoints keep it
+        self._resumed_cap: dict[str, list[str]] | None = None  # ELS: the checkpoint's, when resuming
         self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
         self.kept_examples: np.ndarray | None = None  # ELS: the examples every user keeps, drawn once (kept_by_users)
 
@@ -240,7 +243,8 @@ class PrivacyRun:
     def resume(self, checkpoint: str, output_dir: str) -> None:
         """Continue the checkpoint's ledger and method state; say what changed and whether this forks the run."""
         if self._els:  # before anything else: without its cap, the run cannot resume at all
-            self.kept_examples = np.asarray(load_user_cap(checkpoint, self._config), dtype=np.int64)
+            self._resumed_cap = load_user_cap(checkpoint, self._config)
+            self.kept_examples = None  # mapped from the cap onto this training set's rows (kept_by_users)
         self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.accountant)
         self.ledger.subject = dict(self.subject)
         self._warn_if_config_changed(checkpoint)
@@ -512,19 +516,24 @@ class PrivacyRun:
         """The ledger, the method config and the method's state beside the weights (what a resume continues); under
         ELS also which examples every user kept."""
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())
-        if self.kept_examples is not None:
-            save_user_cap(output_dir, self.kept_examples, self._config)
+        if self._user_cap is not None:
+            save_user_cap(output_dir, self._user_cap, self._config)
 
     @property
     def _els(self) -> bool:
         return self._config.privacy_unit == "user" and self._config.user_sampling == "example"
 
-    def kept_by_users(self, index: UserIndex, share: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """ELS: the examples every user keeps (at most max_examples_per_user each), drawn from the secret stream on
-        the first call and `share`d from the main process, so every process trains on the same ones."""
+    def kept_by_users(self, index: UserIndex, dataset: Any, share: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """ELS: the rows of `dataset` every user keeps (at most max_examples_per_user each), drawn from the secret
+        stream on the first call (on resume: the checkpoint's examples, found by content) and `share`d from the main
+        process, so every process trains on the same ones."""
         if self.kept_examples is None:
-            self.kept_examples = share(cap_examples(index, self._config.max_examples_per_user,
-                                                    self.sampling_random("user cap")))
+            k = self._config.max_examples_per_user
+            examples = UserExamples.of(dataset, index)
+            kept = (examples.kept_from(self._resumed_cap, k) if self._resumed_cap is not None
+                    else cap_examples(index, k, self.sampling_random("user cap")))
+            self.kept_examples = share(kept)
+            self._user_cap = examples.record(self.kept_examples)
         return self.kept_examples
 
     def collapse_settings(self, learning_rate: float) -> RunSettings:

@@ -148,7 +148,8 @@ class PrivateTrainingMixin:
             return dataset, collate
         if self._uls:
             return UnitTagged(dataset, self.user_index.user_of), UnitCollator(collate)
-        kept = self.privacy_run.kept_by_users(self.user_index, self._from_main_process)  # ELS: each user capped
+        # ELS: each user capped, the kept examples found by content on resume (hf_private.user_cap)
+        kept = self.privacy_run.kept_by_users(self.user_index, self.train_dataset, self._from_main_process)
         return (dataset.select(kept) if hasattr(dataset, "select") else Subset(dataset, kept.tolist())), collate
 
     def _from_main_process(self, value: Any) -> Any:

@@ -9,6 +9,7 @@ user's examples apart (each example its own unit): the user then moves the sum b
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import partial
 
 import numpy as np
@@ -23,6 +24,7 @@ import hf_private.trainer
 import hf_private.users
 from hf_private import DPConfig, FrostConfig
 from hf_private.privacy.rng import SecretRandom
+from hf_private.user_cap import UserExamples
 from hf_private.users import UserIndex, UserPoissonSampler
 from tests import tiny
 from tests.helpers import TRL_TEST_ARGS, make_trainer
@@ -435,6 +437,84 @@ def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
     resumed.train(resume_from_checkpoint=True)
     assert np.array_equal(resumed.privacy_run.kept_examples, kept) and resumed.ledger.total_steps == 6
     assert resumed.ledger.epsilon() <= 4.0
+
+
+# one user with 20 examples and 20 users with one each, capped at k = 1: the shape in which kept row numbers went wrong
+OWNER_DATA = tiny.sentiment_dataset(40, seed=4)
+OWNER_USERS = [0] * 20 + list(range(1, 21))
+REVERSED = list(range(39, -1, -1))
+
+
+def interrupted_els_run(tmp_path) -> dict:
+    """An ELS run at k = 1 on OWNER_DATA killed after its checkpoint-1: the settings to resume it with."""
+    settings = dict(dp=els_config(max_examples_per_user=1), max_steps=3, per_device_train_batch_size=3,
+                    save_strategy="steps", save_steps=1)
+    interrupted = user_trainer(tmp_path, OWNER_DATA, OWNER_USERS, **settings)
+    interrupted.add_callback(_Kill(at_step=2))
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    settings["kept"] = examples_of(interrupted)
+    return settings
+
+
+def examples_of(trainer) -> list[tuple]:
+    """The (user, tokens) of the examples an ELS trainer kept, sorted: what they are, whatever their rows."""
+    rows = trainer.train_dataset.with_format(None).select(trainer.privacy_run.kept_examples)
+    return sorted(zip(rows["user_id"], map(tuple, rows["input_ids"])))
+
+
+def resume_reordered(tmp_path, settings: dict, data: Dataset = OWNER_DATA):
+    settings = {k: v for k, v in settings.items() if k != "kept"}
+    resumed = user_trainer(tmp_path, data.select(REVERSED), [OWNER_USERS[i] for i in REVERSED], **settings)
+    resumed.train(resume_from_checkpoint=True)
+    return resumed
+
+
+def kept_per_user(trainer) -> Counter:
+    """How many examples each user id kept."""
+    return Counter(user for user, _ in examples_of(trainer))
+
+
+def test_an_els_resume_with_the_rows_reordered_keeps_the_same_examples_and_the_cap(tmp_path):
+    import json
+
+    settings = interrupted_els_run(tmp_path)
+    resumed = resume_reordered(tmp_path, settings)
+    assert examples_of(resumed) == settings["kept"] and max(kept_per_user(resumed).values()) == 1
+    assert resumed.ledger.total_steps == 3 and resumed.privacy_report()["max_examples_per_user"] == 1
+    record = json.loads((tmp_path / "checkpoint-1" / "user_cap.json").read_text())
+    marks = [mark for kept in record["users"].values() for mark in kept]
+    assert len(record["users"]) == 21 and len(marks) == 21  # every user, by a tag, and each kept example by a mark
+    assert all(len(name) == 64 and int(name, 16) >= 0 for name in [*record["users"], *marks])  # hashes, no ids
+
+
+def test_an_els_resume_on_changed_rows_is_refused_naming_the_users_and_rows(tmp_path):
+    settings = interrupted_els_run(tmp_path)
+    changed = OWNER_DATA.map(lambda row, i: {"label": 1 - row["label"]} if i == 30 else {}, with_indices=True)
+    with pytest.raises(ValueError, match=r"not the one the checkpoint's ELS cap was drawn on. Users whose examples "
+                                         r"differ from all of the checkpoint's: 1 of 21 \(first seen at rows 9; 1 rows "
+                                         r"between them\). The checkpoint's users not found: 1\."):
+        resume_reordered(tmp_path, settings, changed)
+
+
+def test_the_reordered_resume_test_fails_when_the_cap_keeps_row_numbers(tmp_path, monkeypatch):
+    """The cap stored as the rows it kept (as it was): the reversed training set gives user 0 nearly every kept row."""
+    monkeypatch.setattr(UserExamples, "record", lambda self, kept: {"rows": [int(i) for i in kept]})
+    monkeypatch.setattr(UserExamples, "kept_from", lambda self, record, k: np.asarray(record["rows"]))
+    resumed = resume_reordered(tmp_path, interrupted_els_run(tmp_path))
+    assert kept_per_user(resumed)[0] > 1  # user 0 (20 examples) under a cap of 1
+
+
+def test_a_user_cap_naming_rows_is_refused(tmp_path):
+    import json
+    import types
+
+    from hf_private.checkpoints import load_user_cap
+
+    (tmp_path / "user_cap.json").write_text(json.dumps({"user_column": "user_id", "max_examples_per_user": 1,
+                                                        "kept": [0, 3]}))  # an earlier version's
+    with pytest.raises(ValueError, match="names the kept examples by row number"):
+        load_user_cap(str(tmp_path), types.SimpleNamespace(user_column="user_id", max_examples_per_user=1))
 
 
 def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_path):
