@@ -203,6 +203,11 @@ def test_training_pairs_with_precomputed_reference_log_probs_are_not_held_out(tm
     assert kept.overlap(nudged, "nudged").verdict == HELD_OUT
     trainer.evaluate()
     assert trainer._evaluations.results["eval"][0] == OVERLAPS
+    # a set passed to evaluate() is judged as DPOTrainer.evaluate prepares it: as passed (no EOS on its completions,
+    # no token columns) the training pairs repeat no prepared training pair
+    assert rows.overlap(tiny.preference_pairs(16), "as passed").verdict == HELD_OUT
+    trainer.evaluate(tiny.preference_pairs(16))
+    assert trainer._evaluations.results["eval"][0] == OVERLAPS
 
 
 # ---------------------------------------------------------------------- the adapter, the card
