@@ -51,17 +51,18 @@ Tasks.
     first token are ignored). B = 64 in chunks of 16 by default: one random padded chunk of 16 is ~512 tokens wide.
 
 Measurement (as `benchmarks.trl_speed`): each arm trains in a fresh process (spawn), so no arm's high-water mark or
-allocator pages reach another's. A `TrainerCallback` times every optimizer step (on_step_begin → on_step_end:
-forward, backward, per-example clipping, noise, optimizer; the step's batches are collated before on_step_begin, so
-collation and the Poisson draw are outside) and a wrapper around `training_step` counts each chunk's examples and its
-tokens (computed: the input_ids tensor's size, padding included; real: non-padding tokens). Poisson batches vary, so
-the time per example is Σ step time / Σ examples over the `--steps` measured steps that follow `--warmup` steps
-(optimizer state; the private arm's first chunk of ≥ 2 examples also runs the example-independence probe, and
-measuring waits for it). Peak memory: the process high-water mark (VmHWM, `benchmarks.memory`), reset when the first
-measured step begins and read after the last; `rss_at_reset` is the resident memory then (model, data, optimizer
-state), so peak − rss_at_reset is what the steps themselves added. One torch thread per run by default (`--threads`),
-as the other CPU benchmarks: on the shared 2-core machine two threads make every small op wait for both.
-The arms run in the order non-private, private per layout, for `--rounds` rounds; the table takes medians over rounds.
+allocator pages reach another's. A `TrainerCallback` times every optimizer step (on_step_begin → on_step_end: forward,
+backward, per-example clipping, noise, optimizer; the step's batches are collated before on_step_begin, so collation
+and the Poisson draw are outside) and a wrapper around `get_batch_samples` counts the examples and the tokens of each
+chunk the next step trains on (computed: the input_ids tensor's size, padding included; real: non-padding tokens).
+Poisson batches vary, so the time per example is Σ step time / Σ examples over the `--steps` measured steps that
+follow `--warmup` steps (optimizer state; the private arm's first chunk of ≥ 2 examples also runs the
+example-independence probe, and measuring waits for it). Peak memory: the process high-water mark (VmHWM,
+`benchmarks.memory`), reset when the first measured step begins and read after the last; `rss_at_reset` is the
+resident memory then (model, data, optimizer state), so peak − rss_at_reset is what the steps themselves added. One
+torch thread per run by default (`--threads`), as the other CPU benchmarks: on the shared 2-core machine two threads
+make every small op wait for both. The arms run in the order non-private, private per layout, for `--rounds` rounds;
+the table takes medians over rounds.
 
 Each arm's record is appended to `--out` (JSONL, default `benchmarks/results/packing_speed_cpu.jsonl`) as soon as it
 finishes, so a stopped run loses only the arm under way. An arm that cannot run in this checkout (the SST-2 packed
@@ -238,21 +239,24 @@ class PackingMeter(StepMeter):
         self.real: list[int] = []
         self.since_last_end: list[float] = []
         self._tokens = [0, 0]
+        self._fetched_tokens = [0, 0]
         self._last_end: float | None = None
 
-    def counting(self, training_step, trainer_kind: str = "any"):
-        def training_step_counted(model, inputs, *args, **kwargs):
-            examples, computed, real = chunk_counts(inputs)
-            self.trained += examples
-            self._tokens[0] += computed
-            self._tokens[1] += real
-            return training_step(model, inputs, *args, **kwargs)
+    def counting(self, get_batch_samples, trainer_kind: str = "any"):
+        """Trainer's `get_batch_samples`, noting the examples and tokens of the chunks it fetches for the next step."""
 
-        return training_step_counted
+        def get_batch_samples_counted(*args, **kwargs):
+            batches, num_items = get_batch_samples(*args, **kwargs)
+            counts = [chunk_counts(inputs) for inputs in batches]
+            self.fetched = sum(examples for examples, _, _ in counts)
+            self._fetched_tokens = [sum(computed for _, computed, _ in counts), sum(real for _, _, real in counts)]
+            return batches, num_items
+
+        return get_batch_samples_counted
 
     def on_step_begin(self, args, state, control, **kwargs):
         super().on_step_begin(args, state, control, **kwargs)
-        self._tokens = [0, 0]
+        self._tokens = self._fetched_tokens
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
@@ -345,7 +349,7 @@ def run_arm(spec: dict) -> dict:
         private = spec["arm"] == "private"
         meter = PackingMeter(spec["warmup"], spec["steps"],
                              (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True))
-        trainer.training_step = meter.counting(trainer.training_step)
+        trainer.get_batch_samples = meter.counting(trainer.get_batch_samples)
         trainer.add_callback(meter)
         built = time.perf_counter()
         trainer.train()

@@ -34,19 +34,20 @@ a rejected completion of T/2 tokens each (T/2 − 1 words and the EOS DPOTrainer
 sequences is T long. The prepared lengths are checked before training. Full DPO gets an explicit `ref_model` (a copy
 of the initial model); LoRA DPO none (the base with the adapter disabled is the reference).
 
-Measurement, through the trainer itself: a `TrainerCallback` times every optimizer step (on_step_begin →
-on_step_end: forward, backward, per-example clipping, noise and the optimizer step; the trainer prefetches a step's
-batches before on_step_begin, so collation and the Poisson draw are outside) and a thin wrapper around the trainer's
-`training_step` (set on the instance after the trainer is built; it only counts and calls the original) reads the
-size of every batch the trainer trained on (SFT: rows; DPO: pairs, TRL's preference collator stacks the chosen rows
-and then the rejected rows). Poisson batches vary, so a run reports time per example: Σ step time / Σ examples over
-its measured steps, after `--warmup` steps (optimizer state allocation; the private arm's first step also runs the
-example-independence probe). Peak memory: the process high-water mark (VmHWM, `benchmarks.memory`), reset at the first
-measured step, read at the last. Every run is its own fresh process (spawn), so no arm's high-water mark or allocator
-pages reach another's; the arms alternate (non-private, private, non-private, ...) for `--rounds` rounds so machine
-load hits both alike, and the table reports the median over rounds and the private/non-private ratio of medians.
-One torch thread per run by default (`--threads`): on a shared 2-core machine two threads make every small op wait
-for both, which slows the private arm's many small ops (noise, per-example norms) far more than the GEMMs.
+Measurement, through the trainer itself: a `TrainerCallback` times every optimizer step (on_step_begin → on_step_end:
+forward, backward, per-example clipping, noise and the optimizer step; the trainer prefetches a step's batches before
+on_step_begin, so collation and the Poisson draw are outside) and a thin wrapper around the trainer's
+`get_batch_samples` (set on the instance after the trainer is built; it only counts and returns what the original
+fetched) reads the size of every batch the trainer trains on in the next step (SFT: rows; DPO: pairs, TRL's preference
+collator stacks the chosen rows and then the rejected rows). Poisson batches vary, so a run reports time per example:
+Σ step time / Σ examples over its measured steps, after `--warmup` steps (optimizer state allocation; the private
+arm's first step also runs the example-independence probe). Peak memory: the process high-water mark (VmHWM,
+`benchmarks.memory`), reset at the first measured step, read at the last. Every run is its own fresh process (spawn),
+so no arm's high-water mark or allocator pages reach another's; the arms alternate (non-private, private, non-private,
+...) for `--rounds` rounds so machine load hits both alike, and the table reports the median over rounds and the
+private/non-private ratio of medians. One torch thread per run by default (`--threads`): on a shared 2-core machine
+two threads make every small op wait for both, which slows the private arm's many small ops (noise, per-example norms)
+far more than the GEMMs.
 
 Each row is written to `--out` as soon as it completes, merged with the rows already in the file (same trainer and
 mode: replaced); `--resume` skips the rows already there instead.
@@ -249,18 +250,21 @@ class StepMeter(TrainerCallback):
         self.examples: list[int] = []
         self.first_measured: int | None = None  # index into seconds/examples
         self.trained = 0  # examples of the step in progress
+        self.fetched = 0  # examples of the batches fetched for the next step
         self.rss_at_reset: int | None = None
         self.peak: int | None = None
         self._start = 0.0
 
-    def counting(self, training_step, trainer_kind: str):
-        """`training_step` that adds each batch's examples to the step in progress, then runs as before."""
+    def counting(self, get_batch_samples, trainer_kind: str):
+        """Trainer's `get_batch_samples`, noting the examples of the batches it fetches for the next step (the loop
+        hands them to training_step unchanged; a private trainer refuses a patched training_step)."""
 
-        def training_step_counted(model, inputs, *args, **kwargs):
-            self.trained += examples_in(trainer_kind, inputs)
-            return training_step(model, inputs, *args, **kwargs)
+        def get_batch_samples_counted(*args, **kwargs):
+            batches, num_items = get_batch_samples(*args, **kwargs)
+            self.fetched = sum(examples_in(trainer_kind, inputs) for inputs in batches)
+            return batches, num_items
 
-        return training_step_counted
+        return get_batch_samples_counted
 
     @property
     def measured(self) -> slice:
@@ -272,7 +276,7 @@ class StepMeter(TrainerCallback):
             release_memory()
             self.rss_at_reset = rss_bytes()
             reset_peak(CPU)
-        self.trained = 0
+        self.trained = self.fetched  # fetched just before the step begins
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -345,7 +349,7 @@ def run_arm(spec: dict) -> dict:
         private = spec["arm"] == "private"
         meter = StepMeter(spec["warmup"], spec["steps"],
                           (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True))
-        trainer.training_step = meter.counting(trainer.training_step, spec["trainer"])
+        trainer.get_batch_samples = meter.counting(trainer.get_batch_samples, spec["trainer"])
         trainer.add_callback(meter)
         built = time.perf_counter()
         trainer.train()

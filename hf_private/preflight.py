@@ -29,6 +29,7 @@ with fewer processes than asked says so.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -112,16 +113,28 @@ PER_EXAMPLE_LOSS_HINT = (
     "Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) returning one loss per example "
     "(shape [B]); see 'Custom losses' in the README."
 )
-# Trainer methods a class privatize() wraps (or a subclass of the private class) must not override: the private
-# training path runs in them. compute_loss may be overridden for evaluation when per_example_loss gives the training
-# loss. A trainer family's own classes may override those its family declares compatible (`compatible_overrides`).
+# Methods on the private training path that no class of the trainer's MRO may define but the mixin, Trainer and,
+# where its family declares the override compatible (`compatible_overrides`), a family's own class (TRL's SFTTrainer):
+# not the class privatize() wrapped, a subclass of the private class, nor a plain mixin placed anywhere among them.
+# compute_loss may be defined for evaluation when per_example_loss gives the training loss: training never calls it.
 _PRIVATE_PATH_METHODS = {
     "training_step": "it runs forward/backward in physical chunks with each example's gradient clipped",
     "get_train_dataloader": "it draws the Poisson batches the accountant assumes",
     "_get_train_sampler": "the Poisson batch sampler replaces Trainer's sampler",
     "create_optimizer": "its optimizer wrapper adds the noise once per logical batch",
     "floating_point_ops": "Trainer's count is an exact function of each batch's private token count",
+    # the mixin's own steps of that path
+    "training_data": "it gives the Poisson sampler the training set and, at user level, the users it draws",
+    "poisson_chunks": "it draws a method's own Poisson samples (DP-FROST's selection)",
+    "_poisson_sampler": "it builds the Poisson sampler of the privacy unit at the accounted rate",
+    "record_chunks": "it runs each chunk's forward/backward with each unit's gradient clipped",
+    "_chunk_step": "it runs one chunk's forward/backward on the private training loss",
+    "_training_loss": "it is the one loss that trains and that the independence probe tests",
+    "summed_loss": "it is the one loss that trains and that the independence probe tests",
+    "_probe_example_independence": "it checks that no unit's gradient depends on the units beside it",
 }
+_BATCH_LOSS = ("a batch-mean loss shrinks every example's signal by the batch size against the noise, and a "
+               "batch-level loss (a normaliser, hard-example mining) couples examples")
 
 
 def check_dp_config(dp_config: Any) -> None:
@@ -130,13 +143,11 @@ def check_dp_config(dp_config: Any) -> None:
 
 
 def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool, family: TrainerFamily) -> None:
-    """Refuse a trainer class whose own methods would replace or bypass the private training path: the classes it
-    derives from between the mixin and Trainer (what privatize() wrapped), and any subclass of the private class.
+    """Refuse a trainer class whose own methods would replace or bypass the private training path: every class of its
+    MRO is checked (`_checked_classes`), whatever its base, so a plain mixin placed before the private class is too.
     The family's own classes (TRL's SFTTrainer) may override what the family declares compatible, and their
     compute_loss then serves evaluation: the family gives the per-unit training loss."""
-    for cls in trainer_class.__mro__:
-        if cls in (mixin, Trainer, object) or not issubclass(cls, Trainer):
-            continue
+    for cls in _checked_classes(trainer_class, mixin):
         compatible = family.compatible_overrides if family.owns(cls) else {}
         for name, reason in _PRIVATE_PATH_METHODS.items():
             if name in cls.__dict__ and name not in compatible:
@@ -146,11 +157,51 @@ def check_subclass(trainer_class: type[Trainer], mixin: type, custom_loss: bool,
                 )
         if "compute_loss" in cls.__dict__ and not custom_loss and "compute_loss" not in compatible:
             raise TypeError(
-                f"{cls.__name__} overrides compute_loss(), which private training replaces by a per-example loss: a "
-                "batch-mean loss shrinks every example's signal by the batch size against the noise and couples "
-                f"examples through its normaliser. {PER_EXAMPLE_LOSS_HINT} Your compute_loss then serves evaluation "
-                "only."
+                f"{cls.__name__} overrides compute_loss(), which private training replaces by a per-example loss: "
+                f"{_BATCH_LOSS}. {PER_EXAMPLE_LOSS_HINT} "
+                "Your compute_loss then serves evaluation only: training never calls it."
             )
+
+
+def _checked_classes(trainer_class: type[Trainer], mixin: type) -> list[type]:
+    """Every class of the MRO but the private mixin, Trainer and object: a user's mixin that is not a Trainer is
+    checked like a Trainer subclass, since its methods come before Trainer's."""
+    return [cls for cls in trainer_class.__mro__ if cls not in (mixin, Trainer, object)]
+
+
+def private_path_functions(trainer: Trainer, custom_loss: bool) -> dict[str, Any]:
+    """What the built trainer's class resolves each private-path method to (compute_loss too without
+    per_example_loss), once none is found set on the instance (a user's __init__ may set one): recorded when the
+    trainer is built, compared by `check_private_path_unchanged` before training."""
+    names = [*_PRIVATE_PATH_METHODS, *([] if custom_loss else ["compute_loss"])]
+    functions = {name: inspect.getattr_static(type(trainer), name, None) for name in names}
+    check_private_path_unchanged(trainer, functions)
+    return functions
+
+
+def check_private_path_unchanged(trainer: Trainer, functions: dict[str, Any]) -> None:
+    """Refuse a private-path method patched onto the trainer instance, or onto a class of its MRO after the trainer
+    was built (`functions`: what each resolved to then), naming the method, where the patch sits and what it is."""
+    cls = type(trainer)
+    for name, function in functions.items():
+        if name in vars(trainer):
+            where, now = "the trainer instance", vars(trainer)[name]
+        elif (now := inspect.getattr_static(cls, name, None)) is not function:
+            where = f"class {next((c for c in cls.__mro__ if name in vars(c)), cls).__qualname__}"
+        else:
+            continue
+        reason = _PRIVATE_PATH_METHODS.get(name, f"private training replaces it by a per-example loss: {_BATCH_LOSS}")
+        fix = PER_EXAMPLE_LOSS_HINT if name == "compute_loss" else "Remove the patch."
+        raise TypeError(
+            f"{name}() is patched on {where} (now {_described(now)}), after {cls.__name__} was checked: private "
+            f"training needs its own {name}(), since {reason}. {fix}"
+        )
+
+
+def _described(function: Any) -> str:
+    function = getattr(function, "__func__", function)  # a bound method: the function it binds
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{getattr(function, '__module__', None) or '?'}.{name}"
 
 
 def check_custom_loss(custom_loss: bool, family: TrainerFamily) -> None:

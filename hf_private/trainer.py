@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 from transformers import Trainer, TrainerCallback
@@ -47,7 +48,12 @@ from .packing import (
     packs,
     slice_packed,
 )
-from .preflight import check_before_trainer, check_built_trainer
+from .preflight import (
+    check_before_trainer,
+    check_built_trainer,
+    check_private_path_unchanged,
+    private_path_functions,
+)
 from .privacy.rng import SecretRandom
 from .run import PrivacyRun
 from .sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, chunk_lengths, slice_examples
@@ -81,8 +87,6 @@ class PrivateTrainingMixin:
     """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
     class's own."""
 
-    loss_is_scaled_for_ga = True  # our loss is a per-example sum; Trainer must not rescale it
-
     # The run's state and actions under the trainer's public names: `trainer.plan` is `trainer.privacy_run.plan`.
     (plan, ledger, engine, stage, delta, expected_batch_size, sample_rate, steps_per_epoch, planned_steps,
      noise_multiplier, mechanism_name, has_formal_guarantee, training_steps, trained_parameter_names, record_release,
@@ -115,6 +119,8 @@ class PrivateTrainingMixin:
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
+        # what the private path's methods resolve to, compared again before training and before every step
+        self._private_path = private_path_functions(self, per_example_loss is not None)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
         self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
         # At user level, the users of the training set as the trainer holds it: read again only if the trainer
@@ -251,11 +257,36 @@ class PrivateTrainingMixin:
                 part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
             unit_rows = rows if all(n == 1 for n in units) else [n * rows for n in units]
             with engine.recording(len(units), unit_rows, packed=packed_layout(part)):
-                total = total + super().training_step(model, part, None)
+                total = total + self._chunk_step(model, part)
             engine.finish_backward()
             if len(units) >= 2 and self.privacy_run.needs_independence_probe:
                 self._probe_example_independence(model, part, units, rows, engine)
         return total
+
+    def _chunk_step(self, model: nn.Module, inputs: dict) -> torch.Tensor:
+        """One physical chunk's forward and backward as `Trainer.training_step` runs them (context parallelism's
+        context, train mode, `_prepare_inputs`, autocast, `torch_empty_cache_steps`, `accelerator.backward`), with the
+        loss of `_training_loss`: never through an overridable `compute_loss`, so what trains is what the probe tests.
+        The summed loss is not rescaled for gradient accumulation (the optimizer divides the noisy sum by the expected
+        batch), and no LOMO learning rate reaches backward (a fused update there would skip the clip and the noise);
+        DataParallel and DeepSpeed are refused when the trainer is built."""
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        with cp_context():
+            model.train()
+            if callable(getattr(self.optimizer, "train", None)):
+                self.optimizer.train()
+            loss = self._training_loss(model, self._prepare_inputs(inputs))
+            every = self.args.torch_empty_cache_steps
+            if every is not None and self.state.global_step % every == 0:
+                clear_device_cache()
+            self.accelerator.backward(loss)
+        return loss.detach()
+
+    def _training_loss(self, model: nn.Module, inputs: dict) -> torch.Tensor:
+        """The one loss private training computes, which the independence probe recomputes: `summed_loss` (the
+        family's per-unit loss or the user's per_example_loss, summed) under Trainer's autocast."""
+        with self.compute_loss_context_manager():
+            return self.summed_loss(model, inputs)[0]
 
     def _probe_example_independence(self, model: nn.Module, inputs: dict, units: list[int], rows: int,
                                     engine: PerExampleGradientEngine) -> None:
@@ -272,12 +303,8 @@ class PrivateTrainingMixin:
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
         chunks = [(self._prepare_inputs(inputs), sum(units), rows, _grouped(units)),
                   (probe, len(indices), probe_rows, _grouped(probe_units))]
-        probe_example_independence(engine, model, chunks, self._summed_loss_for_probe, low_precision)
+        probe_example_independence(engine, model, chunks, self._training_loss, low_precision)
         self.privacy_run.needs_independence_probe = False
-
-    def _summed_loss_for_probe(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        with self.compute_loss_context_manager():
-            return self.summed_loss(model, batch)[0]
 
     def _stop_for_budget(self) -> None:
         self.privacy_run.stop_for_budget()
@@ -285,6 +312,7 @@ class PrivateTrainingMixin:
 
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        check_private_path_unchanged(self, self._private_path)  # a patch after construction, before anything runs
         if resume_from_checkpoint:
             resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
             self.privacy_run.resume(resume_from_checkpoint, self.args.output_dir)
@@ -418,8 +446,9 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
     """The private subclass of `trainer_class` (a `transformers.Trainer` subclass): the same class plus `dp_config`.
 
     Its own metrics, callbacks, evaluation (`predict_with_generate` included) and data collator are kept; what would
-    change what is clipped (its own `training_step`, a batch-level `compute_loss` without `per_example_loss`, its own
-    sampler or optimizer) is refused when the trainer is built, by name and with the reason.
+    change what is clipped (a `training_step`, a batch-level `compute_loss` without `per_example_loss`, a sampler or
+    optimizer, in any class of its MRO, mixins included) is refused when the trainer is built, by name and with the
+    reason; such a method patched in afterwards, by `train()` before the first step.
     """
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise TypeError(f"privatize takes a transformers.Trainer subclass, got {trainer_class!r}.")
@@ -455,7 +484,8 @@ def _positional_names(cls: type) -> list[str]:
 class _LogicalBatchBoundaries(TrainerCallback):
     """Trainer's hooks around every optimizer step.
 
-    Begin: reset the engine, so an interrupted batch never joins the next. End: stop once the budget allows no
+    Begin: refuse a private-path method patched since the trainer was built (`preflight.check_private_path_unchanged`),
+    and reset the engine, so an interrupted batch never joins the next. End: stop once the budget allows no
     further step, so the loop ends with global_step equal to the ledger's steps (not one empty step later).
     """
 
@@ -463,6 +493,7 @@ class _LogicalBatchBoundaries(TrainerCallback):
         self.trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs):
+        check_private_path_unchanged(self.trainer, self.trainer._private_path)  # e.g. patched by a callback
         self.trainer.privacy_run.before_step()
 
     def on_step_end(self, args, state, control, **kwargs):

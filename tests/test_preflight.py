@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import transformers.trainer
 from datasets import Dataset
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
@@ -25,19 +25,25 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
-from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, privatize
+import hf_private.trainer as trainer_module
+from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, preflight, privatize
 from hf_private.integrations.trl_dpo import PAIR_LOSSES
 from hf_private.model_support import UnsupportedModelError
 from hf_private.preflight import _PRIVATE_PATH_METHODS
+from hf_private.sampling import PoissonBatchSampler
 from tests import tiny
 from tests.helpers import training_args
 
 N = 96  # examples of the default training set
-# Trainer methods on the private training path: a user's override of any of them is refused
-GUARDED = ("training_step", "get_train_dataloader", "_get_train_sampler", "create_optimizer", "floating_point_ops")
+# Methods on the private training path (Trainer's, then the private mixin's own): a user's override of any of them is
+# refused, in whatever class of the MRO it sits
+GUARDED = ("training_step", "get_train_dataloader", "_get_train_sampler", "create_optimizer", "floating_point_ops",
+           "training_data", "poisson_chunks", "_poisson_sampler", "record_chunks", "_chunk_step", "_training_loss",
+           "summed_loss", "_probe_example_independence")
 _DEFAULT = object()
 
 
@@ -73,6 +79,24 @@ def _user_trainer(name: str) -> type[Trainer]:
 def _private_subclass(name: str) -> type[Trainer]:
     """A subclass of PrivateTrainer overriding `name`."""
     return type("SubclassedPrivateTrainer", (PrivateTrainer,), {name: _override})
+
+
+def _user_mixin(name: str) -> type:
+    """A plain mixin (not a Trainer) overriding `name`."""
+    return type("UserMixin", (), {name: _override})
+
+
+def _mixed_in_first(name: str) -> type[Trainer]:
+    """`class MixedPrivateTrainer(UserMixin, PrivateTrainer)`: the mixin's `name` comes before the private one."""
+    return type("MixedPrivateTrainer", (_user_mixin(name), PrivateTrainer), {})
+
+
+class _PatchesInInit(Trainer):
+    """A user's Trainer whose __init__ sets compute_loss on the instance, after the class was checked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.compute_loss = _override
 
 
 # ---------------------------------------------------------------------- bad settings built by the rows
@@ -247,6 +271,17 @@ ROWS = [
     _row("subclass-overrides-compute_loss-without-per_example_loss", TypeError,
          "SubclassedPrivateTrainer overrides compute_loss(), which private training replaces by a per-example loss",
          cls=_private_subclass("compute_loss")),
+    *[_row(f"mixin-first-overrides-{name}", TypeError, f"UserMixin overrides {name}(), which private training needs",
+           cls=_mixed_in_first(name)) for name in GUARDED],
+    _row("mixin-first-overrides-compute_loss-without-per_example_loss", TypeError,
+         "UserMixin overrides compute_loss(), which private training replaces by a per-example loss",
+         cls=_mixed_in_first("compute_loss")),
+    _row("privatize-mixin-overrides-compute_loss-without-per_example_loss", TypeError,
+         "UserMixin overrides compute_loss(), which private training replaces by a per-example loss",
+         cls=privatize(type("UserTrainer", (_user_mixin("compute_loss"), Trainer), {}))),
+    _row("init-sets-compute_loss-on-the-instance", TypeError,
+         "compute_loss() is patched on the trainer instance (now tests.test_preflight._override), after "
+         "Private_PatchesInInit was checked", cls=privatize(_PatchesInInit)),
     _row("compute_loss_func", ValueError, "compute_loss_func is not supported: Trainer calls it with the whole batch",
          compute_loss_func=lambda outputs, labels, **kw: outputs.loss),
     _row("optimizers-with-an-optimizer", ValueError, "Pass optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})",
@@ -405,6 +440,8 @@ ACCEPTED = {
         lambda tmp_path: _build(tmp_path, _user_trainer("compute_loss"), per_example_loss=_per_example_loss),
     "subclass-overrides-compute_loss-with-per_example_loss":
         lambda tmp_path: _build(tmp_path, _private_subclass("compute_loss"), per_example_loss=_per_example_loss),
+    "mixin-first-overrides-compute_loss-with-per_example_loss":
+        lambda tmp_path: _build(tmp_path, _mixed_in_first("compute_loss"), per_example_loss=_per_example_loss),
     "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,
     "sft-peft_config-with-DPConfig": lambda tmp_path: _sft(peft_config=Fresh(_lora))(tmp_path, None),
     "dpo-every-per-pair-loss-type": lambda tmp_path: _dpo(loss_type=list(PAIR_LOSSES), label_smoothing=0.1)(
@@ -416,3 +453,86 @@ ACCEPTED = {
 def test_accepted_at_construction(name, tmp_path):
     trainer = ACCEPTED[name](tmp_path)
     assert trainer.planned_steps > 0
+
+
+# ---------------------------------------------------------------------- a mixin's sampler; methods patched later
+class BalancedSamplingMixin:
+    """A user's class-balancing loader in a plain mixin (not a Trainer): each label drawn equally often."""
+
+    def get_train_dataloader(self) -> DataLoader:
+        labels = torch.tensor(self.train_dataset["label"])
+        weights = (1.0 / torch.bincount(labels).double())[labels]
+        return DataLoader(self._remove_unused_columns(self.train_dataset), self.args.per_device_train_batch_size,
+                          sampler=WeightedRandomSampler(weights, len(labels)), collate_fn=self.data_collator)
+
+
+def _balanced_trainer(tmp_path) -> Trainer:
+    return _build(tmp_path, type("BalancedTrainer", (BalancedSamplingMixin, PrivateTrainer), {}))
+
+
+def test_a_mixin_whose_sampler_would_replace_poisson_sampling_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"BalancedSamplingMixin overrides get_train_dataloader\(\), which private "
+                                        "training needs: it draws the Poisson batches the accountant assumes"):
+        _balanced_trainer(tmp_path)
+
+
+def test_mutation_checking_only_trainer_subclasses_lets_the_mixin_replace_poisson_sampling(tmp_path, monkeypatch):
+    """The MRO filter as it was (Trainer subclasses only): the mixin is accepted and its loader draws the batches."""
+    monkeypatch.setattr(preflight, "_checked_classes", lambda trainer_class, mixin: [
+        cls for cls in trainer_class.__mro__ if issubclass(cls, Trainer) and cls not in (mixin, Trainer)])
+    loader = _balanced_trainer(tmp_path).get_train_dataloader()
+    assert isinstance(loader.sampler, WeightedRandomSampler) and loader.batch_sampler is not None
+    assert not isinstance(loader.batch_sampler, PoissonBatchSampler)
+
+
+class _Ran(Exception):
+    """Raised by a patched private-path method: it was called."""
+
+
+def _patched(*args: Any, **kwargs: Any) -> None:
+    raise _Ran
+
+
+class _PatchesOnTrainBegin(TrainerCallback):
+    """Sets summed_loss on the trainer when training begins, after train() has compared the private path."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.summed_loss = _patched
+
+
+def _patch_the_class(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(trainer), "training_step", _patched, raising=False)
+
+
+PATCHES = {  # how a private-path method is patched after construction, and what the refusal says
+    "instance": (lambda trainer, monkeypatch: setattr(trainer, "get_train_dataloader", _patched),
+                 "get_train_dataloader() is patched on the trainer instance (now tests.test_preflight._patched)"),
+    "class": (_patch_the_class, "training_step() is patched on class UserTrainer (now tests.test_preflight._patched)"),
+    "callback": (lambda trainer, monkeypatch: trainer.add_callback(_PatchesOnTrainBegin(trainer)),
+                 "summed_loss() is patched on the trainer instance (now tests.test_preflight._patched)"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(PATCHES))
+def test_a_private_path_method_patched_after_construction_is_refused_before_the_first_step(tmp_path, monkeypatch,
+                                                                                          how):
+    trainer = _build(tmp_path, type("UserTrainer", (PrivateTrainer,), {}), args=dict(max_steps=2))
+    patch, message = PATCHES[how]
+    patch(trainer, monkeypatch)
+    with pytest.raises(TypeError) as refused:
+        trainer.train()
+    assert message in str(refused.value) and "after UserTrainer was checked: private training needs its own" in str(
+        refused.value)
+    assert trainer.ledger.total_steps == 0 and trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("how", sorted(PATCHES))
+def test_mutation_without_the_comparison_the_patched_method_runs(tmp_path, monkeypatch, how):
+    monkeypatch.setattr(trainer_module, "check_private_path_unchanged", lambda trainer, functions: None)
+    trainer = _build(tmp_path, type("UserTrainer", (PrivateTrainer,), {}), args=dict(max_steps=2))
+    PATCHES[how][0](trainer, monkeypatch)
+    with pytest.raises(_Ran):
+        trainer.train()

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from huggingface_hub import ModelCard
 from transformers import (
@@ -31,10 +32,12 @@ from transformers import (
     TrainerCallback,
 )
 
+import hf_private.trainer as trainer_module
 from hf_private import DPConfig, PrivateTrainer, privatize
 from hf_private.demo import sentiment_texts
 from hf_private.model_support import UnsupportedModelError
 from hf_private.optimizer import NoisyOptimizer, noisy_optimizer
+from hf_private.trainer import PrivateTrainingMixin
 from tests import tiny
 from tests.helpers import run_readme_block, training_args
 
@@ -210,6 +213,114 @@ def test_a_user_trainer_with_args_and_its_own_keyword_gets_both(tmp_path):
     assert trainer.shout and trainer.dataset_size == TRAIN_SIZE and trainer.args.output_dir == str(tmp_path)
     trainer.train()
     assert trainer.training_steps() > 0
+
+
+# ---------------------------------------------------------------- a user's compute_loss: what trains is what is probed
+CLIP = 0.01  # below every example's gradient norm here: each clipped term has norm C
+
+
+def hardest_half_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """Online hard-example mining as a compute_loss: the sum of the batch's larger half of losses (couples examples)."""
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    losses = F.cross_entropy(outputs.logits, labels, reduction="none")
+    loss = losses.topk(max(1, len(losses) // 2)).values.sum()
+    return (loss, outputs) if return_outputs else loss
+
+
+def cross_entropy(model, outputs, labels):
+    return F.cross_entropy(outputs.logits, labels, reduction="none")
+
+
+class HardExampleMixin:
+    """A plain mixin (not a Trainer) with the hard-example loss."""
+
+    compute_loss = hardest_half_loss
+
+
+LOSS_SETUPS = {
+    "subclass": type("HardExampleTrainer", (PrivateTrainer,), {"compute_loss": hardest_half_loss}),
+    "mixin-first": type("MixedHardExampleTrainer", (HardExampleMixin, PrivateTrainer), {}),
+}
+
+
+def released_sum(tmp_path, trainer_class: type, dataset: Dataset, **trainer_kwargs) -> torch.Tensor:
+    """Σ of the clipped per-example gradients plus the replayed noise: one SGD step at q = 1, (θ0 − θ1)·B/lr."""
+    model = tiny.bert()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().flatten() for p in trained]).double()
+    tok = tiny.tokenizer()
+    trainer = trainer_class(
+        model=model, args=training_args(tmp_path, per_device_train_batch_size=len(dataset), max_steps=1,
+                                        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                                        weight_decay=0.0),
+        train_dataset=dataset, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=CLIP, noise_seed=0), **trainer_kwargs)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    return (before - torch.cat([p.detach().flatten() for p in trained]).double()) * len(dataset)
+
+
+def moved_by_one_example(tmp_path, trainer_class: type, **trainer_kwargs) -> float:
+    """How far adding one mislabelled example moves the release (the noise replayed by noise_seed), in units of C."""
+    rows = [dict(row) for row in tiny.sentiment_dataset(9, seed=5)]
+    rows[-1]["label"] = 1 - rows[-1]["label"]  # a hard example: it enters the hardest half
+    with_it = released_sum(tmp_path / "with", trainer_class, Dataset.from_list(rows), **trainer_kwargs)
+    without = released_sum(tmp_path / "without", trainer_class, Dataset.from_list(rows[:-1]), **trainer_kwargs)
+    return float((with_it - without).norm()) / CLIP
+
+
+@pytest.mark.parametrize("setup", sorted(LOSS_SETUPS))
+def test_an_overridden_compute_loss_never_trains_when_per_example_loss_is_given(tmp_path, setup):
+    """The hard-example loss serves evaluation only: training's loss is per_example_loss, so one example moves the
+    release by at most C (the hard-example loss moved it by 1.88·C: the example enters the hardest half, another
+    leaves it)."""
+    assert 0.5 < moved_by_one_example(tmp_path, LOSS_SETUPS[setup], per_example_loss=cross_entropy) <= 1 + 1e-4
+
+
+def test_mutation_training_through_compute_loss_moves_the_release_by_more_than_C(tmp_path, monkeypatch):
+    """Each chunk through Trainer.training_step (and so self.compute_loss), as before: the sensitivity exceeds C."""
+    monkeypatch.setattr(PrivateTrainingMixin, "_chunk_step",
+                        lambda self, model, inputs: Trainer.training_step(self, model, inputs))
+    assert moved_by_one_example(tmp_path, LOSS_SETUPS["subclass"], per_example_loss=cross_entropy) > 1.5
+
+
+def larger_half_losses(model, outputs, labels):
+    """A coupled per_example_loss: the losses of the chunk's smaller half zeroed (hard-example mining)."""
+    losses = F.cross_entropy(outputs.logits, labels, reduction="none")
+    return losses * (losses >= losses.median())
+
+
+def coupled_loss_trainer(tmp_path) -> PrivateTrainer:
+    tok = tiny.tokenizer()
+    return PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path, max_steps=1),
+                          train_dataset=tiny.sentiment_dataset(TRAIN_SIZE), data_collator=DataCollatorWithPadding(tok),
+                          processing_class=tok, dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+                          per_example_loss=larger_half_losses)
+
+
+def test_the_independence_probe_recomputes_the_loss_that_trains(tmp_path):
+    """One code path: a coupled per_example_loss is what the probe recomputes, and is refused before any release."""
+    trainer = coupled_loss_trainer(tmp_path)
+    with pytest.raises(ValueError, match="depends on the other examples"):
+        trainer.train()
+    assert trainer.ledger.total_steps == 0
+
+
+def test_mutation_a_probe_on_another_loss_lets_the_coupled_loss_train(tmp_path, monkeypatch):
+    """The probe given the default loss instead of the one that trains: the coupled loss passes and is released."""
+    def default_loss(model, batch):
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        return F.cross_entropy(model(**batch).logits, labels, reduction="sum")
+
+    probe = trainer_module.probe_example_independence
+    monkeypatch.setattr(trainer_module, "probe_example_independence",
+                        lambda engine, model, chunks, summed_loss, low: probe(engine, model, chunks, default_loss, low))
+    trainer = coupled_loss_trainer(tmp_path)
+    trainer.train()
+    assert trainer.ledger.total_steps == 1
 
 
 # ---------------------------------------------------------------- what privatize() takes and returns
