@@ -29,7 +29,7 @@ from .optimizer import noisy_optimizer
 if TYPE_CHECKING:
     from .run import PrivacyRun
 
-# metric key prefix → (HELD_OUT or OVERLAPS, the metrics of its last evaluate() in this process)
+# metric key prefix → (HELD_OUT, OVERLAPS or UNKNOWN, the metrics of its last evaluate() in this process)
 Evaluations = dict[str, tuple[str, dict[str, float]]]
 
 

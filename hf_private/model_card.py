@@ -1,7 +1,8 @@
 """The model card of a privately trained model: a `privacy:` metadata block plus a readable Privacy section.
 
 The card carries held-out evaluation only: training loss, gradient norms and metrics of an evaluation set that
-overlaps the training data are computed on private data without noise, so they never appear here.
+overlaps the training data are computed on private data without noise, so they never appear here; nor do those of a
+set that could not be checked against the training data (`hf_private.held_out`'s unknown verdict).
 """
 
 from __future__ import annotations

@@ -105,6 +105,31 @@ def test_the_gdp_bound_is_the_edge_of_rejection_and_chance_refutes_nothing():
     assert one_run_gdp_p_value(500, 100, 0, 1.0, DELTA) == 1.0
 
 
+def _gdp_refutations(shift: float, mu: float, trials: int, level: float, canaries: int = 1000,
+                     k: int = 100) -> int:
+    """Of `trials` one-run audits of a mechanism whose every canary's score is N(shift, 1) when included (probability
+    ½), N(0, 1) otherwise (exactly shift-GDP per canary), how many refute "μ-GDP" at `level` (k top and k bottom
+    guesses). The p-value depends on the trial only through the number of correct guesses: computed once per count."""
+    generator = torch.Generator().manual_seed(0)
+    p_value = functools.cache(lambda correct: one_run_gdp_p_value(canaries, 2 * k, correct, mu, DELTA))
+    refuted = 0
+    for _ in range(trials):
+        included = torch.rand(canaries, generator=generator) < 0.5
+        scores = torch.randn(canaries, generator=generator, dtype=torch.float64) + shift * included
+        refuted += p_value(count_correct(scores, included, k, k)[1]) < level
+    return refuted
+
+
+def test_an_exactly_gdp_mechanism_is_refuted_at_most_at_the_level():
+    """The μ-GDP test is a valid level-α test: on an exactly μ-GDP mechanism it refutes μ in at most a fraction α of
+    audits (the outside review counted 0 of 400 at α = 0.05); a mechanism at 3μ is refuted far more often than a valid
+    test could refute a true claim, so the count can fail."""
+    trials, level, mu = 400, 0.05, 1.0
+    chance = stats.binom.ppf(1 - 1e-3, trials, level)  # a level-α test refutes more than this with probability < 1e-3
+    assert _gdp_refutations(mu, mu, trials, level) <= chance
+    assert _gdp_refutations(3 * mu, mu, trials, level) > chance
+
+
 def test_guesses_are_top_and_bottom_scores():
     scores = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
     included = torch.tensor([True, False, True, False, False, True])

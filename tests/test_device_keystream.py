@@ -64,6 +64,28 @@ def test_host_and_device_requests_share_one_counter():
     assert drawn == [reference.random_bytes(64) for _ in range(3)] and len(set(drawn)) == 3
 
 
+def _device_blocks(random: SecretRandom, requests: int = 6) -> list[bytes]:
+    """The 64-byte keystream blocks of device requests of three blocks each, a host request between every two."""
+    blocks = []
+    for _ in range(requests):
+        drawn = random.device_keystream(3 * 64, device_chacha.block_words, CPU).numpy().tobytes()
+        drawn += random.random_bytes(3 * 64)
+        blocks += [drawn[i:i + 64] for i in range(0, len(drawn), 64)]
+    return blocks
+
+
+def test_two_device_requests_never_share_a_nonce_or_keystream():
+    parent = SecretRandom(key=bytes(range(32)), stream=2)
+    blocks = _device_blocks(parent) + _device_blocks(parent.substream(2))
+    assert len(set(blocks)) == len(blocks) == 2 * 6 * 6
+
+
+def test_mutation_a_nonce_reused_across_device_requests_repeats_keystream(monkeypatch):
+    monkeypatch.setattr(SecretRandom, "_nonce", lambda self, size: bytes(12))
+    blocks = _device_blocks(SecretRandom(key=bytes(range(32))))
+    assert len(set(blocks)) == 3  # every request, device or host, gives the same three blocks
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000, 200_001])
 def test_noise_from_the_device_keystream_equals_the_host_noise_bit_for_bit(size):
     host, device = torch.zeros(size), torch.zeros(size)
