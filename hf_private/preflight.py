@@ -41,7 +41,7 @@ from transformers.trainer_utils import HubStrategy
 
 from .artifacts import DP_CONFIG_NAME, LEDGER_NAME
 from .integrations import TrainerFamily, family_of
-from .label_checks import LabelCounts, count_labels
+from .label_checks import LabelCounts, check_collated_labels, count_labels, refuse_string_labels
 from .logs import get_logger
 from .methods import MethodConfig
 from .model_support import UnsupportedModelError, encoder_decoder_submodule
@@ -77,6 +77,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
     check_model(model)
     dataset_size = check_dataset(train_dataset)
+    family.check_columns(train_dataset, args, trainer_kwargs)  # what the family's trainer prepares from (TRL)
     users = None
     if dp_config.privacy_unit == "user":  # ULS: N counts users (q = B / users); ELS: the examples users keep
         users = UserIndex.of(train_dataset, dp_config.user_column)
@@ -85,6 +86,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
         unit = "user"
     else:
         unit = family.unit(train_dataset)
+    refuse_string_labels(train_dataset, model)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
@@ -101,6 +103,7 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
                         checked.family, trainer.model)
         check_user_level_arguments(trainer.args, dp_config)
     check_parallelism(trainer)
+    check_collated_labels(trainer, checked.family.labels_entry)  # labels as the first training batch carries them
     args = trainer.args
     check_process_count(args.world_size)
     expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
@@ -262,7 +265,12 @@ def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_lo
     if args.fp16:
         raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
     if args.activation_checkpointing or args.gradient_checkpointing:
-        raise ValueError("Activation checkpointing re-runs forward hooks and is not supported yet; turn it off.")
+        raise ValueError(
+            "activation_checkpointing=True (gradient_checkpointing, its deprecated alias) is not supported yet: "
+            "activation checkpointing re-runs the forward pass, and its hooks, during backward. Set "
+            f"{type(args).__name__}(activation_checkpointing=False). TRL's SFTConfig and DPOConfig turn it on by "
+            "default (gradient_checkpointing=True): pass activation_checkpointing=False to them."
+        )
     if args.torch_compile:  # also set by torch_compile_backend or torch_compile_mode
         raise ValueError(
             "torch_compile=True is not supported: the hooks that compute and clip each example's gradient register "

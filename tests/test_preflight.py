@@ -112,6 +112,14 @@ def _with_float_label(value: float) -> Dataset:
     return Dataset.from_dict(data)
 
 
+def _string_labels() -> Dataset:
+    return tiny.sentiment_dataset(N).map(lambda row: {"label": ("negative", "positive")[row["label"]]})
+
+
+def _sentences(n: int) -> Dataset:
+    return tiny.texts(n).rename_column("text", "sentence")
+
+
 def _items_with_float_label(value: float) -> list[dict]:
     return [{**row, "labels": torch.tensor(row["label"])} for row in _with_float_label(value)]
 
@@ -171,16 +179,17 @@ def _default_arguments(tmp_path, monkeypatch):
     _build(tmp_path, args=None)
 
 
-def _sft(dp: Any = None, model: Callable = tiny.llama, **config: Any) -> Callable:
-    """A row's build: privatize(trl.SFTTrainer) on the tiny Llama and conversations, `config` in its SFTConfig
-    (`peft_config` and other trainer keywords go to the trainer)."""
+def _sft(dp: Any = None, model: Callable = tiny.llama, dataset: Callable = tiny.conversations,
+         **config: Any) -> Callable:
+    """A row's build: privatize(trl.SFTTrainer) on the tiny Llama and 16 conversations (or `dataset(16)`), `config`
+    in its SFTConfig (`peft_config` and `formatting_func`, made `Fresh`, go to the trainer)."""
     def build(tmp_path, monkeypatch):
         import trl  # the test extra installs it: a missing trl fails here, it is never skipped
 
-        keywords = {k: config.pop(k).make() for k in ("peft_config",) if k in config}
+        keywords = {k: config.pop(k).make() for k in ("peft_config", "formatting_func") if k in config}
         defaults = dict(report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
         args = trl.SFTConfig(str(tmp_path), **{**defaults, **config})
-        return privatize(trl.SFTTrainer)(model(), args, train_dataset=tiny.conversations(16),
+        return privatize(trl.SFTTrainer)(model(), args, train_dataset=dataset(16),
                                          processing_class=tiny.chat_tokenizer(),
                                          dp_config=dp or DPConfig(noise_multiplier=1.0), **keywords)
     return build
@@ -209,6 +218,8 @@ def _lora():
 
 
 SFT = "is not supported by private trl.SFTTrainer training: "
+CHECKPOINTING = ("activation_checkpointing=True (gradient_checkpointing, its deprecated alias) is not supported yet: "
+                 "activation checkpointing re-runs the forward pass, and its hooks, during backward.")
 
 
 def _dpo(dp: Any = None, per_example_loss: Any = None, dataset: Callable = tiny.preference_pairs,
@@ -293,10 +304,9 @@ ROWS = [
     # ------------------------------------------------------------------ TrainingArguments
     _row("fp16", ValueError, "fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.",
          args=dict(fp16=True)),
-    _row("gradient_checkpointing", ValueError, "Activation checkpointing re-runs forward hooks",
-         args=dict(gradient_checkpointing=True)),
-    _row("activation_checkpointing", ValueError, "Activation checkpointing re-runs forward hooks",
-         args=dict(activation_checkpointing=True)),
+    *[_row(name, ValueError, f"{CHECKPOINTING} Set TrainingArguments(activation_checkpointing=False). TRL's "
+           "SFTConfig and DPOConfig turn it on by default", args={name: True})
+      for name in ("gradient_checkpointing", "activation_checkpointing")],
     _row("torch_compile", ValueError, "torch_compile=True is not supported", args=dict(torch_compile=True)),
     *[_row(f"train_sampling_strategy-{strategy}", ValueError,
            f"train_sampling_strategy='{strategy}' is not supported: the privacy guarantee assumes every logical "
@@ -326,7 +336,15 @@ ROWS = [
     Row("sft-moe-router_aux_loss", _sft(model=_tiny_mixtral), ValueError,
         f"router_aux_loss_coef=None {SFT}the Mixture-of-Experts load-balancing loss"),
     Row("sft-gradient_checkpointing-SFTConfig-default", _sft(gradient_checkpointing=True), ValueError,
-        "Activation checkpointing re-runs forward hooks"),
+        f"{CHECKPOINTING} Set SFTConfig(activation_checkpointing=False). TRL's SFTConfig and DPOConfig turn it on by "
+        "default (gradient_checkpointing=True): pass activation_checkpointing=False to them."),
+    Row("sft-no-column-it-prepares-from", _sft(dataset=_sentences), ValueError,
+        "train_dataset has columns ['sentence'], none of which SFTTrainer prepares from: a text column 'text' "
+        "(SFTConfig.dataset_text_field), 'messages' (conversations), 'prompt' with 'completion', or tokenized "
+        "'input_ids'. Rename your text column (train_dataset.rename_column(name, 'text'))"),
+    Row("sft-prompt-without-completion", _sft(dataset=lambda n: tiny.prompt_completions(n).remove_columns(
+        "completion")), ValueError, "train_dataset has columns ['prompt']: SFTTrainer reads a 'prompt' column as a "
+        "prompt-completion dataset, and the 'completion' column is missing."),
     # ------------------------------------------------------------------ TRL DPOConfig (hf_private.integrations.trl_dpo)
     Row("dpo-loss_type-aot", _dpo(loss_type="aot"), ValueError,
         f"loss_type=['aot'] {DPO}'aot': it sorts the batch's log-ratios"),
@@ -385,6 +403,16 @@ ROWS = [
            model=Fresh(lambda: tiny.bert(num_labels=1)),
            dataset=Fresh(partial(_items_with_float_label, value)))
       for name, value in (("nan", float("nan")), ("inf", float("inf")))],
+    _row("labels-under-another-column", ValueError,
+         "train_dataset has columns ['input_ids', 'attention_mask', 'sentiment'], and a collated training batch has no "
+         "'labels' entry (keys ['attention_mask', 'input_ids'])",
+         dataset=Fresh(lambda: tiny.sentiment_dataset(N).rename_column("label", "sentiment"))),
+    _row("string-labels", ValueError, "train_dataset's label column 'label' holds strings (2 distinct values): labels "
+         "must be integer class ids (float values for regression). Map them before training (the distinct values in "
+         "sorted order): label2id = {'negative': 0, 'positive': 1}", dataset=Fresh(_string_labels)),
+    _row("causal-LM-without-a-collator-that-makes-labels", ValueError, "A causal LM learns from its input_ids: use a "
+         "collator that makes the labels from them, e.g. data_collator=DataCollatorForLanguageModeling(tokenizer, "
+         "mlm=False).", model=Fresh(tiny.gpt2), dataset=Fresh(lambda: tiny.lm_dataset(N))),
     _row("delta-not-below-one-over-N", ValueError, f"target_delta={1 / N:g} is not below 1/N",
          dp=DPConfig(target_epsilon=1.0, target_delta=1 / N)),
     # ------------------------------------------------------------------ release settings
@@ -442,8 +470,13 @@ ACCEPTED = {
         lambda tmp_path: _build(tmp_path, _private_subclass("compute_loss"), per_example_loss=_per_example_loss),
     "mixin-first-overrides-compute_loss-with-per_example_loss":
         lambda tmp_path: _build(tmp_path, _mixed_in_first("compute_loss"), per_example_loss=_per_example_loss),
-    "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,
+    "predict_with_generate-with-privatize(Seq2SeqTrainer)": _seq2seq_trainer,  # labels made by the LM collator
     "sft-peft_config-with-DPConfig": lambda tmp_path: _sft(peft_config=Fresh(_lora))(tmp_path, None),
+    "sft-text-in-the-column-dataset_text_field-names":
+        lambda tmp_path: _sft(dataset=_sentences, dataset_text_field="sentence")(tmp_path, None),
+    "sft-text-made-by-formatting_func":
+        lambda tmp_path: _sft(dataset=_sentences, formatting_func=Fresh(lambda: lambda row: row["sentence"]))(
+            tmp_path, None),
     "dpo-every-per-pair-loss-type": lambda tmp_path: _dpo(loss_type=list(PAIR_LOSSES), label_smoothing=0.1)(
         tmp_path, None),
 }

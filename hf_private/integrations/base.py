@@ -12,7 +12,9 @@ changes; a family tells it:
   `per_example_loss`, for the families whose loss reads the model's outputs and the labels);
 * which of the family's own methods on the private training path are compatible with it, and why;
 * the family's own settings that would change what is clipped or publish un-noised data: refused by name, with the
-  reason and the fix (`hf_private.preflight` raises; the family only declares them).
+  reason and the fix (`hf_private.preflight` raises; the family only declares them);
+* what its training data must hold: the columns its trainer prepares from (`check_columns`, before the trainer is
+  built) and the entry of a collated batch the per-unit loss reads the labels from (`labels_entry`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class TrainerFamily:
     accepts_per_example_loss = True
     #: columns the trainer computes from each unit (not what the unit is): the held-out check leaves them out
     derived_columns: tuple[str, ...] = ()
+    #: the entry of a collated training batch that `unit_losses` reads the labels from (None: it reads none)
+    labels_entry: str | None = "labels"
+
+    def check_columns(self, train_dataset: Any, args: Any, trainer_kwargs: Mapping[str, Any]) -> None:
+        """Refuse a training set the family's trainer cannot prepare, naming the columns found and those expected;
+        called before the trainer is built (Trainer prepares nothing: its labels are checked on a collated batch)."""
 
     def unit(self, train_dataset: Any) -> str:
         """The privacy unit, as "one training <unit>" reads on the card."""

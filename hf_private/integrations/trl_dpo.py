@@ -248,6 +248,8 @@ class DPOFamily(TrainerFamily):
             "collator, whose image tensors have no per-pair grouping here. Train on text preference pairs."),
     )
 
+    labels_entry = None  # the pair loss reads each row's completion_mask, not labels
+
     #: precomputed by `precompute_ref_log_probs` for each pair, separately for each set: the held-out check compares
     #: the pairs themselves
     derived_columns = ("ref_chosen_logps", "ref_rejected_logps")

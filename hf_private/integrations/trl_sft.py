@@ -19,6 +19,7 @@ Nothing here imports trl: this module is loaded only for a class that comes from
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,31 @@ class SFTFamily(TrainerFamily):
         *KERNEL_AND_BATCH_SETTINGS,
     )
     refused_keywords = (PEFT_CONFIG,)
+
+    def check_columns(self, train_dataset: Any, args: Any, trainer_kwargs: Mapping[str, Any]) -> None:
+        """The columns SFTTrainer prepares from (trl 1.16's `_prepare_dataset`): tokenized `input_ids`; else, unless
+        a `formatting_func` makes the text, `prompt` with `completion`, `messages` (or `conversations`), or the text
+        column (`dataset_text_field`). TRL would fail on a missing one with a bare KeyError."""
+        columns = getattr(train_dataset, "column_names", None)
+        dataset_kwargs = getattr(args, "dataset_kwargs", None) or {}
+        if (columns is None or "input_ids" in columns or trainer_kwargs.get("formatting_func") is not None
+                or dataset_kwargs.get("skip_prepare_dataset", False)):
+            return
+        text_field = getattr(args, "dataset_text_field", "text")
+        if "prompt" in columns:
+            if "completion" not in columns:
+                raise ValueError(
+                    f"train_dataset has columns {columns}: SFTTrainer reads a 'prompt' column as a prompt-completion "
+                    "dataset, and the 'completion' column is missing. Add it (the text trained on after each "
+                    "prompt), or rename 'prompt' to 'text' to train on it as plain text.")
+            return
+        if {"messages", "conversations"} & set(columns) or text_field in columns:
+            return
+        raise ValueError(
+            f"train_dataset has columns {columns}, none of which SFTTrainer prepares from: a text column "
+            f"{text_field!r} (SFTConfig.dataset_text_field), 'messages' (conversations), 'prompt' with 'completion', "
+            f"or tokenized 'input_ids'. Rename your text column (train_dataset.rename_column(name, {text_field!r})), "
+            "set SFTConfig(dataset_text_field=name), or pass formatting_func=... to build each example's text.")
 
     def training_set(self, dataset: Any, args: Any) -> Any:
         """With packing=True (BFD) TRL packs the dataset into rows of whole sequences before training; sampled as
