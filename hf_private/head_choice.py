@@ -61,20 +61,28 @@ def _read_json(path: str | os.PathLike, name: str, download: bool) -> Any:
         return None
 
 
-def sentence_classifier(path: str | os.PathLike, num_labels: int = 2, **kwargs: Any) -> PreTrainedModel:
-    """The sequence classifier `path` needs: a mean-pooled head when its sentence-transformers config pools by mean,
-    else `AutoModelForSequenceClassification`'s. `kwargs` go to `from_pretrained`; a Hub id's pooling config is
-    fetched with the model."""
-    if MEAN not in pooling_modes(path, download=True):
+HEADS = ("auto", "cls", "mean")  # sentence_classifier's `head`: the checkpoint's pooling, its CLS token, the mean
+
+
+def sentence_classifier(path: str | os.PathLike, num_labels: int = 2, head: str = "auto",
+                        **kwargs: Any) -> PreTrainedModel:
+    """The sequence classifier `path` needs: with `head="auto"` a mean-pooled head when its sentence-transformers
+    config pools by mean, else `AutoModelForSequenceClassification`'s (it reads the CLS token); "mean" or "cls" choose
+    one. `kwargs` go to `from_pretrained`; a Hub id's pooling config is fetched with the model."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}.")
+    if head == "cls" or (head == "auto" and MEAN not in pooling_modes(path, download=True)):
         return AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **kwargs)
     model_type = AutoConfig.from_pretrained(path).model_type
     name = heads.mean_pooled_head_for(model_type)
     if name is None:
+        why = ("is a sentence-transformers checkpoint trained with mean pooling" if head == "auto"
+               else "was asked for with a mean-pooled head")
         raise ValueError(
-            f"{path} is a sentence-transformers checkpoint trained with mean pooling, of model type {model_type!r}: "
-            "hf_private has mean-pooled heads for BERT and RoBERTa checkpoints only, and "
-            "AutoModelForSequenceClassification would classify its CLS token, a poor feature of such an encoder. "
-            "Write the head on AutoModel (a Linear on last_hidden_state averaged over attention_mask)."
+            f"{path} {why}, of model type {model_type!r}: hf_private has mean-pooled heads for BERT and RoBERTa "
+            "checkpoints only, and AutoModelForSequenceClassification would classify its CLS token, a poor feature "
+            "of such an encoder. Write the head on AutoModel (a Linear on last_hidden_state averaged over "
+            "attention_mask)."
         )
     return getattr(heads, name).from_pretrained(path, num_labels=num_labels, **kwargs)
 

@@ -5,10 +5,15 @@ own config fields are flags too, and per (method, task) the paper's hyperparamet
 the defaults; flags override them. Data come from the Hub (`load_dataset("glue", task)`) or, offline,
 from `--train_file/--validation_file` or `--data_dir`. With no model and no data it runs the embedded offline demo
 (a generated sentiment task and a small BERT built from config), which shows the pipeline, not GLUE numbers.
+
+The paper defaults are sized for GPUs (dp-lora on SST-2: a logical batch of 2,000 for 20 epochs over its 67,349
+sentences, up to 256 tokens each). `--quick` caps them for a CPU (see its `--help`): a check of the pipeline on your
+model and data, not the paper's accuracy.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -20,7 +25,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
@@ -44,6 +48,7 @@ from paper_defaults import method_name, split_batch  # noqa: E402
 from process_group import leave_process_group  # noqa: E402
 
 from hf_private import PrivateTrainer, median_gradient_norm, public_calibration_texts  # noqa: E402
+from hf_private.head_choice import HEADS, sentence_classifier  # noqa: E402
 from hf_private.methods import MethodConfig, RecipeDefaults, method_class, registered_methods  # noqa: E402
 from hf_private.metrics import load_glue_metric  # noqa: E402
 
@@ -59,19 +64,33 @@ DEMO_ARGS = ["--output_dir", "outputs/demo", "--logging_steps", "20", "--per_dev
              "--per_device_eval_batch_size", "256", "--eval_strategy", "no", "--save_strategy", "no", "--use_cpu",
              "true"]
 GLUE_ARGS = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "64", "--logging_steps", "10"]
+# --quick: caps on the method's paper defaults for a CPU-sized run (minutes on a few cores for a base-size encoder)
+QUICK_BATCH, QUICK_EPOCHS, QUICK_SEQ_LENGTH, QUICK_TRAIN_SAMPLES = 256, 3, 64, 2000
 
 
 @dataclass
 class RecipeArguments:
     task: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
     method: str = field(default="dp-sgd", metadata={
-        "help": "DP method: one of hf_private.registered_methods(), or a short name (frost, bitfit, dpfp, ...)."})
+        "help": f"DP method: one of {', '.join(registered_methods())}, or a short name (frost, bitfit, dpfp, ...)."})
     epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Pre-trained model (Hub id or local path), e.g. roberta-base. None: demo."}
     )
+    head: str = field(default="auto", metadata={
+        "choices": HEADS,
+        "help": "Classification head on --model_name_or_path: 'auto' reads the checkpoint's sentence-transformers "
+                "pooling (the mean-pooled head for one that pools by mean, e.g. all-MiniLM-L6-v2; else the CLS "
+                "head), 'cls' or 'mean' choose one (hf_private.sentence_classifier)."})
+    quick: bool = field(default=False, metadata={
+        "help": f"A CPU-sized run: the paper defaults capped at a logical batch of {QUICK_BATCH}, {QUICK_EPOCHS} "
+                f"epochs, {QUICK_SEQ_LENGTH} tokens and the first {QUICK_TRAIN_SAMPLES:,} training rows (flags still "
+                "override): a check of the pipeline, not the paper's accuracy. The paper defaults themselves (e.g. "
+                "dp-lora's batch of 2,000 for 20 epochs) need a GPU."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Train on the first N training rows only (N then sets the sampling rate and δ)."})
     train_file: str | None = field(default=None, metadata={"help": "Training data: tsv, csv, json(l) or parquet."})
     validation_file: str | None = field(default=None, metadata={"help": "Held-out data in the same layout."})
     data_dir: str | None = field(
@@ -81,7 +100,8 @@ class RecipeArguments:
     text_columns: str | None = field(default=None, metadata={"help": "Comma-separated text columns (task default)."})
     label_column: str = field(default="label", metadata={"help": "Label column of the data files."})
     expected_batch_size: int | None = field(
-        default=None, metadata={"help": "Logical batch B = q·N (paper default); split into physical chunks."}
+        default=None, metadata={"help": "Logical batch B = q·N (paper default, e.g. dp-lora's 2,000 for 20 epochs: "
+                                        "sized for a GPU, see --quick); split into physical chunks."}
     )
     clip_norm: str | None = field(default=None, metadata={
         "help": "Per-example clip norm C: a number, or 'auto' (the default with a real model): the median per-example "
@@ -90,6 +110,8 @@ class RecipeArguments:
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
     def __post_init__(self) -> None:
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            raise SystemExit(f"--max_train_samples must be positive, got {self.max_train_samples}.")
         if self.clip_norm not in (None, "auto"):
             try:
                 valid = float(self.clip_norm) > 0
@@ -127,6 +149,9 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         text_columns, dataset_label = ("sentence",), "generated demo sentiment data (hf_private.demo)"
     else:
         raw, text_columns, dataset_label = _load_data(recipe)
+        if recipe.max_train_samples is not None and recipe.max_train_samples < len(raw["train"]):
+            raw["train"] = raw["train"].select(range(recipe.max_train_samples))
+            dataset_label += f", its first {recipe.max_train_samples:,} training rows"
         set_seed(training_args.seed)  # the new head alike on every process, so is the measured C
         tokenizer, model = _load_model(recipe)
 
@@ -171,9 +196,14 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     defaults = DEMO if demo else method.recipe_defaults(first.task)
     if demo and first.method == "dp-lora":
         defaults = replace(defaults, learning_rate=DEMO_LORA_LEARNING_RATE)
+    quick = first.quick and not demo  # the demo is CPU-sized already
+    if quick:
+        defaults = _quick(defaults)
     method_arguments = _method_arguments(method.config_class)
-    parser = HfArgumentParser((RecipeArguments, TrainingArguments, method_arguments))
+    parser = HfArgumentParser((RecipeArguments, TrainingArguments, method_arguments), description=__doc__,
+                              formatter_class=_HelpFormatter)
     fixed = DEMO_ARGS if demo else ["--output_dir", f"outputs/{first.task}-{first.method}", *GLUE_ARGS]
+    fixed += ["--max_train_samples", str(QUICK_TRAIN_SAMPLES)] if quick else []
     recipe, training_args, method_flags = parser.parse_args_into_dataclasses(
         args=[*fixed, *_default_args(defaults, method_arguments, demo), *argv])
     recipe.method_fields = dataclasses.asdict(method_flags)
@@ -183,6 +213,18 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     _set_batch(training_args, recipe.expected_batch_size, accumulation_given)
     _log_defaults(defaults, recipe, demo)
     return recipe, training_args, demo
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the module docstring as written, each flag's default shown."""
+
+
+def _quick(paper: RecipeDefaults) -> RecipeDefaults:
+    """The paper defaults capped to the CPU-sized profile; the learning rate, C and the method's own fields kept."""
+    return replace(paper, expected_batch_size=min(paper.expected_batch_size, QUICK_BATCH),
+                   num_train_epochs=min(paper.num_train_epochs, QUICK_EPOCHS),
+                   max_seq_length=min(paper.max_seq_length, QUICK_SEQ_LENGTH),
+                   source=f"{paper.source}, capped by --quick to a CPU-sized run")
 
 
 def _is_demo(recipe: RecipeArguments) -> bool:
@@ -274,9 +316,11 @@ def _load_data(recipe: RecipeArguments):
 
 
 def _load_model(recipe: RecipeArguments):
+    """The tokenizer and the classifier with the head --head chooses (hf_private.sentence_classifier)."""
     num_labels = task_spec(recipe.task).num_labels
     tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(recipe.model_name_or_path, num_labels=num_labels)
+    model = sentence_classifier(recipe.model_name_or_path, num_labels=num_labels, head=recipe.head)
+    logger.info("Classification head: %s (--head %s).", type(model).__name__, recipe.head)
     return tokenizer, model
 
 

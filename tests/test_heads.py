@@ -146,6 +146,11 @@ def test_sentence_classifier_picks_the_head_from_the_pooling_config(tmp_path):
     assert type(sentence_classifier(tmp_path / "mean_tokens")) is MeanPooledBertForSequenceClassification
     assert type(sentence_classifier(tmp_path / "cls_token")) is BertForSequenceClassification
     assert type(sentence_classifier(tmp_path / "None", num_labels=3)) is BertForSequenceClassification
+    # `head` chooses against the pooling config: the CLS head on a mean-pooling checkpoint, the mean on any BERT
+    assert type(sentence_classifier(tmp_path / "mean_tokens", head="cls")) is BertForSequenceClassification
+    assert type(sentence_classifier(tmp_path / "None", head="mean")) is MeanPooledBertForSequenceClassification
+    with pytest.raises(ValueError, match="head must be one of auto, cls, mean, got 'max'"):
+        sentence_classifier(tmp_path / "None", head="max")
 
 
 def test_trainer_recommends_the_mean_head_for_a_mean_pooling_checkpoint(tmp_path, caplog):

@@ -122,6 +122,36 @@ def test_paper_defaults_apply_and_flags_override(tmp_path):
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (32, 3)
 
 
+def test_help_lists_the_methods_and_says_the_paper_defaults_need_a_gpu(capsys):
+    with pytest.raises(SystemExit) as done:
+        glue.parse_args(["--help"])
+    assert done.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert f"DP method: one of {', '.join(registered_methods())}, or a short name" in shown
+    assert "registered_methods()" not in shown
+    assert (f"--quick [QUICK] A CPU-sized run: the paper defaults capped at a logical batch of {glue.QUICK_BATCH}, "
+            f"{glue.QUICK_EPOCHS} epochs, {glue.QUICK_SEQ_LENGTH} tokens and the first {glue.QUICK_TRAIN_SAMPLES:,} "
+            "training rows") in shown
+    assert "The paper defaults themselves (e.g. dp-lora's batch of 2,000 for 20 epochs) need a GPU." in shown
+    assert "--head {auto,cls,mean}" in shown
+
+
+@pytest.mark.parametrize("method", sorted(SAVED))
+def test_quick_caps_the_paper_defaults_and_flags_still_override(tmp_path, method):
+    common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true", "--method",
+              method]
+    paper_recipe, paper_args, _ = glue.parse_args(common)
+    recipe, args, _ = glue.parse_args([*common, "--quick"])
+    assert recipe.expected_batch_size == min(paper_recipe.expected_batch_size, glue.QUICK_BATCH)
+    assert args.num_train_epochs == min(paper_args.num_train_epochs, glue.QUICK_EPOCHS)
+    assert recipe.max_seq_length == min(paper_recipe.max_seq_length, glue.QUICK_SEQ_LENGTH)
+    assert recipe.max_train_samples == glue.QUICK_TRAIN_SAMPLES and paper_recipe.max_train_samples is None
+    assert (args.learning_rate, recipe.clip_norm, recipe.method_fields) == (
+        paper_args.learning_rate, paper_recipe.clip_norm, paper_recipe.method_fields)
+    recipe, args, _ = glue.parse_args([*common, "--quick", "--num_train_epochs", "1", "--max_train_samples", "500"])
+    assert (args.num_train_epochs, recipe.max_train_samples) == (1, 500)
+
+
 def test_paper_tables_and_batch_split():
     defaults = {name: method_class(name).recipe_defaults for name in registered_methods()}
     assert astuple(defaults["dp-bitfit"]("sst2"))[:4] == (1000, 3, 5e-3, 0.1)
@@ -233,6 +263,47 @@ def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_pat
     assert f"eval_{metric}" in card.text
     assert card.data.base_model is None and "path is withheld" in card.text  # a local path, not a Hub id:
     assert model_dir not in (tmp_path / "out" / "README.md").read_text()  # never written (issue 18)
+
+
+def test_quick_trains_on_the_first_rows_of_a_pretrained_model_and_says_so_on_the_card(tmp_path, model_dir):
+    files = {}
+    for split, n in (("train", 300), ("dev", 24)):
+        texts, labels = _sentences(n, seed=len(split))
+        files[split] = _write(tmp_path / f"{split}.tsv", {"sentence": texts, "label": labels})
+    result = glue.main(["--model_name_or_path", model_dir, "--data_dir", str(tmp_path), "--quick",
+                        "--max_train_samples", "280", "--output_dir", str(tmp_path / "out"), *FAST])
+    assert result["steps"] > 0 and "accuracy" in result["metrics"]
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert "its first 280 training rows" in card.text
+    ledger = json.loads((tmp_path / "out" / "privacy_ledger.json").read_text())
+    assert ledger["dataset_size"] == 280
+
+
+@pytest.fixture(scope="module")
+def mean_pooling_model_dir(tmp_path_factory, model_dir):
+    """The encoder of `model_dir` as a sentence-transformers checkpoint that pools by mean (like all-MiniLM-L6-v2)."""
+    path = tmp_path_factory.mktemp("tiny-roberta-mean")
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return str(path)
+
+
+def test_head_is_chosen_as_sentence_classifier_does_and_the_flag_overrides(tmp_path, model_dir,
+                                                                           mean_pooling_model_dir, caplog):
+    def head(path, *flags):
+        recipe, _, _ = glue.parse_args(["--model_name_or_path", path, "--output_dir", str(tmp_path), "--use_cpu",
+                                        "true", *flags])
+        return type(glue._load_model(recipe)[1]).__name__
+
+    assert head(mean_pooling_model_dir) == "MeanPooledRobertaForSequenceClassification"
+    assert head(mean_pooling_model_dir, "--head", "cls") == "RobertaForSequenceClassification"
+    assert head(model_dir) == "RobertaForSequenceClassification"  # no pooling config: the CLS head
+    assert head(model_dir, "--head", "mean") == "MeanPooledRobertaForSequenceClassification"
+    with pytest.raises(SystemExit):
+        glue.parse_args(["--model_name_or_path", model_dir, "--head", "max"])
 
 
 @pytest.mark.skipif(not SHARED_SST2.is_dir(), reason="shared/data/sst2 is not on this machine")
