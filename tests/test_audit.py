@@ -27,6 +27,7 @@ from transformers import DataCollatorForLanguageModeling, DataCollatorWithPaddin
 
 from hf_private import BitFitConfig, DPConfig, DPFPConfig
 from hf_private.audit import (
+    AuditCeiling,
     AuditResult,
     build_canaries,
     count_correct,
@@ -182,6 +183,12 @@ def test_bitfit_passes_the_audit(tmp_path):
     assert [b.score for b in result.bounds] == ["white-box-gradient", "black-box"]
     assert all(b.confidence == pytest.approx(0.975) for b in result.bounds)
     assert result.epsilon_lower_bound < CLAIMED_EPSILON
+    # two sets of CANARIES: `included` counts both (it may exceed `canaries`), and the summary says so
+    assert result.canary_sets == ("token", "gradient")
+    assert 0.3 * 2 * CANARIES < result.included < 0.7 * 2 * CANARIES
+    assert (f"Canaries: 2 sets of {CANARIES} (token and gradient canaries), each included in the training set "
+            f"independently with probability 1/2: {result.included} of {2 * CANARIES} included.") == \
+        result.canary_summary()
 
 
 def test_too_few_trainable_coordinates_for_gradient_canaries_skip_the_white_box_score_with_a_warning(tmp_path, caplog):
@@ -514,7 +521,61 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "This is an audit run on the training data" in out
     assert f"Composed guarantee of the released model: ε = {result['composed']['epsilon']:.4g}" in out
-    assert out.rstrip().endswith(json.dumps(result, indent=2))
+    assert json.dumps(result, indent=2) in out
+    summary, verdict = out.rstrip().splitlines()[-2:]  # after the JSON, in words
+    assert summary.startswith("Canaries: 40 token canaries") and f"{result['included']} of 40 included" in summary
+    assert verdict.startswith("Verdict: no refutation. ε_lb = ")
+    assert f"The largest ε this audit could have refuted is {result['ceiling']['epsilon']:.3g}" in verdict
+
+
+def _result(lower: float, claimed: float, ceiling: float, claim: str = "epsilon") -> AuditResult:
+    return AuditResult(
+        epsilon_lower_bound=lower, confidence=0.95, claimed_epsilon=claimed, delta=DELTA, method="dp-sgd",
+        canaries=1000, included=1002, k_plus=200, k_minus=0, bounds=(), date="today", audit_data="private",
+        mechanisms=(), accountant="prv", guarantee="formal" if claim == "epsilon" else "none",
+        dataset_fingerprint=None, claim=claim, ceiling=AuditCeiling(ceiling, 1.0, ceiling),
+        canary_sets=("token", "gradient"))
+
+
+def test_the_verdict_says_what_the_audit_showed_and_what_it_could_have():
+    assert _result(0.0, 2.0, 3.95).verdict() == (
+        "Verdict: no refutation. ε_lb = 0 at 95% confidence against the claimed ε = 2: the audit found no evidence "
+        "against it; a lower bound, not a measure of privacy. A bound of 0 means the guesses were no better than "
+        "chance explains. The largest ε this audit could have refuted is 3.95 (every guess right with 1,000 canaries "
+        "and 200 guesses).")
+    assert _result(0.5, 8.0, 3.95).verdict().endswith(
+        "The largest ε this audit could have refuted is 3.95 (every guess right with 1,000 canaries and 200 guesses), "
+        "below 8: no outcome of it could have refuted the claim.")
+    assert "bound of 0" not in _result(0.5, 8.0, 3.95).verdict()
+    assert _result(3.27, 2.0, 3.95).verdict() == (
+        "Verdict: REFUTED. ε_lb = 3.27 at 95% confidence against the claimed ε = 2: more canaries were guessed right "
+        "than a run with that privacy allows, except with probability 5%; the training or its accounting is broken.")
+    no_guarantee = _result(3.27, 2.0, 3.95, claim="clt_epsilon").verdict()
+    assert "the tested figure clt_epsilon (not a guarantee) = 2" in no_guarantee and "claimed ε" not in no_guarantee
+    assert _result(0.0, 2.0, 3.95).canary_summary().endswith("1,002 of 2,000 included.")
+
+
+def test_the_command_line_chooses_the_head_as_sentence_classifier_does(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    from hf_private.audit.cli import _parser, _task_from_files
+    from hf_private.heads import MeanPooledBertForSequenceClassification
+
+    checkpoint = tmp_path / "mean-pooling"
+    BertModel(BertConfig(vocab_size=tiny.VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(checkpoint)
+    tiny.tokenizer().save_pretrained(checkpoint)
+    (checkpoint / "modules.json").write_text(json.dumps([
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (checkpoint / "1_Pooling").mkdir()
+    (checkpoint / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    train = tmp_path / "train.csv"
+    train.write_text("sentence,label\ngood film,1\nbad film,0\n")
+    common = ["--model_name_or_path", str(checkpoint), "--train_file", str(train)]
+    heads = {head: type(_task_from_files(_parser().parse_args([*common, *flag]))[0]())
+             for head, flag in (("auto", []), ("cls", ["--head", "cls"]), ("mean", ["--head", "mean"]))}
+    assert heads["auto"] is heads["mean"] is MeanPooledBertForSequenceClassification
+    assert heads["cls"].__name__ == "BertForSequenceClassification"
 
 
 def test_command_line_entry_point_is_declared():

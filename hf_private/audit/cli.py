@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..adapters import auxiliary_parameter_names, unwrap_peft
+from ..head_choice import HEADS
 from ..logs import get_logger
 from ..privacy import PrivacyLedger
 from ..trainer import PrivateTrainer
@@ -179,6 +180,7 @@ def run_audit(
         guarantee=report["guarantee"],
         dataset_fingerprint=getattr(train_dataset, "_fingerprint", None),
         ceiling=ceiling,
+        canary_sets=tuple(_canary_sets(active)),
     )
 
 
@@ -273,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--model_name_or_path", help="Hub id or local path of a sequence-classification model (needs --train_file).")
+    add("--head", choices=HEADS, default="auto", help="Classification head on --model_name_or_path: 'auto' reads the "
+        "checkpoint's sentence-transformers pooling (the mean-pooled head for one that pools by mean), 'cls' or "
+        "'mean' choose one (hf_private.sentence_classifier).")
     add("--train_file", help="Local csv/tsv/json training data with a text and a label column.")
     add("--text_column", default="sentence")
     add("--label_column", default="label")
@@ -304,9 +309,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _task_from_files(options):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+    from transformers import AutoTokenizer, DataCollatorWithPadding
 
     from ..data_files import DataFileError, read_data_file
+    from ..head_choice import sentence_classifier
 
     if not (options.model_name_or_path and options.train_file):
         raise SystemExit("Give both --model_name_or_path and --train_file, or neither (the offline demo).")
@@ -322,7 +328,7 @@ def _task_from_files(options):
     num_labels = len(set(data["label"]))
 
     def factory():
-        return AutoModelForSequenceClassification.from_pretrained(options.model_name_or_path, num_labels=num_labels)
+        return sentence_classifier(options.model_name_or_path, num_labels=num_labels, head=options.head)
 
     return factory, data, {"data_collator": DataCollatorWithPadding(tokenizer), "processing_class": tokenizer}
 
@@ -377,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(options.output, "w") as f:
             f.write(text + "\n")
     sys.stdout.write(text + "\n")
+    sys.stdout.write(f"{result.canary_summary()}\n{result.verdict()}\n")
     verdict = "REFUTES" if result.refutes_claim else "does not refute"
     logger.info("ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
                 result.epsilon_lower_bound, 100 * result.confidence, verdict,

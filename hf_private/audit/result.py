@@ -61,6 +61,10 @@ class AuditResult:
     is "private". `guarantee` is the audit run's own ("none" in insecure test mode). `claimed_epsilon` is the figure
     the audit tests: the run's ε, or, without a formal guarantee, the figure named `claim` from the report's
     `not_a_guarantee` (DP-FP paper mode: the paper's CLT approximation), never written as an ε.
+
+    `canaries` counts each set: a run whose white-box score needs gradient canaries (the input embedding does not
+    train) has a second set of `canaries` beside the token canaries (`canary_sets`), so `included`, summed over the
+    sets, can exceed `canaries` (about half of `canaries` × the number of sets: each is included with probability ½).
     """
 
     epsilon_lower_bound: float
@@ -81,6 +85,7 @@ class AuditResult:
     dataset_fingerprint: str | None
     claim: str = "epsilon"
     ceiling: AuditCeiling | None = None
+    canary_sets: tuple[str, ...] = ("token",)
 
     @property
     def mu_lower_bound(self) -> float:
@@ -98,6 +103,33 @@ class AuditResult:
     @property
     def declaration(self) -> str:
         return AUDIT_DATA[self.audit_data]
+
+    def canary_summary(self) -> str:
+        """What `canaries` and `included` count, in words."""
+        sets, total = len(self.canary_sets), self.canaries * len(self.canary_sets)
+        layout = (f"{sets} sets of {self.canaries:,} ({' and '.join(self.canary_sets)} canaries)" if sets > 1
+                  else f"{self.canaries:,} {self.canary_sets[0]} canaries")
+        return (f"Canaries: {layout}, each included in the training set independently with probability 1/2: "
+                f"{self.included:,} of {total:,} included.")
+
+    def verdict(self) -> str:
+        """One line saying what the audit showed: a refutation, or none, read against what it could have refuted."""
+        tested = "the claimed ε" if self.claim == "epsilon" else f"the tested figure {self.claim} (not a guarantee)"
+        found = (f"ε_lb = {self.epsilon_lower_bound:.3g} at {self.confidence:.0%} confidence against {tested} = "
+                 f"{self.claimed_epsilon:.4g}")
+        if self.refutes_claim:
+            return (f"Verdict: REFUTED. {found}: more canaries were guessed right than a run with that privacy "
+                    f"allows, except with probability {1 - self.confidence:.0%}; the training or its accounting is "
+                    "broken.")
+        reach = "" if self.ceiling is None else (
+            f" The largest ε this audit could have refuted is {self.ceiling.epsilon:.3g} (every guess right with "
+            f"{self.canaries:,} canaries and {self.k_plus + self.k_minus:,} guesses)"
+            + (f", below {self.claimed_epsilon:.4g}: no outcome of it could have refuted the claim." if
+               self.ceiling.epsilon < self.claimed_epsilon else "."))
+        zero = (" A bound of 0 means the guesses were no better than chance explains." if
+                self.epsilon_lower_bound <= 0 else "")
+        return (f"Verdict: no refutation. {found}: the audit found no evidence against it; a lower bound, not a "
+                f"measure of privacy.{zero}{reach}")
 
     def composed_mechanisms(self) -> list[MechanismGroup]:
         """What the audit adds to the training data's ledger: its run, renamed "audit:…"; nothing for declared data."""
