@@ -416,8 +416,32 @@ class PrivacyRun:
         return self.plan.has_guarantee and self.test_seed is None
 
     def privacy_report(self) -> dict[str, Any]:
-        """ε, δ and what they rest on. Without a formal guarantee: no `epsilon` (nor `training_epsilon`), and the
-        numbers that may still be shown, labelled, under `not_a_guarantee`."""
+        """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`).
+
+        Returns:
+            A dict with:
+
+            - `epsilon` (float): the ε spent so far, at `delta`; absent without a formal guarantee.
+            - `delta` (float): δ of the guarantee (the DP config's, or 1/(2N)).
+            - `guarantee` (str): "formal", or "none" with `guarantee_note` saying why (DP-FP paper mode, a test seed).
+            - `accountant` (str): what computed ε ("prv", "rdp", or "pld" for user-level ELS histories).
+            - `sampler_tail_delta` (float): the part of δ the noise sampler's finite tail takes.
+            - `dataset_size` (int): N, what sampling draws from (users under ULS; the kept examples under ELS).
+            - `steps`, `planned_steps` (int): optimizer steps taken and planned.
+            - `mechanisms` (list of dict): every release in the ledger (name, σ, q, steps, C, ...), enough to
+              recompute ε.
+            - `unit`, `trainer`, `base_model`: the privacy unit ("example", "preference pair", "user", ...), the
+              trainer class, and the public base model (None for a local path); at user level also `user_column`,
+              `user_sampling` and `examples_per_user` or `max_examples_per_user`.
+            - `method`, `target_epsilon`, `noise_multiplier`, `sample_rate`, `max_grad_norm`, `expected_batch_size`,
+              `trainable_fraction`, `phases` (each training stage and its first step), and `method_details` where
+              the method reports its own.
+            - With an audit on the training data attached: `epsilon` composed with it and `training_epsilon`,
+              training's own. After a resume from a checkpoint older than the newest ledger: `forks` (and
+              `epsilon_with_forks`).
+            - Without a formal guarantee: no `epsilon` (nor `training_epsilon`); the numbers that may still be shown,
+              each labelled, under `not_a_guarantee`.
+        """
         report = self.ledger.report()
         notes = [note for note in dict.fromkeys([self.ledger.guarantee()[1], self.plan.guarantee[1]]) if note]
         if self.test_seed is not None:

@@ -436,7 +436,34 @@ class PrivateTrainingMixin:
 
 
 class PrivateTrainer(PrivateTrainingMixin, Trainer):
-    """`Trainer` plus `dp_config`; every other keyword is Trainer's own."""
+    """`transformers.Trainer` made differentially private: Poisson batches, each example's gradient clipped, noise
+    once per logical batch, and ε accounted, logged and written on the model card.
+
+    Args:
+        model: the model itself (a `PreTrainedModel` or `PeftModel`, not its name); the DP method may choose what
+            trains, after every check has passed.
+        args: `TrainingArguments`, as for Trainer; `per_device_train_batch_size × gradient_accumulation_steps ×
+            processes` is the expected logical batch. Settings DP-SGD cannot honour are refused here, by name.
+        dp_config: the DP method and its privacy settings (`DPConfig`, `BitFitConfig`, `FrostConfig`,
+            `SparseLowRankConfig`, `DPFPConfig`): target ε or noise multiplier, δ, clip norm C, accountant, privacy
+            unit.
+        per_example_loss: `fn(model, outputs, labels)` returning one loss per example (shape `[B]`), for a loss the
+            model's own head does not compute; None uses the head's (cross-entropy, MSE, a causal LM's per-sequence
+            mean).
+        packed_row_tokens: with a packing collator (`DataCollatorWithFlattening`, TRL's `padding_free=True`), a
+            chunk's examples are laid end to end in rows of at most this many tokens, each still clipped alone.
+            "auto": `packing.PACKED_ROW_TOKENS` under masked attention (eager, SDPA), one row a chunk under flash
+            attention; None: one row a chunk.
+        packed_forward_tokens: with packing, at most this many padded tokens in one forward pass (None: a chunk's
+            rows in one forward).
+        **trainer_kwargs: every other keyword is Trainer's own (`train_dataset`, `eval_dataset`, `data_collator`,
+            `processing_class`, `compute_metrics`, `callbacks`, `optimizer_cls_and_kwargs`, ...). The training set
+            must be map-style (its size N sets the sampling rate).
+
+    Raises:
+        ValueError, TypeError: at construction, for every setting, model or training set private training cannot
+            honour (see `hf_private.preflight`), with the fix named.
+    """
 
 
 _PRIVATE_CLASSES: dict[type[Trainer], type[Trainer]] = {Trainer: PrivateTrainer}
