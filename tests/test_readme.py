@@ -65,3 +65,15 @@ def test_readme_lists_exactly_the_supported_layers_and_what_of_them_may_train():
             after = supported[supported.index(f"{name}`"):]
             assert f"({restriction.rstrip(')')}" in after, f"the README does not say {entry}"
     assert "Conv2d (bias only; weight refused)" in supported_layer_names()
+
+
+def test_the_cpu_build_of_torch_is_the_pinned_torch_and_the_fresh_machine_commands_stay_as_ci_runs_them():
+    """The quick start's two commands (CI runs them verbatim) install the pinned torch from PyPI; the CPU-build
+    instruction beside them installs the same pinned version from PyTorch's CPU wheel index."""
+    quick_start = _section("## Quick start on a fresh machine")
+    commands = re.findall(r"^pip install (torch==\S+) && pip install -e (\S+) && (.+)$", quick_start, re.M)
+    assert [(extra, then) for _, extra, then in commands] == [
+        (".", "python recipes/glue.py"), ('".[test]"', "python -m pytest -q")]
+    pins = {pin for pin, _, _ in commands}
+    assert len(pins) == 1
+    assert f"pip install {pins.pop()} --index-url https://download.pytorch.org/whl/cpu\n" in quick_start
