@@ -122,6 +122,24 @@ def test_metadata_parses_offline_and_model_index_round_trips():
     assert unlicensed["license"] == "unknown" and "model-index" not in unlicensed  # no held-out results, no index
 
 
+@pytest.mark.parametrize("user_level", [False, True], ids=["example", "user"])
+def test_the_mechanism_table_prints_c_to_four_digits_and_the_metadata_keeps_it_exact(user_level):
+    """Issue 45: the card printed C = 4.081756591796875; the table reads 4.082, the `privacy:` block keeps the value
+    that recomputes ε."""
+    c = 4.081756591796875
+    mechanism = {**REPORT["mechanisms"][0], "max_grad_norm": c}
+    extra = {"unit": "user", "user_sampling": "example", "max_examples_per_user": 4} if user_level else {}
+    if user_level:
+        mechanism["examples_per_user"] = 4
+    report = {**REPORT, "mechanisms": [mechanism], **extra}
+    card = ModelCard(str(build_model_card(privacy=privacy_metadata(report, "dp-sgd"), base_model="roberta-base",
+                                          model_title="m", training={}, eval_results={}, load_snippet="")))
+    row = next(line for line in card.text.splitlines() if line.startswith("| dp-sgd |"))
+    assert [cell.strip() for cell in row.strip("|").split("|")][4] == f"{c:.4g}" == "4.082"
+    assert repr(c) not in card.text
+    assert card.data.to_dict()["privacy"]["mechanisms"][0]["max_grad_norm"] == c
+
+
 def test_load_snippet_names_no_output_folder():
     snippet = load_snippet("full", "BertModel", None, None)
     assert f'from_pretrained("{REPO_PLACEHOLDER}")' in snippet and f"# REPLACE {REPO_PLACEHOLDER}" in snippet
