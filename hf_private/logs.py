@@ -3,9 +3,10 @@
 So the messages follow whatever a Trainer script already does with logging: `transformers.logging.set_verbosity_*`,
 `TrainingArguments.log_level` (main process) and `log_level_replica` (the others) control them, and transformers'
 handler prints them without any `logging.basicConfig`. What a user must act on (a setting overridden, noise so
-large the model learns little, the budget reached) is logged at WARNING, visible at transformers' default
-verbosity; the plan and the final ε at INFO (scripts that show Trainer's own progress lines show these too, and the
-final ε is also among the metrics every Trainer run prints).
+large the model learns little, a clip norm far above the gradient norms, the budget reached) is logged at WARNING,
+visible at transformers' default verbosity, and so is the training plan, once: it is the one line a DP user must read.
+The final ε is INFO (scripts that show Trainer's own progress lines show it too, and it is among the metrics every
+Trainer run prints).
 
 In a multi-process run every rank executes the same checks, so every warning would print once per process: the other
 ranks keep only errors (`MainProcessOnly`), and the main process speaks for the run.

@@ -100,8 +100,9 @@ def not_covered(unit: str = "example") -> tuple[str, ...]:
 
 
 NOT_COVERED = (
-    "Training-loss values in logs and `trainer_state.json`: they are computed on private data without noise. "
-    "Do not publish them.",
+    "Training-loss values in logs and `trainer_state.json`, and the median per-example gradient norm of the first "
+    "batch that a warning about a clip norm far above the norms prints: they are computed on private data without "
+    "noise. Do not publish them.",
     "Hyperparameter tuning or model selection on private data: every extra run or choice spends privacy that "
     "this ε does not count.",
     "Evaluation on private data, and anything else done with the data outside this training run.",

@@ -63,6 +63,7 @@ from .users import (
     UnitTagged,
     UserIndex,
     UserPoissonSampler,
+    expected_examples,
     run_lengths,
     unit_slices,
 )
@@ -133,13 +134,15 @@ class PrivateTrainingMixin:
         self.custom_per_example_loss = per_example_loss is not None  # packed chunks need the family's own loss
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
+        # the logged loss is a mean per example: under ULS a sampled user brings up to k examples
+        self._examples_per_batch = expected_examples(self.user_index, dp_config, self.sample_rate, expected)
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
         training_rows = TrainingRows(self.train_dataset, self._signature_columns,
                                      [*self.label_names, *checked.family.derived_columns],
                                      pad_token_id(self.processing_class), checked.family.unmarked_units(self.args))
         self._evaluations = Evaluations(training_rows, self.eval_dataset)
-        self.privacy_run.log_plan()
+        self.privacy_run.log_plan(self.user_index)
         log_ignored_labels(checked.labels)
 
     # ------------------------------------------------------------------ data
@@ -229,7 +232,7 @@ class PrivateTrainingMixin:
         self.privacy_run.prepare_noise()
         # The unwrapped model: DDP must not all-reduce un-clipped gradients (the optimizer reduces clipped sums).
         total = self.record_chunks(self.accelerator.unwrap_model(model), inputs, self.engine)
-        return total / (self.expected_batch_size / self.args.world_size)
+        return total / (self._examples_per_batch / self.args.world_size)
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
         """Forward/backward `inputs` in chunks of at most per_device_train_batch_size units (examples; users at user
@@ -330,7 +333,7 @@ class PrivateTrainingMixin:
     # ------------------------------------------------------------------ reporting
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.pop("grad_norm", None)  # a norm of un-clipped, un-noised gradients: not private
-        self.privacy_run.epsilon_to_log(logs, self.state.max_steps)  # Trainer's own stop: the planned steps
+        self.privacy_run.epsilon_to_log(logs)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:

@@ -211,6 +211,35 @@ def stages_for(stages: Sequence[Any], config: Any) -> list[Any]:
     return [replace(stage, examples_per_user=config.max_examples_per_user) for stage in stages]
 
 
+# ---------------------------------------------------------------------- what the plan says at user level
+def sampled_unit(config: Any, unit: str) -> str:
+    """What N, q and the logical batch count: examples under ELS (it samples the examples users keep), else `unit`."""
+    return "example" if config.privacy_unit == "user" and config.user_sampling == "example" else unit
+
+def expected_examples(index: UserIndex | None, config: Any, sample_rate: float, expected_batch_size: float) -> float:
+    """Training examples a logical batch holds in expectation, the logged loss's denominator (a mean per example):
+    under ULS q·Σ_u min(n_u, k), a sampled user bringing up to k; otherwise the expected batch itself."""
+    if index is None or config.user_sampling != "user":
+        return expected_batch_size
+    return sample_rate * capped_size(index, config.examples_per_user)
+
+def user_level_plan(config: Any, index: UserIndex, steps_per_epoch: int) -> str:
+    """What a user-level run does with the data, said once after the plan: which examples train, what
+    num_train_epochs and the logged loss count (each differs from an example-level run's)."""
+    if config.user_sampling == "user":
+        k = config.examples_per_user
+        takes = ("one of their examples (examples_per_user=1), drawn at random" if k == 1 else
+                 f"the sum of up to examples_per_user={k} of their examples, drawn at random and clipped as one")
+        return (f"User-level sampling (ULS): each step, every sampled user contributes {takes}. num_train_epochs "
+                f"counts passes over the {index.users} users ({steps_per_epoch} steps an epoch, each user sampled "
+                f"about once), not over the {index.examples} examples. The logged loss is a mean per example.")
+    k = config.max_examples_per_user
+    return (f"Example-level sampling (ELS): each user keeps at most max_examples_per_user={k} of their examples, drawn "
+            f"once at random: {capped_size(index, k)} of the {index.examples} training examples are kept, N and the "
+            "batch count those, and ε is accounted for a user with that many examples in the data. num_train_epochs "
+            "counts passes over the kept examples.")
+
+
 # ---------------------------------------------------------------------- ULS: Poisson over users
 class UserPoissonSampler(Sampler[list[int]]):
     """Yields Poisson(q) logical batches of *users*, each user as up to `examples_per_user` of their examples.

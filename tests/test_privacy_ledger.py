@@ -168,7 +168,7 @@ def test_a_release_without_guarantee_makes_epsilon_infinite_and_the_report_say_n
     assert "no finite privacy guarantee" in caplog.text
     kind, reason = ledger.guarantee()
     assert kind == "none" and REASON in reason
-    assert ledger.epsilon() == math.inf and ledger.epsilon_ahead(5) == math.inf
+    assert ledger.epsilon() == math.inf
     report = ledger.report()
     assert report["guarantee"] == "none" and REASON in report["guarantee_note"] and report["epsilon"] == math.inf
     assert report["mechanisms"][1] == {"name": "dp-fp-paper", "noise_multiplier": 0.0, "sample_rate": 1.0,
@@ -260,15 +260,16 @@ def test_validation():
 
 
 SINGLE = [("dp-sgd", 1.0, 0.01, 300)]
-# Then a costlier mechanism (twice the rate): a look-ahead that still assumed the first would fall below ε.
+# Then a costlier mechanism (twice the rate): a new group of the history, composed with the first.
 SWITCH = [("dp-sgd", 1.0, 0.01, 200), ("bitfit", 1.0, 0.02, 100)]
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 @pytest.mark.parametrize("phases", [SINGLE, SWITCH], ids=["single", "phase-switch"])
-def test_epsilon_ahead_bounds_every_step_until_it_is_reached_and_is_then_free(monkeypatch, accountant, phases):
-    """After the first step of each mechanism, ε of its last step bounds ε at every step before (ε never decreases
-    with releases: the accountants' numbers must not either), and `epsilon()` reuses it when training gets there."""
+def test_epsilon_never_decreases_with_releases_and_is_evaluated_once_per_history(monkeypatch, accountant, phases):
+    """The training logs carry `epsilon()` at each logging step (ε spent so far): the accountants' numbers must not
+    decrease as releases are added (whoever sees more outputs can ignore the extra ones), and a history is evaluated
+    once however often it is asked for."""
     calls = []
 
     def counting(mechanisms, delta, accountant):
@@ -277,20 +278,11 @@ def test_epsilon_ahead_bounds_every_step_until_it_is_reached_and_is_then_free(mo
 
     monkeypatch.setattr(ledger_module, "epsilon_bound", counting)
     ledger = PrivacyLedger(N, DELTA, accountant=accountant)
-    exact = []
+    epsilons = []
     for name, sigma, q, steps in phases:
-        ledger.record(name, sigma, q, max_grad_norm=1.0)
-        ahead = ledger.epsilon_ahead(steps - 1)
-        for step in range(steps):
-            if step:
-                ledger.record(name, sigma, q, max_grad_norm=1.0)
-            if step < steps - 1:
-                exact.append(compute_epsilon(ledger.mechanisms, DELTA, accountant))
-                assert exact[-1] <= ahead
-        evaluations = len(calls)
-        assert ledger.epsilon() == ahead and len(calls) == evaluations  # reused, not evaluated again
-        exact.append(ahead)
-    assert exact == sorted(exact)
-    assert ledger.epsilon_ahead(0) == ledger.epsilon() and len(calls) == evaluations
-    with pytest.raises(ValueError, match="steps"):
-        ledger.epsilon_ahead(-1)
+        for _ in range(steps):
+            ledger.record(name, sigma, q, max_grad_norm=1.0)
+            epsilons.append(ledger.epsilon())
+            assert ledger.epsilon() == epsilons[-1]
+    assert epsilons == sorted(epsilons) and calls == list(range(1, len(epsilons) + 1))
+    assert epsilons[-1] == compute_epsilon(ledger.mechanisms, DELTA, accountant)

@@ -51,7 +51,7 @@ def test_logs_epsilon_every_step_and_writes_card(tmp_path):
     steps = _logged(trainer, "loss")
     assert len(steps) == trainer.state.global_step
     epsilons = [entry["epsilon"] for entry in steps]
-    # Per-step logs never decrease and track progress (tests/test_epsilon_log.py: they bound the ε spent).
+    # Per-step logs never decrease and track progress (tests/test_epsilon_log.py: each is the ε spent by then).
     assert all(a <= b for a, b in zip(epsilons, epsilons[1:])) and epsilons[0] < epsilons[-1]
     assert not _logged(trainer, "grad_norm"), "the non-private gradient norm must not be logged"
     report = trainer.privacy_report()

@@ -140,7 +140,7 @@ def test_plan_is_logged_and_heavy_noise_is_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger=HF_LOGGER):
         make_trainer(tmp_path, dp=DPConfig(target_epsilon=8.0), per_device_train_batch_size=16, num_train_epochs=2)
     plan = [r for r in caplog.records if "Private training plan" in r.getMessage()]
-    assert len(plan) == 1 and plan[0].levelno == logging.INFO
+    assert len(plan) == 1 and plan[0].levelno == logging.WARNING  # transformers' default verbosity shows it
     for field in ("N=96", "q=0.16667", "expected logical batch 16", "σ=", "C=1", "δ=", "prv accountant",
                   "target ε=8"):
         assert field in plan[0].getMessage()

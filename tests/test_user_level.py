@@ -8,6 +8,7 @@ user's examples apart (each example its own unit): the user then moves the sum b
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from functools import partial
@@ -17,7 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from huggingface_hub import ModelCard
-from transformers import TrainerCallback
+from transformers import DataCollatorWithPadding, TrainerCallback
 
 import hf_private.run
 import hf_private.trainer
@@ -157,7 +158,7 @@ def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_p
     with caplog.at_level("INFO", logger="transformers"):
         trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
     assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(4 / 24)
-    assert "Private training plan (dp-sgd): N=24 users, sampling rate q=0.16667 (expected logical batch 4)" \
+    assert "Private training plan (dp-sgd): N=24 users, sampling rate q=0.16667 (expected logical batch 4 users)" \
         in caplog.text and "expected batch of 4 users" in caplog.text
     trainer.train()
     report = trainer.privacy_report()
@@ -172,6 +173,62 @@ def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_p
     assert "group privacy" not in text
     # ε recomputes from the card alone with an independent accountant (dp_accounting's PLD, not our PRV)
     assert independent_epsilon(privacy) == pytest.approx(privacy["epsilon"], rel=0.03)
+
+
+def _plan(caplog, build) -> str:
+    """The plan line `build()` logs, at the level a user's script shows (transformers' default, WARNING)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
+        build()
+    plans = [r.getMessage() for r in caplog.records if "Private training plan" in r.getMessage()]
+    assert len(plans) == 1
+    return plans[0]
+
+
+@pytest.mark.parametrize("k, takes", [
+    (1, "every sampled user contributes one of their examples (examples_per_user=1), drawn at random"),
+    (4, "every sampled user contributes the sum of up to examples_per_user=4 of their examples"),
+])
+def test_the_uls_plan_says_which_examples_train_and_what_an_epoch_counts(tmp_path, caplog, k, takes):
+    """Issue 45: ULS with k = 1 used one example per sampled user per step, and num_train_epochs counted users,
+    silently."""
+    data, users = _user_rows(24, 3)
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id",
+                  examples_per_user=k)
+    plan = _plan(caplog, lambda: user_trainer(tmp_path, data, users, dp=dp, per_device_train_batch_size=4))
+    for said in ("N=24 users", "(expected logical batch 4 users)", takes,
+                 "num_train_epochs counts passes over the 24 users (6 steps an epoch, each user sampled about once), "
+                 "not over the 72 examples", "The logged loss is a mean per example."):
+        assert said in plan
+
+
+def test_the_els_plan_counts_the_kept_examples_as_examples_and_says_how_many_were_kept(tmp_path, caplog):
+    """Issue 45: the ELS plan said "N=1301 users" for 1,301 kept examples of 3,000, and never said some were dropped."""
+    data = tiny.sentiment_dataset(60)
+    users = [i % 12 for i in range(60)]  # 12 users of 5 examples: 24 kept
+    plan = _plan(caplog, lambda: user_trainer(tmp_path, data, users, dp=els_config(), per_device_train_batch_size=6))
+    for said in ("N=24 examples", "(expected logical batch 6 examples)", "max_examples_per_user=2",
+                 "24 of the 60 training examples are kept", "passes over the kept examples"):
+        assert said in plan
+    assert "users" not in plan.split("Example-level sampling")[0]
+
+
+def test_the_uls_loss_is_logged_per_example_not_per_user(tmp_path):
+    """Issue 45: at k = 4 the logged loss was a user's sum (3 examples each here: about 3x the per-example loss).
+    Nothing trains (learning rate 0, no dropout), so every step's loss is of the initial model: logged over 40 steps,
+    its mean is the per-example mean of the training set's losses to a Poisson batch's noise (std about 8% here)."""
+    data, users = _user_rows(24, 3)
+    model = tiny.bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model.eval()
+    batch = DataCollatorWithPadding(tiny.tokenizer())(data.to_list())
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    per_example = float(torch.nn.functional.cross_entropy(logits, batch["labels"]))
+    trainer = user_trainer(tmp_path, data, users, model=model, per_device_train_batch_size=4, max_steps=40,
+                           learning_rate=0.0)
+    trainer.train()
+    logged = float(np.mean([entry["loss"] for entry in trainer.state.log_history if "loss" in entry]))
+    assert logged == pytest.approx(per_example, rel=0.3)
 
 
 def independent_epsilon(privacy: dict) -> float:

@@ -53,6 +53,8 @@ logger = get_logger(__name__)
 
 #: a method's map of one parameter's per-example term to another (a mask); it must act on each example alone
 TermTransform = Callable[[object], object]
+#: an observer of every training chunk's per-unit norms, as the reducer clipped them (read-only)
+NormHook = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class PerExampleGradientEngine:
             self.reducer = reducer
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
         self._chunk_transforms: OrderedDict[int, ChunkTransform] = OrderedDict()
+        self._norm_hooks: OrderedDict[int, NormHook] = OrderedDict()
         self._calls: list[_Call] = []
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
         self._packed: PackedTokens | None = None  # a packed chunk's examples, while it is recorded
@@ -270,6 +273,13 @@ class PerExampleGradientEngine:
         it changes the mechanism: it must treat every unit alone and keep their number."""
         handle = RemovableHandle(self._chunk_transforms)
         self._chunk_transforms[handle.id] = transform
+        return handle
+
+    def add_norm_hook(self, hook: NormHook) -> RemovableHandle:
+        """Call `hook(norms)` with each training chunk's per-unit norms as the reducer returned them (never a probe
+        chunk's). It must only read them: the check that C is not far above them (`clip_norm.ClipNormCheck`)."""
+        handle = RemovableHandle(self._norm_hooks)
+        self._norm_hooks[handle.id] = hook
         return handle
 
     def _transformed(self, param: nn.Parameter, terms: list, examples: int) -> list:
@@ -470,7 +480,10 @@ class PerExampleGradientEngine:
             reduced.terms = {p: self._transformed(p, terms, chunk.examples) for p, terms in reduced.terms.items()}
         if chunk.probe:
             return flat_norms(reduced).detach()
-        return self._reducer.reduce(reduced).detach()
+        norms = self._reducer.reduce(reduced).detach()
+        for hook in list(self._norm_hooks.values()):
+            hook(norms)
+        return norms
 
     def _check_coverage(self, by_param: dict) -> None:
         for name, p in self.parameters:

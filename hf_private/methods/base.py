@@ -223,12 +223,6 @@ class DPMethod:
         selection rounds) and change what trains (requires_grad). It must be idempotent for a given `step` and state.
         Nothing by default."""
 
-    def next_own_release(self, step: int, plan: PrivacyPlan) -> int | None:
-        """The training step (0-based, ≥ `step`) before which this method next releases one of its own stages, or None
-        when it has none left: the logged ε never looks ahead past it. By default `step` when the plan has stages
-        outside the training steps (a release may come at any step), else None."""
-        return None if all(planned.training for planned in plan.planned) else step
-
     def trained_parameter_names(self, model: nn.Module) -> set[str]:
         """The tensors the current trainable set actually trains (what a saved adapter must hold): the trainable ones
         by default. A method whose trainable set is a candidate set until a data-dependent selection says otherwise."""

@@ -221,8 +221,6 @@ class PrivacyLedger:
         # by the accounting.
         self.subject: dict[str, Any] = {}
         self._bound: tuple[float, str] | None = None
-        # epsilon_ahead's last evaluation: (history key, steps of the last group it assumed, its bound).
-        self._ahead: tuple[tuple, int, tuple[float, str]] | None = None
 
     def _configure(self, dataset_size: int, delta: float, accountant: str) -> None:
         if int(dataset_size) != dataset_size or dataset_size < 1:
@@ -315,41 +313,8 @@ class PrivacyLedger:
 
     def _epsilon_bound(self) -> tuple[float, str]:
         if self._bound is None:
-            ahead = self._ahead
-            if ahead is not None and self.mechanisms and ahead[1] == self.mechanisms[-1].steps \
-                    and ahead[0] == self._ahead_key():
-                self._bound = ahead[2]  # epsilon_ahead evaluated exactly this history
-            else:
-                self._bound = epsilon_bound(self.mechanisms, self.delta, self.accountant)
+            self._bound = epsilon_bound(self.mechanisms, self.delta, self.accountant)
         return self._bound
-
-    def _ahead_key(self) -> tuple:
-        """What epsilon_ahead's look-ahead assumed: the earlier groups and the current mechanism."""
-        *prefix, current = self.mechanisms
-        return (
-            self.delta, self.accountant,
-            tuple((*g._identity(), g.steps) for g in prefix),
-            current._identity(),
-        )
-
-    def epsilon_ahead(self, steps: int) -> float:
-        """ε of the history with the current (last) mechanism run on for `steps` more releases.
-
-        Why: adding releases never lowers ε (whoever sees more outputs can ignore the extra ones), so this bounds
-        `epsilon()` at every point until the current mechanism has run those releases, provided nothing else is
-        released meanwhile; `EpsilonLog` logs it to spend few evaluations. The evaluation is kept, so `epsilon()` is
-        free once the ledger reaches it.
-        """
-        if int(steps) != steps or steps < 0:
-            raise ValueError(f"steps must be a non-negative integer, got {steps}.")
-        if not self.mechanisms or steps == 0:
-            return self.epsilon()
-        *prefix, current = self.mechanisms
-        key, extended = self._ahead_key(), current.steps + int(steps)
-        if self._ahead is None or self._ahead[:2] != (key, extended):
-            bound = epsilon_bound([*prefix, replace(current, steps=extended)], self.delta, self.accountant)
-            self._ahead = (key, extended, bound)
-        return self._ahead[2][0]
 
     def epsilon_if(
         self,

@@ -18,7 +18,7 @@ from torch import nn
 from ...adapters import is_peft_model
 from ...logs import get_logger
 from ...method_run import MethodRun
-from ...privacy.plan import PrivacyPlan, Stage
+from ...privacy.plan import Stage
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..shared import head_parameter_names, train_only
 from .config import FrostConfig
@@ -100,13 +100,6 @@ class FrostMethod(DPMethod):
             self.selections.append(self._select(run, step))
         if self.selections:
             self._train_selected(run.model)
-
-    def next_own_release(self, step: int, plan: PrivacyPlan) -> int | None:
-        """The next selection's step (`before_step` makes it before that training step), None after the last."""
-        made = len(self.selections)
-        if made >= self.config.num_selections:
-            return None
-        return max(step, self.selection_step(made, plan.planned_steps))
 
     def _select(self, run: MethodRun, step: int) -> dict[str, Any]:
         """PSEL (Algorithm 4): T rounds of noisy magnitudes on the remaining partitions, PGM-EST, gap-tested picks."""
