@@ -116,10 +116,10 @@ class PrivacyRun:
         self._step_limit: int | None = None
         self._requested_steps = self.plan.planned_steps
         self.budget_exhausted = False
-        self._user_cap: dict[str, list[str]] | None = None  # ELS: the same, by content, as checkpoints keep it
-        self._resumed_cap: dict[str, list[str]] | None = None  # ELS: the checkpoint's, when resuming
         self._early_stop_reason: str | None = None  # why the budget stops training before the plan, if it will
         self.kept_examples: np.ndarray | None = None  # ELS: the examples every user keeps, drawn once (kept_by_users)
+        self._user_cap: dict[str, list[str]] | None = None  # ELS: the same, by content, as checkpoints keep it
+        self._resumed_cap: dict[str, list[str]] | None = None  # ELS: the checkpoint's, when resuming
 
     @property
     def sample_rate(self) -> float:
