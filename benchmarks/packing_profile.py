@@ -27,8 +27,8 @@ def main() -> None:
     from benchmarks.packing_speed import DEFAULT_DATA_DIR
     from benchmarks.utility import find_model_dir
     from hf_private import MeanPooledBertForSequenceClassification
-    from hf_private.data_files import read_data_file
-    from hf_private.packing import PackedClassificationCollator
+    from hf_private.data.files import read_data_file
+    from hf_private.data.packing import PackedClassificationCollator
 
     model_dir = find_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

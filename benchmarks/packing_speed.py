@@ -18,7 +18,7 @@ max_grad_norm=1.0)`, full fine-tuning, Poisson batches of expected size B = `--b
              before it is split into chunks); non-private: the same on fixed batches, a seeded shuffle cut into
              batches of B, each sorted by length (Trainer's own LengthGroupedSampler sorts megabatches of 50 batches
              longest first, so a run of a few steps would measure only the longest examples);
-  * packed:  SST-2 `hf_private.packing.PackedClassificationCollator` (one row, one label per sentence), LM
+  * packed:  SST-2 `hf_private.data.packing.PackedClassificationCollator` (one row, one label per sentence), LM
              `DataCollatorWithFlattening()`; default sampling. Since a83a4c3 the private trainer sorts a packing
              collator's Poisson batches by length itself, and runs a packed chunk as rows of at most
              `--packed-row-tokens` tokens of whole examples (since 45be380; 128, one row a forward, until the rows
@@ -90,7 +90,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.trl_speed import StepMeter, collected_warnings
-from hf_private.packing import PACKED_FORWARD_TOKENS, PACKED_ROW_TOKENS
+from hf_private.data.packing import PACKED_FORWARD_TOKENS, PACKED_ROW_TOKENS
 
 logger = logging.getLogger("benchmarks.packing_speed")
 
@@ -118,7 +118,7 @@ def load_tokenizer(spec: dict):
 
 def sst2_sentences(spec: dict) -> list[dict]:
     """The seeded `train_size` subset of train.tsv as {"sentence", "label"} rows (all of it for train_size 0)."""
-    from hf_private.data_files import read_data_file
+    from hf_private.data.files import read_data_file
 
     train = read_data_file(os.path.join(spec["data_dir"], "train.tsv"))
     if spec["train_size"] and spec["train_size"] < len(train):
@@ -145,7 +145,7 @@ def lm_dataset(spec: dict, tokenizer):
     no special tokens; the stream restarts when it runs out)."""
     from datasets import Dataset
 
-    from hf_private.data_files import read_data_file
+    from hf_private.data.files import read_data_file
 
     sentences = list(read_data_file(os.path.join(spec["data_dir"], "train.tsv"))["sentence"])
     stream: list[int] = []
@@ -193,10 +193,10 @@ def build_model(spec: dict, tokenizer):
 
 def packed_classification_collator(tokenizer):
     try:
-        from hf_private.packing import PackedClassificationCollator
+        from hf_private.data.packing import PackedClassificationCollator
     except ImportError as err:
         raise ArmUnavailable("the SST-2 packed arm is not available in this checkout: "
-                             "hf_private.packing.PackedClassificationCollator does not exist yet") from err
+                             "hf_private.data.packing.PackedClassificationCollator does not exist yet") from err
     parameters = inspect.signature(PackedClassificationCollator).parameters
     return PackedClassificationCollator(tokenizer) if parameters else PackedClassificationCollator()
 
@@ -214,7 +214,7 @@ def collator(spec: dict, tokenizer):
 # ---------------------------------------------------------------------------------------------- measurement
 def chunk_counts(inputs: dict) -> tuple[int, int, int]:
     """(examples, tokens computed, real tokens) of one collated chunk, as the trainer's training_step receives it."""
-    from hf_private.packing import PACKED_LENGTHS_KEY
+    from hf_private.data.packing import PACKED_LENGTHS_KEY
 
     ids = inputs["input_ids"]
     computed = ids.numel()

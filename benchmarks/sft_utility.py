@@ -9,7 +9,7 @@ from config, logical batch 256; SFT 5 epochs, DPO 3), in a fresh process, one JS
 interrupted grid continues where it stopped. The private runs repeat (`--repeats`) because their noise and Poisson
 batches are secret and differ every run; the non-private run is deterministic and runs once per trainer, in the
 process of its first private run. The task is
-a demo of the pipeline (`hf_private.instruction_demo`), not a benchmark of language modelling.
+a demo of the pipeline (`hf_private.demos.instruction`), not a benchmark of language modelling.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from transformers import (
 from benchmarks.memory import peak_bytes, reset_peak
 from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine
-from hf_private.losses import default_per_example_loss
+from hf_private.integrations.losses import default_per_example_loss
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy.noise import GaussianNoise
 

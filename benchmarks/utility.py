@@ -128,7 +128,7 @@ def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
 # sentences once (the grid takes ~2 CPU-hours for 24 runs; all of SST-2 for 3 epochs would take ~10x that):
 #   * B = 256 (q = 0.0128, 78 steps, σ = 0.46 / 0.65 / 0.92 at ε = 8 / 3 / 1), AdamW, linear decay, no warm-up,
 #     length 128 (no SST-2 sentence is cut). The non-private twins: batch 32, one epoch (625 steps).
-#   * The head: MeanPooledBertForSequenceClassification (hf_private.heads), a linear layer on the mean
+#   * The head: MeanPooledBertForSequenceClassification (hf_private.models.heads), a linear layer on the mean
 #     of the token states, the embedding this checkpoint was trained to give. On BertForSequenceClassification's
 #     CLS pooler every private run drifted to the majority class (DP full: 70.9% held-out, loss 0.70 -> 0.79;
 #     DP-BiTFiT at lr 1e-2: 56.7%, the majority rate), and so did a DP linear probe on frozen pooler features,
@@ -350,7 +350,7 @@ def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> l
 def _load_splits(spec: RunSpec, tokenizer, max_length: int):
     """(train, evaluation set): dev.tsv, or with `holdout` the last sentences of shuffled train.tsv, never trained
     on (for choosing hyperparameters without looking at dev)."""
-    from hf_private.data_files import read_data_file
+    from hf_private.data.files import read_data_file
 
     train = read_data_file(os.path.join(spec.data_dir, "train.tsv"))
     if spec.holdout:

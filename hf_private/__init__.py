@@ -1,10 +1,8 @@
 """hf_private: differentially private fine-tuning of Hugging Face models, with an honest guarantee."""
 
-from .adapters import load_private_adapter
 from .clip_norm import median_gradient_norm, public_calibration_texts
+from .data.packing import PackedClassificationCollator
 from .engine import UnsupportedLayerError
-from .head_choice import sentence_classifier
-from .heads import MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification
 from .methods import (
     BitFitConfig,
     DPConfig,
@@ -14,9 +12,11 @@ from .methods import (
     SparseLowRankConfig,
     registered_methods,
 )
-from .packing import PackedClassificationCollator
+from .models.head_choice import sentence_classifier
+from .models.heads import MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification
 from .privacy import BudgetError
-from .trainer import PrivateTrainer, privatize
+from .release.adapters import load_private_adapter
+from .trainer.mixin import PrivateTrainer, privatize
 from .version import __version__ as __version__  # re-exported: hf_private.__version__
 
 __all__ = [

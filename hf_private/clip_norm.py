@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .demo import sentiment_texts
+from .demos.sentiment import sentiment_texts
 from .engine import PerExampleGradientEngine
 from .engine.reducers import FlatL2ClipReducer
+from .integrations.losses import default_per_example_loss
 from .logs import get_logger
-from .losses import default_per_example_loss
 from .methods import MethodConfig
 from .optimizer import NoisyOptimizer
 

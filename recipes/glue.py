@@ -48,9 +48,9 @@ from paper_defaults import method_name, split_batch  # noqa: E402
 from process_group import leave_process_group  # noqa: E402
 
 from hf_private import PrivateTrainer, median_gradient_norm, public_calibration_texts  # noqa: E402
-from hf_private.head_choice import HEADS, sentence_classifier  # noqa: E402
+from hf_private.evaluation.metrics import load_glue_metric  # noqa: E402
 from hf_private.methods import MethodConfig, RecipeDefaults, method_class, registered_methods  # noqa: E402
-from hf_private.metrics import load_glue_metric  # noqa: E402
+from hf_private.models.head_choice import HEADS, sentence_classifier  # noqa: E402
 
 logger = logging.getLogger("recipes.glue")
 
@@ -146,7 +146,7 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
             logger.warning("DEMO: DP-BiTFiT adapts pre-trained features and the demo model has none (random "
                            "weights), so expect chance accuracy here; give --model_name_or_path to see it work.")
         raw, tokenizer, model = sentiment_splits(), demo_tokenizer(), demo_model()
-        text_columns, dataset_label = ("sentence",), "generated demo sentiment data (hf_private.demo)"
+        text_columns, dataset_label = ("sentence",), "generated demo sentiment data (hf_private.demos.sentiment)"
     else:
         raw, text_columns, dataset_label = _load_data(recipe)
         if recipe.max_train_samples is not None and recipe.max_train_samples < len(raw["train"]):

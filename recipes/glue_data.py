@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
 from pyarrow.lib import ArrowInvalid
 
-from hf_private.data_files import FORMATS, DataFileError, read_data_file
+from hf_private.data.files import FORMATS, DataFileError, read_data_file
 
 logger = logging.getLogger("recipes.glue")
 

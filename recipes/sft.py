@@ -5,7 +5,7 @@ non-privately with the stock trainer on the same data with the same seed and set
 match of greedy generated completions for both (DPO: also the held-out preference accuracy, TRL's
 `rewards/accuracies`) and prints ε, δ, steps and the metrics. Every `SFTConfig`/`DPOConfig` flag works as usual.
 With no `--model_name_or_path` it runs offline on the embedded generated instruction task
-(`hf_private.instruction_demo`; for DPO each prompt has a right and a wrong completion) with a small Llama built from
+(`hf_private.demos.instruction`; for DPO each prompt has a right and a wrong completion) with a small Llama built from
 config: a demo of the pipeline, not a benchmark. DPO's reference is the initial model: a frozen copy for full
 fine-tuning, the base with the adapter disabled with `--lora`.
 """
@@ -33,7 +33,7 @@ from paper_defaults import method_name, split_batch  # noqa: E402
 from process_group import leave_process_group  # noqa: E402
 
 from hf_private import privatize  # noqa: E402
-from hf_private.instruction_demo import (  # noqa: E402
+from hf_private.demos.instruction import (  # noqa: E402
     MAX_LENGTH,
     instruction_model,
     instruction_splits,
@@ -146,11 +146,11 @@ def _peft_config(recipe: RecipeArguments):
 def _run(recipe: RecipeArguments, args: SFTConfig | DPOConfig, started: float) -> dict[str, Any]:
     if recipe.model_name_or_path is None:
         logger.warning("DEMO: no --model_name_or_path, so this trains a small randomly initialised Llama on a "
-                       "generated instruction task (hf_private.instruction_demo). The numbers show the pipeline "
+                       "generated instruction task (hf_private.demos.instruction). The numbers show the pipeline "
                        "works; they are not a benchmark.")
     splits = preference_splits if recipe.trainer == "dpo" else instruction_splits
     data = splits(recipe.train_size, recipe.eval_size, recipe.seed_data)
-    dataset_label = "generated instruction task (hf_private.instruction_demo)"
+    dataset_label = "generated instruction task (hf_private.demos.instruction)"
     dp_config = method_class(recipe.method).config_class(
         target_epsilon=recipe.target_epsilon, target_delta=recipe.target_delta, max_grad_norm=recipe.clip_norm,
         accountant=recipe.accountant)

@@ -14,7 +14,8 @@ from transformers.utils import logging as transformers_logging  # noqa: E402
 @pytest.fixture
 def single_thread():
     """One torch thread for tests of tiny models (more threads only synchronise on a shared machine); restored after,
-    since the thread count changes float summation order and tests/test_pinned_numbers.py pins results bit for bit."""
+    since the thread count changes float summation order and tests/project/test_pinned_numbers.py pins
+    results bit for bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -11,8 +11,8 @@ from transformers import DataCollatorWithPadding, TrainerCallback
 
 from hf_private import BitFitConfig, DPConfig, DPLoRAConfig, median_gradient_norm, public_calibration_texts
 from hf_private.clip_norm import gradient_norms_at_init
-from tests import tiny
-from tests.helpers import make_trainer, snapshot
+from tests.support import tiny
+from tests.support.helpers import make_trainer, snapshot
 
 
 def _examples(n: int = 6) -> list[dict]:

@@ -9,7 +9,7 @@ from transformers.utils import logging as transformers_logging
 from hf_private import DPConfig
 from hf_private.logs import get_logger
 from hf_private.privacy import rng
-from tests.helpers import make_trainer
+from tests.support.helpers import make_trainer
 
 
 def test_a_test_seed_run_warns_of_insecure_randomness_once(tmp_path, caplog):
@@ -44,7 +44,7 @@ def test_the_plan_shows_once_at_transformers_default_verbosity_from_the_main_pro
         with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
             make_trainer(tmp_path, dp=DPConfig(target_epsilon=3.0, max_grad_norm=1.0))
         plans = _plans(caplog)
-        assert len(plans) == 1 and get_logger("hf_private.run").isEnabledFor(plans[0].levelno)
+        assert len(plans) == 1 and get_logger("hf_private.run.privacy_run").isEnabledFor(plans[0].levelno)
         for field in ("N=96 examples", "q=", "expected logical batch 8 examples", "steps", "σ=", "C=1,", "δ=",
                       "target ε=3"):
             assert field in plans[0].getMessage()

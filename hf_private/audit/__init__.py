@@ -22,7 +22,7 @@ of correct guesses → ε and μ-GDP lower bounds), `result` (`AuditResult`, its
 privacy report), `canaries` (the canary tokens and examples), `scores` (white-box and black-box scores of a trained
 model) and `gradient_canaries` (inserted through the engine, read from the optimizer). What drives a training run
 lives in `cli`: `run_audit` and the `hf-private-audit` command (`python -m hf_private.audit`); import it as
-`hf_private.audit.cli`, it is not re-exported here.
+`hf_private.cli.audit`, it is not re-exported here.
 """
 
 from .bounds import (

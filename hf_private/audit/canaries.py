@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapters import unwrap_peft
-from ..users import user_ids
+from ..data.users import user_ids
+from ..models.peft import unwrap_peft
 
 DESIGN_SEED = 2023  # public: the canaries' embedding rows and labels; only their inclusion is secret
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..adapters import unwrap_peft
 from ..engine import ChunkTerms, ChunkUnits, PerExampleGradientEngine
 from ..engine.terms import OuterTerm, SampleTerm, accumulation_dtype, zero_examples
+from ..models.peft import unwrap_peft
 
 if TYPE_CHECKING:
     from ..optimizer import NoisyOptimizer

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import unwrap_peft
+from ..models.peft import unwrap_peft
 
 WHITE_BOX = "white-box"
 WHITE_BOX_GRADIENT = "white-box-gradient"

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..data.packing import PackedLayout
 from ..logs import get_logger
-from ..packing import PackedLayout
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
 from .packed_tokens import PackedTokens
@@ -386,7 +386,7 @@ class PerExampleGradientEngine:
         its rows. A sequence of `batch_size` ints gives every unit its own number of rows, consecutive and in order
         (user-level DP: a user's examples), summing to the chunk's rows. Terms may have one row per unit or the
         chunk's rows. `probe=True` computes norms only (see `finish_backward`), with autograd's own gradients off.
-        `packed`: the chunk's examples lie end to end in rows (`hf_private.packing.PackedLayout`; a sequence of
+        `packed`: the chunk's examples lie end to end in rows (`hf_private.data.packing.PackedLayout`; a sequence of
         lengths: one row, these many tokens each); each layer's tokens are regathered one example per row before its
         terms are formed, so every count above is in examples, as for a padded chunk.
         """

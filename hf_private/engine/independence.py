@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..packing import packed_examples, packed_layout, slice_packed
+from ..data.packing import packed_examples, packed_layout, slice_packed
 from .core import PerExampleGradientEngine
 from .terms import format_sizes, unit_sizes
 

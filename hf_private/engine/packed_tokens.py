@@ -1,7 +1,7 @@
 """A packed chunk's tokens regathered one example per row, so every layer rule sees an ordinary padded chunk.
 
 An example's gradient on any layer is a sum over its own tokens, so the per-example terms of packed rows (examples
-laid end to end, `hf_private.packing`) are the terms of the same examples padded one per row: each layer's input and
+laid end to end, `data/packing.py`) are the terms of the same examples padded one per row: each layer's input and
 output gradient are gathered into [examples, longest example, ...] with zeros after each example's end, which add
 nothing to a norm, a cross term or a sum. A row's own padding (rows of one forward are padded to the longest) belongs
 to no example and is left out. The per-example norms see each example padded to the chunk's longest; the clipped sums
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import PackedLayout
+from ..data.packing import PackedLayout
 from .terms import OuterTerm, PackedOuterTerm, padded_by_unit, unit_slots
 
 

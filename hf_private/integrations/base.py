@@ -12,7 +12,7 @@ changes; a family tells it:
   `per_example_loss`, for the families whose loss reads the model's outputs and the labels);
 * which of the family's own methods on the private training path are compatible with it, and why;
 * the family's own settings that would change what is clipped or publish un-noised data: refused by name, with the
-  reason and the fix (`hf_private.preflight` raises; the family only declares them);
+  reason and the fix (`hf_private.trainer.preflight` raises; the family only declares them);
 * what its training data must hold: the columns its trainer prepares from (`check_columns`, before the trainer is
   built) and the entry of a collated batch the per-unit loss reads the labels from (`labels_entry`).
 """
@@ -27,15 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..example_rows import rows_per_example
-from ..losses import (
-    PerExampleLoss,
-    check_packed_head,
-    default_per_example_loss,
-    is_causal_lm,
-    packed_causal_lm_losses,
-)
-from ..packing import PACKED_LENGTHS_KEY, PACKED_ROWS_KEY, packed_layout
+from ..data.packing import PACKED_LENGTHS_KEY, PACKED_ROWS_KEY, packed_layout
+from ..data.rows import rows_per_example
+from ..models.support import is_causal_lm
+from .losses import PerExampleLoss, check_packed_head, default_per_example_loss, packed_causal_lm_losses
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,7 @@ class TrainerFamily:
     def unmarked_units(self, args: Any) -> str | None:
         """Why a row the trainer prepares for evaluation may hold parts of units that nothing in it delimits (the
         held-out check then cannot clear it); None: each row holds whole units, several only with `seq_lengths` or
-        restarting `position_ids` (`hf_private.row_identity`)."""
+        restarting `position_ids` (`hf_private.evaluation.row_identity`)."""
         return None
 
     def training_collator(self, collate_fn: Callable[[list], Mapping[str, Any]]) -> Callable:

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters import unwrap_peft
-from ..losses import IGNORE_INDEX
+from ..data.labels import IGNORE_INDEX
+from ..models.peft import unwrap_peft
 from .base import RefusedKeyword, RefusedSetting, TrainerFamily
 from .trl_shared import KERNEL_AND_BATCH_SETTINGS, PACKING_ISSUE, PEFT_CONFIG
 

@@ -1,11 +1,12 @@
 """TRL's `SFTTrainer` (trl ≥ 1.16), privatized: one unit is one training sequence (a text, a prompt with its
 completion, or a conversation), and its loss is its own mean over its own trained tokens. With `padding_free=True`
-the sequences of each chunk are packed into one row (`hf_private.packing`), each still clipped alone; with
+the sequences of each chunk are packed into one row (`hf_private.data.packing`), each still clipped alone; with
 `packing=True` (BFD) TRL's packed rows are split back into their sequences first, so that sequences are sampled.
 
 TRL prepares the data as usual (chat template, `completion_only_loss`, `assistant_only_loss`, `max_length`,
 `formatting_func`, ...) and folds every mask into the labels (-100 on untrained tokens), so the per-unit loss is
-the causal-LM per-example loss (`hf_private.losses.default_per_example_loss`): Σ_t ℓ_t / (trained tokens of this
+the causal-LM per-example loss (`hf_private.integrations.losses.default_per_example_loss`): Σ_t ℓ_t / (trained tokens
+of this
 sequence). TRL's own training loss divides the batch's token losses by the trained tokens of the whole batch
 (`num_items_in_batch`): under DP that couples examples (each example's gradient would depend on the lengths of its
 batch-mates), so it is never used in training; `SFTTrainer.compute_loss` serves evaluation only.

@@ -12,7 +12,7 @@ method's config derives from this base, none from another method's), `method.py`
 `__init__.py` that imports them, which registers the method. `hf_private.methods` finds the folder by itself (it
 imports every subpackage) and serves its config class by name. The folder imports from here, from `shared.py` (what
 several methods use) and from the rest of hf_private, never from another method's folder. The only other edit is the
-method's row in the conformance table (tests/test_method_conformance.py).
+method's row in the conformance table (tests/methods/test_method_conformance.py).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from ..method_run import MethodRun
+    from ..run.method_view import MethodRun
 
+from ..data.users import check_privacy_unit
 from ..engine import PerExampleGradientEngine, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
-from ..users import check_privacy_unit
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from torch import nn
 
 from ..logs import get_logger
-from ..losses import is_causal_lm
+from ..models.support import is_causal_lm
 from .base import RecipeDefaults
 
 logger = get_logger(__name__)
@@ -74,7 +74,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
 
 def _encoder_default_targets(model: nn.Module) -> list[str] | None:
     """None (PEFT's default for the model type), except for a head whose config names the encoder it wraps
-    (`hf_private.heads`): PEFT knows no default for the head's own model type, so the encoder's."""
+    (`hf_private.models.heads`): PEFT knows no default for the head's own model type, so the encoder's."""
     encoder = getattr(getattr(model, "config", None), "encoder_type", None)
     if encoder is None:
         return None

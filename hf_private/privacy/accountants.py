@@ -109,7 +109,7 @@ def els_fallback(noise_multiplier: float, sample_rate: float, examples_per_user:
     x ↦ (j/k)·x + N(0, σ²(1 − j²/k²)) maps N(0, σ²) to itself and N(k, σ²) to N(j, σ²), hence (Q, P'_k) to
     (Q, P'_j): by data processing each term is at most the j = k one, and P'_k = P'. Loose: k·C is charged
     whenever any example of the user is sampled (here it is looser than group privacy of the example-level
-    guarantee, see tests/test_user_level_accounting.py).
+    guarantee, see tests/privacy/test_user_level_accounting.py).
     """
     k = int(examples_per_user)
     any_sampled = 1.0 if sample_rate >= 1 else -math.expm1(k * math.log1p(-sample_rate))

@@ -215,7 +215,8 @@ class PrivacyLedger:
     def __init__(self, dataset_size: int, delta: float, accountant: str = "prv") -> None:
         self._configure(dataset_size, delta, accountant)
         self.mechanisms: list[MechanismGroup] = []
-        # Lines of training this run's line split from (`hf_private.forks`): released from the same data, never ours.
+        # Lines of training this run's line split from (`hf_private.run.forks`): released from the same data, never
+        # ours.
         self.forks: list[dict[str, Any]] = []
         # What the guarantee is about (the privacy unit, the trainer, the public base model): descriptive, never read
         # by the accounting.
@@ -330,7 +331,7 @@ class PrivacyLedger:
         return compute_epsilon(_appended(self.mechanisms, event), self.delta, self.accountant)
 
     def record_fork(self, fork: dict[str, Any]) -> None:
-        """Note a line of training this one split from (`hf_private.forks.find_fork`); it survives checkpoints."""
+        """Note a line of training this one split from (`hf_private.run.forks.find_fork`); it survives checkpoints."""
         self.forks.append(fork)
 
     def state_dict(self) -> dict[str, Any]:

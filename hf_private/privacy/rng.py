@@ -77,7 +77,7 @@ def _test_key(test_seed: int) -> bytes:
 
 # Insecure test mode: every stream of a run's randomness gets a key of its own from the one test seed, so no two
 # streams replay each other. The offsets are arbitrary; they are kept as they were when they were gathered here, so
-# the pinned numbers of tests/test_pinned_numbers.py still hold.
+# the pinned numbers of tests/project/test_pinned_numbers.py still hold.
 TEST_STREAMS = {
     "training noise": 0,
     "training sampling": 7919,

@@ -22,9 +22,9 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ...adapters import is_peft_model
 from ...engine import PerExampleGradientEngine
 from ...logs import get_logger
+from ...models.peft import is_peft_model
 from ...privacy import GaussianNoise, MechanismGroup
 from ...privacy.accountants import epsilon_bound
 from ...privacy.plan import PrivacyPlan, Stage

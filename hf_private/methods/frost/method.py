@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from ...adapters import is_peft_model
 from ...logs import get_logger
-from ...method_run import MethodRun
+from ...models.peft import is_peft_model
 from ...privacy.plan import Stage
+from ...run.method_view import MethodRun
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..shared import head_parameter_names, train_only
 from .config import FrostConfig

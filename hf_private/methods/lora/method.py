@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...adapters import is_peft_model
 from ...logs import get_logger
+from ...models.peft import is_peft_model
 from ..base import DPMethod, RecipeDefaults, register_dp_method
 from ..shared import apply_lora
 from .config import DPLoRAConfig

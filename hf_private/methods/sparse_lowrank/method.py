@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...adapters import AUXILIARY_MARKER, is_peft_model
 from ...engine import PerExampleGradientEngine
+from ...models.peft import AUXILIARY_MARKER, is_peft_model
 from ...optimizer import NoisyOptimizer
 from ...privacy.rng import test_stream_seed
 from ..base import DPMethod, RecipeDefaults, register_dp_method

@@ -1,0 +1,1 @@
+"""Applications on top of the library: the `hf-private-audit` command."""

@@ -1,0 +1,113 @@
+"""Per-example losses for the standard Hugging Face heads.
+
+DP-SGD needs loss = Σ_b ℓ_b with each ℓ_b depending on example b only; the models' own `loss` is a batch
+mean (over tokens, for language models), which couples examples through the normaliser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.labels import IGNORE_INDEX
+from ..data.packing import PackedLayout
+from ..models.peft import unwrap_peft
+from ..models.support import is_causal_lm
+
+PerExampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
+
+
+def check_per_example_losses(losses: object, examples: int) -> torch.Tensor:
+    """A user's loss must be one value per example: a mean or a [B, 1] result would not be Σ_b ℓ_b once summed."""
+    if torch.is_tensor(losses) and tuple(losses.shape) == (examples,):
+        return losses
+    got = f"shape {list(losses.shape)}" if torch.is_tensor(losses) else f"a {type(losses).__name__}"
+    raise ValueError(
+        f"per_example_loss must return a tensor of shape [B] = [{examples}], one loss per example of the chunk; got "
+        f"{got}. A batch-mean or scalar loss is not allowed: per-example clipping needs each example's own loss "
+        "(reduction='none', then reduce each example's tokens/choices to one value)."
+    )
+
+
+def default_per_example_loss(
+    model: nn.Module, outputs, labels: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """ℓ_b as the model's own loss would compute it for example b alone: sequence classification/regression,
+    multi-label (mean over labels), token classification and causal LM (mean over the example's tokens).
+
+    `label_smoothing` is TrainingArguments.label_smoothing_factor, applied per example as Trainer's LabelSmoother
+    applies it to the batch (for the cross-entropy heads; it has no meaning for regression or multi-label).
+    """
+    logits = outputs.logits
+    config = getattr(unwrap_peft(model), "config", None)
+    if logits.dim() == 2:
+        problem = getattr(config, "problem_type", None)
+        if logits.shape[-1] == 1 or problem == "regression":
+            _no_smoothing(label_smoothing, "regression")
+            return (logits.squeeze(-1).float() - labels.float()).pow(2).reshape(logits.shape[0], -1).mean(1)
+        if problem == "multi_label_classification":
+            _no_smoothing(label_smoothing, "multi-label classification")
+            return F.binary_cross_entropy_with_logits(
+                logits.float(), labels.float(), reduction="none").mean(1)
+        return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
+    if logits.dim() == 3 and labels.dim() == 2:
+        if is_causal_lm(model):
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        tokens = F.cross_entropy(
+            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none",
+            label_smoothing=label_smoothing,
+        )
+        counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
+        return tokens.sum(1) / counts
+    raise ValueError(
+        f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)} and labels of shape "
+        f"{tuple(labels.shape)}. Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) -> [B]."
+    )
+
+
+def packed_causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor, layout: PackedLayout,
+                            label_smoothing: float = 0.0) -> torch.Tensor:
+    """ℓ_b of each example packed end to end in rows (`hf_private.data.packing`): its mean over its own trained tokens,
+    as `default_per_example_loss` gives it padded. A target that starts an example (or a row's padding) is never
+    predicted from the previous example's last token (packing collators set its label to -100; it is ignored here
+    whatever it is)."""
+    shape = (layout.rows, layout.width)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != shape or tuple(labels.shape) != shape:
+        raise ValueError(f"A packed chunk of {layout.rows} row(s) of {layout.width} tokens needs logits "
+                         f"[{layout.rows}, {layout.width}, vocab] and labels [{layout.rows}, {layout.width}]; got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}.")
+    owner = layout.owner(logits.device)
+    predicted = owner[:, 1:]
+    targets = labels[:, 1:].masked_fill((predicted != owner[:, :-1]) | (predicted < 0), IGNORE_INDEX).flatten()
+    tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX,
+                             reduction="none", label_smoothing=label_smoothing)
+    trained = (targets != IGNORE_INDEX).to(tokens.dtype)
+    example = predicted.flatten().clamp(min=0)  # padding is never trained: its index does not matter
+    sums = tokens.new_zeros(layout.examples).index_add(0, example, tokens * trained)
+    counts = tokens.new_zeros(layout.examples).index_add(0, example, trained)
+    return sums / counts.clamp(min=1)
+
+
+def check_packed_head(model: nn.Module, outputs, labels: torch.Tensor, examples: int) -> None:
+    """A model other than a causal LM takes packed batches only if it gives one output per packed example itself
+    (hf_private's mean-pooled heads: a block-diagonal mask and a mean per sentence)."""
+    logits = getattr(outputs, "logits", None)
+    if torch.is_tensor(logits) and logits.shape[0] == examples and labels.shape[0] == examples:
+        return
+    raise ValueError(
+        f"Packed batches are supported for causal LMs and hf_private's mean-pooled classifiers "
+        f"(MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification with "
+        f"PackedClassificationCollator), not {type(unwrap_peft(model)).__name__}: an encoder's bidirectional "
+        "attention would let packed examples see each other, and a stock head reads one token per row. Pad each "
+        "example to a row of its own (DataCollatorWithPadding).")
+
+
+def _no_smoothing(label_smoothing: float, problem: str) -> None:
+    if label_smoothing:
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} has no meaning for {problem} (it smooths a softmax over "
+            "classes); set it to 0."
+        )

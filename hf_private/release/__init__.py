@@ -1,0 +1,1 @@
+"""What leaves the machine: artefact names and the allow-list, private adapters, checkpoints, the model card."""

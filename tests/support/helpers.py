@@ -1,0 +1,74 @@
+"""Building PrivateTrainers on tiny models for tests."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorWithPadding, TrainingArguments
+
+from hf_private import DPConfig, PrivateTrainer
+from tests.support import tiny
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    defaults = dict(
+        per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
+
+
+# TRL configs (SFTConfig, DPOConfig) in tests: on CPU, nothing saved or reported, and the settings private training
+# needs where TRL's defaults differ (gradient checkpointing and bf16 on by default)
+TRL_TEST_ARGS = dict(report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                     disable_tqdm=True, bf16=False, gradient_checkpointing=False, max_length=32)
+
+
+def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides) -> PrivateTrainer:
+    model = model if model is not None else tiny.bert()
+    dataset = dataset if dataset is not None else tiny.sentiment_dataset(96)
+    dp = dp if dp is not None else DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)
+    tok = tiny.tokenizer()
+    return PrivateTrainer(
+        model=model, args=training_args(output_dir, **arg_overrides), train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=dp,
+    )
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
+    return state
+
+
+def eval_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits in eval mode (no dropout), for comparing a trained model with what was saved and reloaded."""
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def trainable_partitions(model) -> list[list[torch.nn.Parameter]]:
+    """DP-FROST's partitions (`methods.frost.partitions.model_partitions`) as the magnitude reducer takes them: the
+    trainable parameters of each, partitions without any dropped."""
+    from hf_private.methods.frost.partitions import model_partitions
+
+    params = dict(model.named_parameters())
+    groups = [[params[n] for n in p.parameter_names if params[n].requires_grad] for p in model_partitions(model)]
+    return [group for group in groups if group]
+
+
+README = Path(__file__).parents[2] / "README.md"
+
+
+def run_readme_block(heading: str, tmp_path, monkeypatch) -> dict:
+    """The first python block under a README heading (e.g. "### DP SFT with TRL"), up to the next heading, executed
+    unchanged in `tmp_path`: its namespace."""
+    section = re.split(r"\n#{2,4} ", README.read_text().split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script, f"README.md ({heading.lstrip('# ')})", "exec"), namespace)
+    return namespace

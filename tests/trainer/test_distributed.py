@@ -1,0 +1,113 @@
+"""Distributed DP (issue 8): two CPU processes under `accelerate launch` (gloo) against one process.
+
+Each launch runs tests/support/distributed_worker.py; see its docstring for the two cases.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import distributed_worker as worker
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els", "frost-users"]
+# RGP's update is a projection of the released noise onto its carriers, not the noise itself (test_sparse_lowrank.py)
+NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
+
+
+def _launch(method: str, case: str, out: Path) -> list[dict]:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(ROOT / "tests" / "distributed_worker.py"), "--method", method, "--case", case, "--out", str(out)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def update_runs(request, tmp_path_factory):
+    """(rank 0, rank 1, one-process reference) of three noise-free steps on the same logical batches."""
+    method = request.param
+    ranks = _launch(method, "update", tmp_path_factory.mktemp(f"{method}-2proc"))
+    single_dir = tmp_path_factory.mktemp(f"{method}-1proc")
+    add_noise, release = worker.GaussianNoise.add_, worker.MethodRun.release
+    try:
+        worker.run(method, "update", single_dir, world_size=1)
+    finally:
+        worker.GaussianNoise.add_, worker.MethodRun.release = add_noise, release
+    return method, ranks, torch.load(single_dir / "rank0.pt", weights_only=False)
+
+
+def test_ranks_hold_identical_parameters(update_runs):
+    _, (rank0, rank1), _ = update_runs
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert rank0["wrapped"] == "DistributedDataParallel", "the run must actually be DDP"
+    moved = [n for n in rank0["after"] if not torch.equal(rank0["after"][n], rank0["before"][n])]
+    assert moved, "training changed nothing"
+    assert all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+
+
+def test_two_processes_update_like_one(update_runs):
+    """Same logical batches (test-mode sampling), no noise: the clipped sums are reduced, not averaged or lost."""
+    method, (rank0, rank1), single = update_runs
+    assert single["world_size"] == 1 and rank0["global_step"] == single["global_step"] == 3
+    difference = sum((rank0["after"][n] - single["after"][n]).pow(2).sum() for n in single["after"]).sqrt()
+    update = sum((single["after"][n] - single["before"][n]).pow(2).sum() for n in single["after"]).sqrt()
+    assert update > 0
+    assert (difference / update).item() <= 1e-6
+    # A method's own releases (DP-FROST's 5 selection rounds, noise off): each rank measures its shard of the Poisson
+    # sample and the release is their sum, the one-process release (a missing all-reduce would halve it).
+    assert len(rank0["releases"]) == len(single["releases"]) == (5 if method.startswith("frost") else 0)
+    for mine, theirs, reference in zip(rank0["releases"], rank1["releases"], single["releases"]):
+        assert torch.equal(mine, theirs) and reference.abs().sum() > 0
+        torch.testing.assert_close(mine, reference, rtol=1e-9, atol=0)
+
+
+def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
+    method, (rank0, rank1), single = update_runs
+    assert rank0["report"] == rank1["report"]
+    # at user level N counts users (ULS) or the examples users keep (ELS)
+    units = {"users": worker.USERS, "frost-users": worker.USERS, "users-els": worker.KEPT}.get(method,
+                                                                                             worker.DATASET_SIZE)
+    assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / units  # global q, not per rank
+    assert rank0["report"]["steps"] == rank0["global_step"]  # one ledger step per logical batch
+    # test-mode sampling: no guarantee, so the accounting is under not_a_guarantee (the same numbers)
+    figure = "accounting_with_a_secret_seed"
+    assert rank0["report"]["not_a_guarantee"][figure]["value"] == pytest.approx(
+        single["report"]["not_a_guarantee"][figure]["value"], rel=1e-12)
+
+
+def test_card_ledger_and_weights_written_once(update_runs):
+    _, (rank0, rank1), _ = update_runs
+    assert rank0["calls"]["card"] >= 1 and rank0["calls"]["ledger"] >= 1 and rank0["calls"]["model"] >= 1
+    assert rank1["calls"] == {"card": 0, "ledger": 0, "model": 0}
+
+
+def test_rgp_carriers_agree_on_every_rank_without_a_test_seed(tmp_path):
+    """The carriers' start vectors come from OS entropy drawn on rank 0 and broadcast: without the broadcast each rank
+    would project the (identical) released gradients onto different carriers and the weights would drift apart."""
+    rank0, rank1 = _launch("rgp-entropy", "update", tmp_path)
+    assert rank0["wrapped"] == "DistributedDataParallel"
+    moved = [n for n in rank0["after"] if not torch.equal(rank0["after"][n], rank0["before"][n])]
+    assert moved and all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+
+
+@pytest.mark.parametrize("method", NOISE_IS_THE_UPDATE)
+def test_noise_is_added_exactly_once(method, tmp_path):
+    """Zero loss: the update is the noise alone, so (update·qN)² averages σ²C² — not 2σ²C² (noise on every rank)
+    and not 0 (no noise). Tolerance: 5 standard errors of a mean of squared standard normals."""
+    rank0, rank1 = _launch(method, "noise", tmp_path)
+    assert all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
+    noise = torch.cat([(rank0["after"][n] - rank0["before"][n]).flatten() for n in rank0["after"]])
+    noise = noise * worker.LOGICAL_BATCH / worker.LEARNING_RATE["noise"]  # undo the q·N division and the lr
+    expected = (worker.NOISE_MULTIPLIER * worker.CLIP) ** 2
+    ratio = noise.pow(2).mean().item() / expected
+    assert abs(ratio - 1) <= 5 * math.sqrt(2 / noise.numel()), (ratio, noise.numel())
