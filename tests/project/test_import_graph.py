@@ -1,10 +1,15 @@
-"""No runtime import cycle goes through `hf_private.trainer.mixin`.
+"""The package's plan, enforced: each room of `hf_private` imports only rooms below it, and no import circle exists.
 
-The trainer is the top of the package: the library pieces it uses (privacy, engine, audit, card, ...) must not
-import it back, or importing any of them starts a half-initialised trainer (a circle the audit CLI once closed:
-trainer → audit → trainer). Python resolves such circles only while every import stays inside a function body, so
-the graph here counts imports at module level *and* in function bodies; only those under `if TYPE_CHECKING:` (never
-executed) are left out. Modules are discovered from the files, so modules added later are checked too.
+A room is a sub-package (`trainer/`, `run/`, `data/`, ...) or a top-level module (`optimizer.py`, ...). The table
+`LAYERS` is the house's floor plan, top to bottom (docs/design/architecture.md draws it): a room may import its own
+modules and the rooms below it, never a room above it or beside it on its floor, so that each floor can be read
+without the floors above. A new room must be placed in the table before its first import counts.
+
+Every import statement counts - module level, class and function bodies, and `if TYPE_CHECKING:` blocks: a circle
+closed only by a type-only import still means two files cannot be read apart (and annotations are read by tools and
+people). Two files stand outside the table: `hf_private/__init__.py`, the public face that gathers names from every
+floor, and `audit/__main__.py`, the entry point of `python -m hf_private.audit`, which runs the command line above
+everything and is imported by no module.
 
 Edges are what the code names, nothing implicit: `import a.b` and `from a import b` (b a submodule) are edges to
 `a.b`; `from a import name` is an edge to `a`; importing `a.b` is not counted as an edge to the package `a`.
@@ -21,7 +26,27 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "hf_private"
-TRAINER = f"{PACKAGE}.trainer.mixin"
+
+#: the floors, top to bottom; rooms on one floor may not import each other
+LAYERS: list[tuple[str, ...]] = [
+    ("cli",),           # applications: hf-private-audit
+    ("trainer",),       # Trainer's hooks: the mixin, privatize, publishing hooks, construction refusals
+    ("run",),           # the run's privacy state: plan, ledger, streams, engine, stages, report
+    ("clip_norm",),     # choosing C on public text (runs a throw-away private step)
+    ("integrations",),  # trainer families (TRL) and their per-unit losses
+    ("release",),       # what leaves the machine: artefacts, adapters, checkpoints, the card
+    ("methods",),       # one folder per DP method, the method contract
+    ("audit",),         # the privacy audit as a library
+    ("optimizer",),     # the noisy step in named parts
+    ("engine",),        # per-example gradients, one file per layer rule
+    ("data",),          # units, sampling, chunks, packing, rows, labels
+    ("evaluation",),    # held-out verdicts, collapse warning, metrics
+    ("privacy",),       # plan, ledger, events, accountants, calibration, secret randomness
+    ("models",),        # heads, model families, PEFT facts
+    ("logs", "demos", "version"),
+]
+OUTSIDE_THE_PLAN = {PACKAGE, f"{PACKAGE}.audit.__main__"}
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def discover_modules(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
@@ -35,32 +60,6 @@ def discover_modules(root: pathlib.Path, package: str) -> dict[str, pathlib.Path
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    """`TYPE_CHECKING` or `typing.TYPE_CHECKING` (any module attribute of that name)."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-class _Imports(ast.NodeVisitor):
-    """Every import statement that can run: module level, class and function bodies; not under TYPE_CHECKING."""
-
-    def __init__(self):
-        self.found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
-            for statement in node.orelse:  # the `else:` of a TYPE_CHECKING block does run
-                self.visit(statement)
-        else:
-            self.generic_visit(node)
-
-    def visit_Import(self, node: ast.Import) -> None:
-        self.found.append(node)
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        self.found.append(node)
-
-
 def _known(name: str, modules: dict[str, pathlib.Path]) -> str | None:
     """`name` if it is a module of the package, else its longest prefix that is one (None outside the package)."""
     parts = name.split(".")
@@ -72,15 +71,13 @@ def _known(name: str, modules: dict[str, pathlib.Path]) -> str | None:
 
 
 def _edges_of(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> list[tuple[str, int]]:
-    """(imported module of the package, line) for every import `module` can run."""
-    visitor = _Imports()
-    visitor.visit(ast.parse(path.read_text(), filename=str(path)))
+    """(imported module of the package, line) for every import statement of `module`, wherever it stands."""
     is_package = path.name == "__init__.py"
     edges = []
-    for node in visitor.found:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
-        else:
+        elif isinstance(node, ast.ImportFrom):
             if node.level:
                 # relative: level 1 is the module's own package (a package's __init__ is its own package)
                 anchor = module.split(".") if is_package else module.split(".")[:-1]
@@ -89,6 +86,8 @@ def _edges_of(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path])
             else:
                 base = node.module or ""
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
         for target in targets:
             resolved = _known(target, modules)
             if resolved is not None and resolved != module:
@@ -139,34 +138,51 @@ def describe(graph: dict[str, dict[str, int]], chain: list[str], root: pathlib.P
     return "\n".join(lines)
 
 
+def room_of(module: str) -> str:
+    """The room a module lives in: its sub-package, or itself for a top-level module."""
+    return module.split(".")[1]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: list[tuple[str, ...]],
+                   outside: set[str]) -> list[tuple[str, str, int]]:
+    """(module, imported module, line) for each import into a room on the same floor or above."""
+    floor = {room: depth for depth, rooms in enumerate(layers) for room in rooms}
+    found = []
+    for module, targets in graph.items():
+        if module in outside:
+            continue
+        for target, line in targets.items():
+            here, there = room_of(module), room_of(target)
+            if here != there and floor[here] >= floor[there]:
+                found.append((module, target, line))
+    return found
+
+
 # ---------------------------------------------------------------- the package
-def test_no_import_cycle_goes_through_the_trainer():
+def test_every_room_stands_on_a_floor_of_the_plan():
+    rooms = {room_of(module) for module in import_graph(ROOT, PACKAGE) if module != PACKAGE}
+    planned = {room for rooms_of_floor in LAYERS for room in rooms_of_floor}
+    assert rooms - planned == set(), f"rooms missing from LAYERS (place them): {sorted(rooms - planned)}"
+    assert planned - rooms == set(), f"LAYERS names rooms that do not exist: {sorted(planned - rooms)}"
+
+
+def test_each_room_imports_only_rooms_below_it():
     graph = import_graph(ROOT, PACKAGE)
-    assert TRAINER in graph, f"{TRAINER} not found under {ROOT / PACKAGE}"
-    cycle = cycle_through(graph, TRAINER)
-    assert cycle is None, "Import cycle through the trainer:\n" + describe(graph, cycle, ROOT)
+    upward = upward_imports(graph, LAYERS, OUTSIDE_THE_PLAN)
+    assert upward == [], "imports that run up (or across a floor):\n" + "\n".join(
+        f"  {m} imports {t} ({discover_modules(ROOT, PACKAGE)[m].relative_to(ROOT)}:{line})" for m, t, line in upward)
 
 
-@pytest.mark.parametrize("module", ["run.privacy_run", "run.method_view", "trainer.preflight", "methods"])
-def test_the_run_and_what_methods_see_import_nothing_of_the_trainer(module):
-    """The run's privacy state, the method's view of it, the construction checks and the methods stand apart from the
-    Trainer glue: the glue imports them, never the other way round."""
+def test_no_import_circle_anywhere_type_only_imports_included():
     graph = import_graph(ROOT, PACKAGE)
-    name = f"{PACKAGE}.{module}"
-    assert name in graph, f"{name} not found under {ROOT / PACKAGE}"
-    chain = shortest_path(graph, name, TRAINER)
-    assert chain is None, f"{name} reaches {TRAINER}:\n" + describe(graph, chain, ROOT)
+    for module in sorted(graph):
+        cycle = cycle_through(graph, module)
+        assert cycle is None, "import circle:\n" + describe(graph, cycle, ROOT)
 
 
-def test_audit_library_does_not_reach_the_trainer_or_its_command_line():
-    """`hf_private.audit` is the library the trainer and the card use; only audit.cli (and __main__) drive a run."""
-    graph = import_graph(ROOT, PACKAGE)
-    library = [m for m in graph if m.split(".")[:2] == [PACKAGE, "audit"] and m != f"{PACKAGE}.audit.__main__"]
-    assert f"{PACKAGE}.audit" in library
-    for module in library:
-        for forbidden in (TRAINER, f"{PACKAGE}.cli.audit"):
-            chain = shortest_path(graph, module, forbidden)
-            assert chain is None, f"{module} reaches {forbidden}:\n" + describe(graph, chain, ROOT)
+def test_the_top_level_is_a_table_of_contents():
+    modules = sorted(path.name for path in (ROOT / PACKAGE).glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, f"{len(modules)} modules directly under {PACKAGE}/: {modules}"
 
 
 # ---------------------------------------------------------------- the checker itself, on a made-up package
@@ -193,11 +209,26 @@ def test_checker_finds_a_cycle_closed_inside_a_function_body(tmp_path):
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trainer import Trainer\n",
     "import typing\nif typing.TYPE_CHECKING:\n    from pkg.trainer import Trainer\n",
 ])
-def test_checker_ignores_imports_only_for_type_checking(tmp_path, source):
+def test_checker_counts_imports_made_only_for_type_checking(tmp_path, source):
     _write(tmp_path, {"pkg/__init__.py": "", "pkg/trainer.py": "from . import run\n", "pkg/run.py": source})
     graph = import_graph(tmp_path, "pkg")
-    assert graph["pkg.trainer"] == {"pkg.run": 1} and graph["pkg.run"] == {}
-    assert cycle_through(graph, "pkg.trainer") is None
+    assert graph["pkg.trainer"] == {"pkg.run": 1} and graph["pkg.run"] == {"pkg.trainer": 3}
+    assert cycle_through(graph, "pkg.trainer") == ["pkg.trainer", "pkg.run", "pkg.trainer"]
+
+
+def test_checker_finds_imports_that_run_up_or_across_a_floor(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from .top import App\n",  # the public face: outside the plan
+        "pkg/top.py": "from .low import x\n",
+        "pkg/mid/__init__.py": "",
+        "pkg/mid/a.py": "from ..low import x\nfrom . import b\n",  # down, and inside its own room: fine
+        "pkg/mid/b.py": "def f():\n    from ..top import App\n",  # up, inside a function body
+        "pkg/low.py": "from .side import y\n",  # across its floor
+        "pkg/side.py": "y = 1\n",
+    })
+    graph = import_graph(tmp_path, "pkg")
+    layers = [("top",), ("mid",), ("low", "side")]
+    assert upward_imports(graph, layers, {"pkg"}) == [("pkg.low", "pkg.side", 1), ("pkg.mid.b", "pkg.top", 2)]
 
 
 def test_checker_resolves_submodules_without_implicit_parent_edges(tmp_path):
