@@ -16,7 +16,7 @@ from .models.head_choice import sentence_classifier
 from .models.heads import MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification
 from .privacy import BudgetError
 from .release.adapters import load_private_adapter
-from .trainer.mixin import PrivateTrainer, privatize
+from .trainer import PrivateTrainer, privatize
 from .version import __version__ as __version__  # re-exported: hf_private.__version__
 
 __all__ = [

@@ -216,12 +216,6 @@ def sampled_unit(config: Any, unit: str) -> str:
     """What N, q and the logical batch count: examples under ELS (it samples the examples users keep), else `unit`."""
     return "example" if config.privacy_unit == "user" and config.user_sampling == "example" else unit
 
-def expected_examples(index: UserIndex | None, config: Any, sample_rate: float, expected_batch_size: float) -> float:
-    """Training examples a logical batch holds in expectation, the logged loss's denominator (a mean per example):
-    under ULS q·Σ_u min(n_u, k), a sampled user bringing up to k; otherwise the expected batch itself."""
-    if index is None or config.user_sampling != "user":
-        return expected_batch_size
-    return sample_rate * capped_size(index, config.examples_per_user)
 
 def user_level_plan(config: Any, index: UserIndex, steps_per_epoch: int) -> str:
     """What a user-level run does with the data, said once after the plan: which examples train, what
@@ -339,13 +333,3 @@ def run_lengths(units: Sequence[int]) -> list[int]:
             sizes.append(1)
     return sizes
 
-
-def unit_slices(unit_sizes: Sequence[int], units_per_chunk: int) -> Iterator[tuple[int, int, list[int]]]:
-    """(first example, end example, examples of each unit) of each physical chunk of at most `units_per_chunk`
-    units, in order."""
-    sizes = [int(n) for n in unit_sizes]
-    start = 0
-    for first in range(0, len(sizes), units_per_chunk):
-        part = sizes[first:first + units_per_chunk]
-        yield start, start + sum(part), part
-        start += sum(part)

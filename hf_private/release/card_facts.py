@@ -9,7 +9,7 @@ sets measured on the released weights are published.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -27,16 +27,13 @@ from .model_card import (
     write_model_card,
 )
 
-if TYPE_CHECKING:
-    from ..run.privacy_run import PrivacyRun
-
 # metric key prefix → (HELD_OUT, OVERLAPS or UNKNOWN, the metrics of its last evaluate() in this process)
 Evaluations = dict[str, tuple[str, dict[str, float]]]
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the card says about a run, as the trainer knows it when it saves."""
+    """What the card says about a run, as the trainer knows it when it saves (`trainer.publish` gathers them)."""
 
     report: dict[str, Any]  # PrivateTrainer.privacy_report()
     audit: dict[str, Any] | None  # the card's privacy.audit block
@@ -53,14 +50,6 @@ class RunFacts:
     evaluations: Evaluations
     reloaded_best: dict[str, Any] | None  # `reloaded_checkpoint` of the best checkpoint put back, if any
     global_step: int
-
-    @classmethod
-    def of_run(cls, run: PrivacyRun, **trainer_facts: Any) -> RunFacts:
-        """The run's own facts, with the trainer's (adapter format, hub id, optimizer, evaluations, ...)."""
-        trained = run.trained_parameter_names
-        return cls(report=run.privacy_report(), audit=run.audit, model=run.model, trained_tensors=len(trained),
-                   trained_fraction=run.share_of_model(trained), citations=run.method.citations(),
-                   planned_steps=run.planned_steps, expected_batch_size=run.expected_batch_size, **trainer_facts)
 
 
 def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from=None, tags=None, dataset=None,

@@ -1,10 +1,10 @@
-"""`privatize(TrainerClass)`: any `transformers.Trainer` subclass, made differentially private; `PrivateTrainer` is
-`Trainer` made so.
+"""`PrivateTrainingMixin`: Trainer's training hooks, made private (`privatize` places it first in the MRO).
 
-Trainer glue only: Poisson batch sampler → physical chunks → engine hooks clip per example during the one backward
-pass → the noisy optimizer adds noise once per logical batch → the ledger records the step. Every privacy decision is
-the run's (`run.privacy_run.PrivacyRun`); the model stays the user's own `PreTrainedModel`/`PeftModel`, so saving,
-evaluation and `push_to_hub` work as usual.
+Trainer glue only: the privacy unit's Poisson batch sampler (`data.units`) → physical chunks of whole units
+(`data.chunks`) → engine hooks clip per unit during the one backward pass → the noisy optimizer adds noise once per
+logical batch → the ledger records the step. Every privacy decision is the run's (`run.privacy_run.PrivacyRun`);
+saving, loading, pushing and the card are the publishing hooks' (`trainer.publish.ReleaseHooks`). The model stays the
+user's own `PreTrainedModel`/`PeftModel`, so evaluation works as usual.
 """
 
 from __future__ import annotations
@@ -19,33 +19,16 @@ import torch
 from accelerate.utils import broadcast_object_list
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, Subset
-from transformers import Trainer, TrainerCallback
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
+from ..data import chunks
+from ..data.chunks import PhysicalChunk
 from ..data.labels import log_ignored_labels
-from ..data.packing import (
-    PACKED_FORWARD_TOKENS,
-    check_packing_tokens,
-    lay_out_rows,
-    packed_examples,
-    packed_layout,
-    packed_pieces,
-    packed_shape,
-    packs,
-    slice_packed,
-)
-from ..data.sampling import EmptySafeCollator, PoissonBatchSampler, batch_size_of, chunk_lengths, slice_examples
-from ..data.users import (
-    UNIT_SIZES_KEY,
-    UnitCollator,
-    UnitTagged,
-    UserIndex,
-    UserPoissonSampler,
-    expected_examples,
-    run_lengths,
-    unit_slices,
-)
+from ..data.packing import PACKED_FORWARD_TOKENS, check_packing_tokens
+from ..data.sampling import EmptySafeCollator, batch_size_of
+from ..data.units import units_for
 from ..engine import PerExampleGradientEngine
 from ..engine.independence import PROBE_EXAMPLES, probe_example_independence, spread_by_length
 from ..evaluation.held_out import Evaluations, TrainingRows, pad_token_id
@@ -53,13 +36,9 @@ from ..integrations.losses import PerExampleLoss, check_per_example_losses
 from ..logs import get_logger
 from ..methods import MethodConfig
 from ..models.head_choice import warn_if_cls_head_on_mean_encoder
-from ..models.support import is_causal_lm
 from ..optimizer import noisy_optimizer
 from ..privacy.rng import SecretRandom
-from ..release.adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
-from ..release.artifacts import has_trainer_weights
-from ..release.card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
-from ..release.checkpoints import resolve_checkpoint, save_private_checkpoint
+from ..release.checkpoints import resolve_checkpoint
 from ..run.privacy_run import PrivacyRun
 from .preflight import (
     check_before_trainer,
@@ -67,7 +46,7 @@ from .preflight import (
     check_private_path_unchanged,
     private_path_functions,
 )
-from .publish import AllowListedUpload, push_checkpoint, push_release
+from .publish import AllowListedUpload, ReleaseHooks
 
 logger = get_logger(__name__)
 
@@ -85,7 +64,7 @@ class _FromRun:
         setattr(trainer.privacy_run, self.name, value)
 
 
-class PrivateTrainingMixin:
+class PrivateTrainingMixin(ReleaseHooks):
     """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
     class's own."""
 
@@ -121,46 +100,38 @@ class PrivateTrainingMixin:
         self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
-        # what the private path's methods resolve to, compared again before training and before every step
-        self._private_path = private_path_functions(self, per_example_loss is not None)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
         self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
-        # At user level, the users of the training set as the trainer holds it: read again only if the trainer
-        # prepared a new dataset (TRL tokenizes, and may drop rows)
-        self.user_index = checked.users
-        if self.user_index is not None and self.train_dataset is not given.get("train_dataset"):
-            self.user_index = UserIndex.of(self.train_dataset, dp_config.user_column)
-        self._uls = self.user_index is not None and dp_config.user_sampling == "user"
+        # the privacy unit, chosen once; its users read again if the trainer prepared a new dataset (TRL tokenizes)
+        users = checked.users if self.train_dataset is given.get("train_dataset") else None
+        self.units = units_for(dp_config, self.args, self.train_dataset, users=users, cap=lambda index: (
+            self.privacy_run.kept_by_users(index, self.train_dataset, self._from_main_process)))
+        # what the private path's functions resolve to, compared again before training and before every step
+        self._private_path = private_path_functions(self, per_example_loss is not None)
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.custom_per_example_loss = per_example_loss is not None  # packed chunks need the family's own loss
         self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         # the logged loss is a mean per example: under ULS a sampled user brings up to k examples
-        self._examples_per_batch = expected_examples(self.user_index, dp_config, self.sample_rate, expected)
+        self._examples_per_batch = self.units.examples_per_batch(self.sample_rate, expected)
         self.add_callback(_LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()
         training_rows = TrainingRows(self.train_dataset, self._signature_columns,
                                      [*self.label_names, *checked.family.derived_columns],
                                      pad_token_id(self.processing_class), checked.family.unmarked_units(self.args))
         self._evaluations = Evaluations(training_rows, self.eval_dataset)
-        self.privacy_run.log_plan(self.user_index)
+        self.privacy_run.log_plan(self.units.users)
         log_ignored_labels(checked.labels)
 
-    # ------------------------------------------------------------------ data
+    # ------------------------------------------------------------------ data: the privacy unit's (data.units)
     def training_data(self) -> tuple[Any, Callable]:
-        """The training set as the model reads it (unused columns removed) and its empty-batch-safe collator; at user
-        level each example tagged with its user, and each batch told how many examples each of its users has."""
+        """The set the sampler draws from (the training set as the model reads it, unused columns removed, in the
+        unit's view) and its empty-batch-safe collator."""
         dataset = self.train_dataset
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
         collate = EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
-        if self.user_index is None:
-            return dataset, collate
-        if self._uls:
-            return UnitTagged(dataset, self.user_index.user_of), UnitCollator(collate)
-        # ELS: each user capped, the kept examples found by content on resume (hf_private.data.user_cap)
-        kept = self.privacy_run.kept_by_users(self.user_index, self.train_dataset, self._from_main_process)
-        return (dataset.select(kept) if hasattr(dataset, "select") else Subset(dataset, kept.tolist())), collate
+        return self.units.training_view(dataset, collate)
 
     def _from_main_process(self, value: Any) -> Any:
         """`value` as the main process has it, on every process."""
@@ -173,31 +144,17 @@ class PrivateTrainingMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
-        lengths = None if self._uls else chunk_lengths(self.args, self.train_dataset, self.processing_class,
-                                                       packed=len(dataset) >= 2 and packs(collate, dataset))
-        sampler = self._poisson_sampler(dataset, self.sample_rate, self.steps_per_epoch,
-                                        self.args.gradient_accumulation_steps,
-                                        self.privacy_run.sampling_random("training sampling"), lengths)
+        lengths = self.units.chunk_lengths(self.train_dataset, self.processing_class, dataset, collate)
+        sampler = self.units.poisson_sampler(dataset, self.sample_rate, self.steps_per_epoch,
+                                             self.args.gradient_accumulation_steps,
+                                             self.privacy_run.sampling_random("training sampling"), lengths)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def poisson_chunks(self, dataset: Any, sample_rate: float, random: SecretRandom) -> list[list[int]]:
-        """This process's share of one Poisson sample of units at `sample_rate` (a method's own release, e.g.
-        DP-FROST's selection), as indices into `dataset` (`training_data()`'s) in physical chunks of at most
-        per_device_train_batch_size units: users under ULS, each with all of its drawn examples."""
-        indices = next(iter(self._poisson_sampler(dataset, sample_rate, 1, 1, random)))
-        sizes = run_lengths(self.user_index.user_of[indices]) if self._uls else [1] * len(indices)
-        return [indices[start:stop] for start, stop, _ in unit_slices(sizes, self.args.per_device_train_batch_size)]
-
-    def _poisson_sampler(self, dataset: Any, sample_rate: float, steps: int, num_chunks: int, random: SecretRandom,
-                         lengths: torch.Tensor | None = None) -> Sampler[list[int]]:
-        """Poisson logical batches of the privacy unit: users under ULS (q over users), examples otherwise."""
-        args = self.args
-        if self._uls:
-            return UserPoissonSampler(self.user_index, sample_rate, steps, self.dp_config.examples_per_user,
-                                      num_chunks, rank=args.process_index, world_size=args.world_size, random=random)
-        return PoissonBatchSampler(len(dataset), sample_rate, steps, num_chunks, rank=args.process_index,
-                                   world_size=args.world_size, random=random, lengths=lengths)
+        """This process's share of one Poisson sample of units (a method's own release, e.g. DP-FROST's selection),
+        as indices into `dataset` (`training_data()`'s) in physical chunks of whole units."""
+        return self.units.poisson_sample(dataset, sample_rate, random)
 
     # ------------------------------------------------------------------ optimisation
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -236,35 +193,20 @@ class PrivateTrainingMixin:
         return total / (self._examples_per_batch / self.args.world_size)
 
     def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor:
-        """Forward/backward `inputs` in chunks of at most per_device_train_batch_size units (examples; users at user
-        level, each with all of its examples), a packed chunk laid out as rows of whole units of at most
-        `packed_row_tokens` tokens, at most `packed_forward_tokens` padded tokens a forward (varlen kernels: a row a
-        forward), each unit's terms into `engine`; the summed loss. The first chunk of
-        ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for unit independence,
-        together with a probe chunk from the training set."""
-        inputs = dict(inputs)
-        unit_sizes = inputs.pop(UNIT_SIZES_KEY, None)
-        size = batch_size_of(inputs)
-        if unit_sizes is None:
-            unit_sizes = [1] * size
-        rows = self.trainer_family.rows_per_unit(model, inputs)  # rows of one example (DPO: 2)
+        """Forward/backward `inputs` in physical chunks of whole units (`data.chunks`: users at user level, each with
+        all of its examples; packed chunks as rows of whole units), each unit's terms into `engine`; the summed loss.
+        The first chunk of ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for
+        unit independence, together with a probe chunk from the training set."""
         total = torch.zeros((), device=self.args.device)
-        lengths, per_device = packed_examples(inputs), self.args.per_device_train_batch_size
-        pieces = ((start, stop, units, None) for start, stop, units in unit_slices(unit_sizes, per_device))
-        if lengths is not None:
-            shape = packed_shape(model, self.packed_row_tokens, self.packed_forward_tokens)
-            pieces = packed_pieces(unit_sizes, lengths, per_device, *shape)
-        for start, stop, units, packed_rows in pieces:
-            if packed_rows is not None:  # whole examples sliced by their tokens, laid out in rows
-                part = lay_out_rows(slice_packed(inputs, start, stop), packed_rows, not is_causal_lm(model))
-            else:
-                part = {k: slice_examples(v, size, start, stop) for k, v in inputs.items()}
-            unit_rows = rows if all(n == 1 for n in units) else [n * rows for n in units]
-            with engine.recording(len(units), unit_rows, packed=packed_layout(part)):
-                total = total + self._chunk_step(model, part)
+        for chunk in chunks.physical_chunks(inputs, model, self.args.per_device_train_batch_size,
+                                            partial(self.trainer_family.rows_per_unit, model),
+                                            packed_row_tokens=self.packed_row_tokens,
+                                            packed_forward_tokens=self.packed_forward_tokens):
+            with engine.recording(len(chunk.units), chunk.unit_rows, packed=chunk.layout):
+                total = total + self._chunk_step(model, chunk.inputs)
             engine.finish_backward()
-            if len(units) >= 2 and self.privacy_run.needs_independence_probe:
-                self._probe_example_independence(model, part, units, rows, engine)
+            if len(chunk.units) >= 2 and self.privacy_run.needs_independence_probe:
+                self._probe_example_independence(model, chunk, engine)
         return total
 
     def _chunk_step(self, model: nn.Module, inputs: dict) -> torch.Tensor:
@@ -292,22 +234,20 @@ class PrivateTrainingMixin:
         with self.compute_loss_context_manager():
             return self.summed_loss(model, inputs)[0]
 
-    def _probe_example_independence(self, model: nn.Module, inputs: dict, units: list[int], rows: int,
+    def _probe_example_independence(self, model: nn.Module, chunk: PhysicalChunk,
                                     engine: PerExampleGradientEngine) -> None:
         """Units recomputed alone must get the norms they had in this chunk and in a chunk of training examples
         spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
-        indices = spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
-        if self._uls:  # a user's examples consecutive, as the sampler keeps them
-            indices.sort(key=lambda i: self.user_index.user_of[i])
-        probe = dict(collate([dataset[i] for i in indices]))
-        probe_units = [int(n) for n in probe.pop(UNIT_SIZES_KEY, torch.ones(len(indices), dtype=torch.long))]
+        indices = self.units.in_unit_order(
+            spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size)))
+        probe, probe_units = chunks.unit_sizes_of(collate([dataset[i] for i in indices]))
         probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        chunks = [(self._prepare_inputs(inputs), sum(units), rows, _grouped(units)),
+        probed = [(self._prepare_inputs(chunk.inputs), sum(chunk.units), chunk.rows_per_example, _grouped(chunk.units)),
                   (probe, len(indices), probe_rows, _grouped(probe_units))]
-        probe_example_independence(engine, model, chunks, self._training_loss, low_precision)
+        probe_example_independence(engine, model, probed, self._training_loss, low_precision)
         self.privacy_run.needs_independence_probe = False
 
     def _stop_for_budget(self) -> None:
@@ -369,130 +309,6 @@ class PrivateTrainingMixin:
         if dataset is not None:
             self._evaluations.reading(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
         return super().get_eval_dataloader(eval_dataset)
-
-    # ------------------------------------------------------------------ saving and the card
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        if self.args.should_save:
-            self.privacy_run.save(output_dir)
-            self._write_card(output_dir)
-
-    @property
-    def adapter_format(self) -> str:
-        """How save_model stores the result: 'peft', 'private_adapter' (only the trained tensors) or 'full'."""
-        return adapter_format(self.model, self.trained_parameter_names)
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Checkpoints and final saves alike write only what was trained (see `hf_private.release.adapters`)."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.adapter_format != "private_adapter":
-            super()._save(output_dir, state_dict)
-            if self.args.should_save:
-                withhold_local_base_path(output_dir)
-        elif self.args.should_save:
-            save_private_checkpoint(self.model, output_dir, self.trained_parameter_names, self.processing_class,
-                                    self.args)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if has_private_adapter(resume_from_checkpoint):
-            logger.info("Loading the private adapter from %s.", resume_from_checkpoint)
-            load_adapter_weights(model if model is not None else self.model, resume_from_checkpoint)
-            return
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if best and has_private_adapter(best):
-            logger.info("Loading the best private adapter from %s (score: %s).", best, self.state.best_metric)
-            load_adapter_weights(self.model, best)
-        else:
-            super()._load_best_model()
-            if not best or not has_trainer_weights(best):
-                return  # Trainer only warned that it could not find them: the weights are still the last step's
-        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model,
-                                                  self._evaluations.results)
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
-        """Trainer's push (transformers 5.x), but only the allow-listed artefacts of `hf_private.release.artifacts` go
-        up
-        (see `hf_private.trainer.publish`): Trainer would upload the whole output directory."""
-        return push_release(self, self._upload_to_hub, commit_message, blocking, token, revision, private, **kwargs)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Trainer's checkpoint push, but never a checkpoint folder, and only allow-listed files, copied together."""
-        push_checkpoint(self, self._upload_to_hub, checkpoint_folder)
-
-    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
-                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
-        if self.is_world_process_zero():
-            self._write_card(self.args.output_dir, model_name=model_name, finetuned_from=finetuned_from,
-                             tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
-                             dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
-
-    def _write_card(self, output_dir: str, **publication: Any) -> None:
-        """README.md, built by `release.card_facts` from what this run knows (the keywords: create_model_card's)."""
-        write_card(output_dir, RunFacts.of_run(
-            self.privacy_run, adapter_format=self.adapter_format, learning_rate=self.args.learning_rate,
-            hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None), global_step=self.state.global_step,
-            optimizer=optimizer_name(self.optimizer), evaluations=self._evaluations.results,
-            reloaded_best=getattr(self, "_reloaded_best", None)), **publication)
-
-
-class PrivateTrainer(PrivateTrainingMixin, Trainer):
-    """`transformers.Trainer` made differentially private: Poisson batches, each example's gradient clipped, noise
-    once per logical batch, and ε accounted, logged and written on the model card.
-
-    Args:
-        model: the model itself (a `PreTrainedModel` or `PeftModel`, not its name); the DP method may choose what
-            trains, after every check has passed.
-        args: `TrainingArguments`, as for Trainer; `per_device_train_batch_size × gradient_accumulation_steps ×
-            processes` is the expected logical batch. Settings DP-SGD cannot honour are refused here, by name.
-        dp_config: the DP method and its privacy settings (`DPConfig`, `BitFitConfig`, `FrostConfig`,
-            `SparseLowRankConfig`, `DPFPConfig`): target ε or noise multiplier, δ, clip norm C, accountant, privacy
-            unit.
-        per_example_loss: `fn(model, outputs, labels)` returning one loss per example (shape `[B]`), for a loss the
-            model's own head does not compute; None uses the head's (cross-entropy, MSE, a causal LM's per-sequence
-            mean).
-        packed_row_tokens: with a packing collator (`DataCollatorWithFlattening`, TRL's `padding_free=True`), a
-            chunk's examples are laid end to end in rows of at most this many tokens, each still clipped alone.
-            "auto": `packing.PACKED_ROW_TOKENS` under masked attention (eager, SDPA), one row a chunk under flash
-            attention; None: one row a chunk.
-        packed_forward_tokens: with packing, at most this many padded tokens in one forward pass (None: a chunk's
-            rows in one forward).
-        **trainer_kwargs: every other keyword is Trainer's own (`train_dataset`, `eval_dataset`, `data_collator`,
-            `processing_class`, `compute_metrics`, `callbacks`, `optimizer_cls_and_kwargs`, ...). The training set
-            must be map-style (its size N sets the sampling rate).
-
-    Raises:
-        ValueError, TypeError: at construction, for every setting, model or training set private training cannot
-            honour (see `hf_private.trainer.preflight`), with the fix named.
-    """
-
-
-_PRIVATE_CLASSES: dict[type[Trainer], type[Trainer]] = {Trainer: PrivateTrainer}
-
-
-def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
-    """The private subclass of `trainer_class` (a `transformers.Trainer` subclass): the same class plus `dp_config`.
-
-    Its own metrics, callbacks, evaluation (`predict_with_generate` included) and data collator are kept; what would
-    change what is clipped (a `training_step`, a batch-level `compute_loss` without `per_example_loss`, a sampler or
-    optimizer, in any class of its MRO, mixins included) is refused when the trainer is built, by name and with the
-    reason; such a method patched in afterwards, by `train()` before the first step.
-    """
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
-        raise TypeError(f"privatize takes a transformers.Trainer subclass, got {trainer_class!r}.")
-    if issubclass(trainer_class, PrivateTrainingMixin):
-        return trainer_class
-    if trainer_class not in _PRIVATE_CLASSES:
-        name = f"Private{trainer_class.__name__}"
-        _PRIVATE_CLASSES[trainer_class] = type(name, (PrivateTrainingMixin, trainer_class), {
-            "__module__": __name__, "__qualname__": name,
-            "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
-        })
-    return _PRIVATE_CLASSES[trainer_class]
 
 
 def _grouped(units: list[int]) -> list[int] | None:

@@ -39,6 +39,7 @@ from torch.utils.data import IterableDataset
 from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer_utils import HubStrategy
 
+from ..data import chunks
 from ..data.labels import LabelCounts, check_collated_labels, count_labels, refuse_string_labels
 from ..data.users import UserIndex, capped_size
 from ..integrations import TrainerFamily, family_of
@@ -129,12 +130,26 @@ _PRIVATE_PATH_METHODS = {
     # the mixin's own steps of that path
     "training_data": "it gives the Poisson sampler the training set and, at user level, the users it draws",
     "poisson_chunks": "it draws a method's own Poisson samples (DP-FROST's selection)",
-    "_poisson_sampler": "it builds the Poisson sampler of the privacy unit at the accounted rate",
     "record_chunks": "it runs each chunk's forward/backward with each unit's gradient clipped",
     "_chunk_step": "it runs one chunk's forward/backward on the private training loss",
     "_training_loss": "it is the one loss that trains and that the independence probe tests",
     "summed_loss": "it is the one loss that trains and that the independence probe tests",
     "_probe_example_independence": "it checks that no unit's gradient depends on the units beside it",
+}
+# The privacy unit's steps of that path: methods of the `hf_private.data.units.PrivacyUnits` the trainer holds as
+# `units`, refused when patched on that object or its class after the trainer was built.
+_PRIVATE_UNIT_METHODS = {
+    "training_view": "it is the set the Poisson sampler draws from (at user level: tagged by user, or capped)",
+    "poisson_sampler": "it builds the Poisson sampler of the privacy unit at the accounted rate",
+    "poisson_sample": "it draws a method's own Poisson samples (DP-FROST's selection) in chunks of whole units",
+    "unit_sizes": "it groups a Poisson sample's examples into units, each clipped as one",
+    "chunk_lengths": "it orders each Poisson batch by length before it is cut into chunks",
+    "in_unit_order": "it keeps a unit's examples together in the independence probe",
+}
+# The chunk layout of that path: functions of `hf_private.data.chunks` the trainer calls through the module.
+_PRIVATE_CHUNK_FUNCTIONS = {
+    "physical_chunks": "it cuts each Poisson chunk into physical chunks of whole units, each clipped as one",
+    "unit_sizes_of": "it reads how many examples each unit of a collated batch has",
 }
 _BATCH_LOSS = ("a batch-mean loss shrinks every example's signal by the batch size against the noise, and a "
                "batch-level loss (a normaliser, hard-example mining) couples examples")
@@ -173,32 +188,55 @@ def _checked_classes(trainer_class: type[Trainer], mixin: type) -> list[type]:
 
 
 def private_path_functions(trainer: Trainer, custom_loss: bool) -> dict[str, Any]:
-    """What the built trainer's class resolves each private-path method to (compute_loss too without
-    per_example_loss), once none is found set on the instance (a user's __init__ may set one): recorded when the
-    trainer is built, compared by `check_private_path_unchanged` before training."""
+    """What each function of the private path resolves to on the built trainer: its class's private-path methods
+    (compute_loss too without per_example_loss), its privacy unit's (`units.<name>`) and the chunk layout's
+    (`chunks.<name>`), once none is found set on an instance (a user's __init__ may set one): recorded when the
+    trainer is built, compared by `check_private_path_unchanged` before training and before every step."""
     names = [*_PRIVATE_PATH_METHODS, *([] if custom_loss else ["compute_loss"])]
     functions = {name: inspect.getattr_static(type(trainer), name, None) for name in names}
+    functions |= {f"units.{name}": inspect.getattr_static(type(trainer.units), name, None)
+                  for name in _PRIVATE_UNIT_METHODS}
+    functions |= {f"chunks.{name}": getattr(chunks, name) for name in _PRIVATE_CHUNK_FUNCTIONS}
     check_private_path_unchanged(trainer, functions)
     return functions
 
 
 def check_private_path_unchanged(trainer: Trainer, functions: dict[str, Any]) -> None:
-    """Refuse a private-path method patched onto the trainer instance, or onto a class of its MRO after the trainer
-    was built (`functions`: what each resolved to then), naming the method, where the patch sits and what it is."""
-    cls = type(trainer)
+    """Refuse a private-path function patched since the trainer was built (`functions`: what each resolved to then):
+    a method set on the trainer or its privacy unit, or on a class of their MRO, or a chunk function replaced in its
+    module; the refusal names the function, where the patch sits and what it is."""
     for name, function in functions.items():
-        if name in vars(trainer):
-            where, now = "the trainer instance", vars(trainer)[name]
-        elif (now := inspect.getattr_static(cls, name, None)) is not function:
-            where = f"class {next((c for c in cls.__mro__ if name in vars(c)), cls).__qualname__}"
-        else:
+        patch = _patch(trainer, name, function)
+        if patch is None:
             continue
-        reason = _PRIVATE_PATH_METHODS.get(name, f"private training replaces it by a per-example loss: {_BATCH_LOSS}")
+        where, now = patch
+        reason = _PRIVATE_PATH_REASONS.get(name, f"private training replaces it by a per-example loss: {_BATCH_LOSS}")
         fix = PER_EXAMPLE_LOSS_HINT if name == "compute_loss" else "Remove the patch."
         raise TypeError(
-            f"{name}() is patched on {where} (now {_described(now)}), after {cls.__name__} was checked: private "
-            f"training needs its own {name}(), since {reason}. {fix}"
+            f"{name}() is patched on {where} (now {_described(now)}), after {type(trainer).__name__} was checked: "
+            f"private training needs its own {name}(), since {reason}. {fix}"
         )
+
+
+_PRIVATE_PATH_REASONS = {**_PRIVATE_PATH_METHODS,
+                         **{f"units.{name}": reason for name, reason in _PRIVATE_UNIT_METHODS.items()},
+                         **{f"chunks.{name}": reason for name, reason in _PRIVATE_CHUNK_FUNCTIONS.items()}}
+
+
+def _patch(trainer: Trainer, name: str, recorded: Any) -> tuple[str, Any] | None:
+    """(where the private-path function `name` is patched, what it is now), or None while it is as `recorded`."""
+    holder, _, attribute = name.rpartition(".")
+    if holder == "chunks":
+        now = getattr(chunks, attribute)
+        return None if now is recorded else (f"module {chunks.__name__}", now)
+    owner, described = (trainer.units, "privacy unit") if holder == "units" else (trainer, "trainer")
+    if attribute in vars(owner):
+        return f"the {described} instance", vars(owner)[attribute]
+    cls = type(owner)
+    now = inspect.getattr_static(cls, attribute, None)
+    if now is recorded:
+        return None
+    return f"class {next((c for c in cls.__mro__ if attribute in vars(c)), cls).__qualname__}", now
 
 
 def _described(function: Any) -> str:

@@ -1,9 +1,10 @@
-"""Pushes to the Hub: Trainer's two push paths (transformers 5.x), uploading only the allow-listed artefacts.
+"""Trainer's save, load, push and card hooks for a private run (`ReleaseHooks`), and the allow-listed upload.
 
-Trainer uploads the whole output directory: trainer_state.json, metrics and event files would go public. Here the
-final push and the checkpoint pushes send only `hf_private.release.artifacts.PUSHABLE_NAMES`, and a checkpoint push
-sends
-the checkpoint's own weights, ledger and card together, never a checkpoint folder.
+What leaves the machine is decided here, in Trainer's own hooks: saves write only what was trained (an adapter of
+the trained tensors where the model has no PEFT adapter), the ledger, the DP config and the card; pushes (Trainer's
+two push paths, transformers 5.x) upload only `hf_private.release.artifacts.PUSHABLE_NAMES`, where Trainer would
+upload the whole output directory (trainer_state.json, metrics and event files would go public), and a checkpoint
+push sends the checkpoint's own weights, ledger and card together, never a checkpoint folder.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ from __future__ import annotations
 import glob
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from huggingface_hub import CommitInfo
+from torch import nn
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 from transformers.utils import PushInProgress, hf_api
 
 from ..logs import get_logger
-from ..release.artifacts import copy_pushable, pushable_files, withheld_files
-
-if TYPE_CHECKING:
-    from .mixin import PrivateTrainer
+from ..release.adapters import adapter_format, has_private_adapter, load_adapter_weights, withhold_local_base_path
+from ..release.artifacts import copy_pushable, has_trainer_weights, pushable_files, withheld_files
+from ..release.card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
+from ..release.checkpoints import save_private_checkpoint
 
 logger = get_logger(__name__)
 
@@ -47,48 +49,117 @@ class AllowListedUpload:
         )
 
 
-def push_release(trainer: PrivateTrainer, upload: AllowListedUpload, commit_message: str | None, blocking: bool,
-                 token: str | None, revision: str | None, private: bool | None, **kwargs: Any):
-    """`Trainer.push_to_hub`: save, write the card, then upload the output directory's allow-listed files."""
-    args = trainer.args
-    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    model_name = kwargs.pop("model_name", None)
-    if model_name is None and args.should_save:
-        model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
-    token = token if token is not None else args.hub_token
-    if trainer.hub_model_id is None:
-        trainer.init_hf_repo(token=token, private=private)
-    trainer.save_model(_internal_call=True)
-    if not trainer.is_world_process_zero():
-        return None
-    model_tags = getattr(trainer.model, "model_tags", None)
-    if model_tags is not None:
-        tags = kwargs.get("tags") or []
-        tags = [tags] if isinstance(tags, str) else list(tags)
-        kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
-    trainer.create_model_card(model_name=model_name, **kwargs)
-    trainer._finish_current_push()
-    return upload(
-        trainer.hub_model_id, args.output_dir, commit_message=commit_message, token=token,
-        revision=revision if revision is not None else args.hub_revision, run_as_future=not blocking,
-    )
+class ReleaseHooks:
+    """Trainer's save, load, push and card methods for a private trainer: placed after `PrivateTrainingMixin` in the
+    MRO (the mixin inherits it), so `super()` is the Trainer class. Reads the mixin's `privacy_run`, `_evaluations`
+    and `_upload_to_hub`."""
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            self.privacy_run.save(output_dir)
+            self._write_card(output_dir)
 
-def push_checkpoint(trainer: PrivateTrainer, upload: AllowListedUpload, checkpoint_folder: str) -> None:
-    """`Trainer._push_from_checkpoint`: the checkpoint's allow-listed files, copied to the output directory together
-    (weights, ledger and card of the same step), then uploaded from there in the background."""
-    args = trainer.args
-    busy = trainer.push_in_progress is not None and not trainer.push_in_progress.is_done()
-    if (not trainer.is_world_process_zero() or args.hub_strategy == HubStrategy.END
-            or (busy and not args.hub_always_push)):
-        return
-    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    copy_pushable(checkpoint_folder, args.output_dir)
-    progress = (f"step {trainer.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
-                else f"epoch {int(trainer.state.epoch)}")
-    job = upload(trainer.hub_model_id, args.output_dir, commit_message=f"Training in progress, {progress}",
-                 token=args.hub_token, revision=args.hub_revision, run_as_future=True)
-    if busy:
-        trainer.push_in_progress.jobs.append(job)
-    else:
-        trainer.push_in_progress = PushInProgress([job])
+    @property
+    def adapter_format(self) -> str:
+        """How save_model stores the result: 'peft', 'private_adapter' (only the trained tensors) or 'full'."""
+        return adapter_format(self.model, self.privacy_run.trained_parameter_names)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Checkpoints and final saves alike write only what was trained (see `hf_private.release.adapters`)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.adapter_format != "private_adapter":
+            super()._save(output_dir, state_dict)
+            if self.args.should_save:
+                withhold_local_base_path(output_dir)
+        elif self.args.should_save:
+            save_private_checkpoint(self.model, output_dir, self.privacy_run.trained_parameter_names,
+                                    self.processing_class, self.args)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if has_private_adapter(resume_from_checkpoint):
+            logger.info("Loading the private adapter from %s.", resume_from_checkpoint)
+            load_adapter_weights(model if model is not None else self.model, resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best and has_private_adapter(best):
+            logger.info("Loading the best private adapter from %s (score: %s).", best, self.state.best_metric)
+            load_adapter_weights(self.model, best)
+        else:
+            super()._load_best_model()
+            if not best or not has_trainer_weights(best):
+                return  # Trainer only warned that it could not find them: the weights are still the last step's
+        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model,
+                                                  self._evaluations.results)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
+        """`Trainer.push_to_hub`: save, write the card, then upload only the output directory's allow-listed files
+        (Trainer would upload the whole directory)."""
+        args = self.args
+        self.callback_handler.on_push_begin(args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None and args.should_save:
+            model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+        token = token if token is not None else args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_tags = getattr(self.model, "model_tags", None)
+        if model_tags is not None:
+            tags = kwargs.get("tags") or []
+            tags = [tags] if isinstance(tags, str) else list(tags)
+            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
+        self.create_model_card(model_name=model_name, **kwargs)
+        self._finish_current_push()
+        return self._upload_to_hub(
+            self.hub_model_id, args.output_dir, commit_message=commit_message, token=token,
+            revision=revision if revision is not None else args.hub_revision, run_as_future=not blocking,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`Trainer._push_from_checkpoint`, but never a checkpoint folder: the checkpoint's allow-listed files,
+        copied to the output directory together (weights, ledger and card of the same step), then uploaded from
+        there in the background."""
+        args = self.args
+        busy = self.push_in_progress is not None and not self.push_in_progress.is_done()
+        if (not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END
+                or (busy and not args.hub_always_push)):
+            return
+        self.callback_handler.on_push_begin(args, self.state, self.control)
+        copy_pushable(checkpoint_folder, args.output_dir)
+        progress = (f"step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
+                    else f"epoch {int(self.state.epoch)}")
+        job = self._upload_to_hub(self.hub_model_id, args.output_dir,
+                                  commit_message=f"Training in progress, {progress}", token=args.hub_token,
+                                  revision=args.hub_revision, run_as_future=True)
+        if busy:
+            self.push_in_progress.jobs.append(job)
+        else:
+            self.push_in_progress = PushInProgress([job])
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        if self.is_world_process_zero():
+            self._write_card(self.args.output_dir, model_name=model_name, finetuned_from=finetuned_from,
+                             tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
+                             dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
+
+    def _write_card(self, output_dir: str, **publication: Any) -> None:
+        """README.md, built by `release.card_facts` from what this run knows (the keywords: create_model_card's)."""
+        run = self.privacy_run
+        trained = run.trained_parameter_names
+        write_card(output_dir, RunFacts(
+            report=run.privacy_report(), audit=run.audit, model=run.model, adapter_format=self.adapter_format,
+            trained_tensors=len(trained), trained_fraction=run.share_of_model(trained),
+            citations=run.method.citations(), hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None),
+            planned_steps=run.planned_steps, expected_batch_size=run.expected_batch_size,
+            learning_rate=self.args.learning_rate, optimizer=optimizer_name(self.optimizer),
+            evaluations=self._evaluations.results, reloaded_best=getattr(self, "_reloaded_best", None),
+            global_step=self.state.global_step), **publication)

@@ -501,11 +501,11 @@ def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_p
     packed row by its examples' tokens; three steps end at the padded run's weights."""
     from datasets import Dataset
 
-    import hf_private.trainer.mixin
+    import hf_private.data.chunks
 
     sliced = []
-    real = hf_private.trainer.mixin.slice_packed
-    monkeypatch.setattr(hf_private.trainer.mixin, "slice_packed",
+    real = hf_private.data.chunks.slice_packed
+    monkeypatch.setattr(hf_private.data.chunks, "slice_packed",
                         lambda batch, start, stop: sliced.append(stop - start) or real(batch, start, stop))
     dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]})
     weights = []

@@ -20,6 +20,8 @@ from datasets import Dataset
 from huggingface_hub import ModelCard
 from transformers import DataCollatorWithPadding, TrainerCallback
 
+import hf_private.data.chunks
+import hf_private.data.units
 import hf_private.data.users
 import hf_private.run.privacy_run
 import hf_private.trainer.mixin
@@ -304,10 +306,16 @@ def test_adding_one_user_with_many_examples_moves_the_released_sum_by_at_most_C(
         assert sensitivity(tmp_path / str(k), CLIP, k) <= CLIP * (1 + 1e-4)
 
 
+def apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: every example its own unit in chunks (training) and in one-off samples (a method's releases)."""
+    slices = hf_private.data.chunks.unit_slices
+    for module in (hf_private.data.chunks, hf_private.data.units):
+        monkeypatch.setattr(module, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+
+
 def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_path, monkeypatch):
     """Each example its own unit (no per-user grouping): the user's k examples each move the sum by up to C."""
-    slices = hf_private.data.users.unit_slices
-    monkeypatch.setattr(hf_private.trainer.mixin, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+    apart(monkeypatch)
     monkeypatch.setattr(hf_private.trainer.mixin, "probe_example_independence", lambda *args, **kwargs: None)
     assert sensitivity(tmp_path, CLIP, 10) > 3 * CLIP
 
@@ -663,8 +671,7 @@ def test_adding_one_user_moves_a_dp_frost_selection_release_by_at_most_its_sensi
 
 
 def test_the_selection_sensitivity_test_fails_when_a_users_examples_are_measured_apart(tmp_path, monkeypatch):
-    slices = hf_private.data.users.unit_slices
-    monkeypatch.setattr(hf_private.trainer.mixin, "unit_slices", lambda sizes, per: slices([1] * int(sum(sizes)), per))
+    apart(monkeypatch)
     monkeypatch.setattr(hf_private.trainer.mixin, "probe_example_independence", lambda *args, **kwargs: None)
     moved, claimed = selection_sensitivity(tmp_path, CLIP, 10, monkeypatch)
     assert moved > 3 * claimed

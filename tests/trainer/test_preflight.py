@@ -43,8 +43,8 @@ N = 96  # examples of the default training set
 # Methods on the private training path (Trainer's, then the private mixin's own): a user's override of any of them is
 # refused, in whatever class of the MRO it sits
 GUARDED = ("training_step", "get_train_dataloader", "_get_train_sampler", "create_optimizer", "floating_point_ops",
-           "training_data", "poisson_chunks", "_poisson_sampler", "record_chunks", "_chunk_step", "_training_loss",
-           "summed_loss", "_probe_example_independence")
+           "training_data", "poisson_chunks", "record_chunks", "_chunk_step", "_training_loss", "summed_loss",
+           "_probe_example_independence")
 _DEFAULT = object()
 
 
