@@ -29,6 +29,7 @@ from transformers import (
     TrainingArguments,
 )
 
+import hf_private.data.chunks
 import hf_private.trainer.mixin as trainer_module
 from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, privatize
 from hf_private.data.sampling import PoissonBatchSampler
@@ -550,6 +551,17 @@ PATCHES = {  # how a private-path method is patched after construction, and what
               "(now tests.trainer.test_preflight._patched)"),
     "callback": (lambda trainer, monkeypatch: trainer.add_callback(_PatchesOnTrainBegin(trainer)),
                  "summed_loss() is patched on the trainer instance (now tests.trainer.test_preflight._patched)"),
+    # the privacy unit's methods (data.units) and the chunk layout's functions (data.chunks) are on the path too
+    "unit instance": (lambda trainer, monkeypatch: setattr(trainer.units, "poisson_sampler", _patched),
+                      "units.poisson_sampler() is patched on the privacy unit instance "
+                      "(now tests.trainer.test_preflight._patched)"),
+    "unit class": (lambda trainer, monkeypatch: monkeypatch.setattr(type(trainer.units), "training_view", _patched),
+                   "units.training_view() is patched on class ExampleUnits "
+                   "(now tests.trainer.test_preflight._patched)"),
+    "chunk function": (lambda trainer, monkeypatch: monkeypatch.setattr(hf_private.data.chunks, "physical_chunks",
+                                                                        _patched),
+                       "chunks.physical_chunks() is patched on module hf_private.data.chunks "
+                       "(now tests.trainer.test_preflight._patched)"),
 }
 
 
