@@ -115,7 +115,7 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
 # ---------------------------------------------------------------------- trainer class and keywords
 PER_EXAMPLE_LOSS_HINT = (
     "Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) returning one loss per example "
-    "(shape [B]); see 'Custom losses' in the README."
+    "(shape [B]); see docs/guides/custom-losses.md."
 )
 # Methods on the private training path that no class of the trainer's MRO may define but the mixin, Trainer and,
 # where its family declares the override compatible (`compatible_overrides`), a family's own class (TRL's SFTTrainer):

@@ -659,13 +659,12 @@ def test_a_custom_per_example_loss_is_refused_for_a_packed_causal_lm(tmp_path):
     assert trainer.ledger.total_steps == 0
 
 
-def test_readme_packing_script_runs_as_written(tmp_path, monkeypatch, capsys):
+def test_docs_packing_script_runs_as_written(tmp_path, monkeypatch, capsys):
     from huggingface_hub import ModelCard
 
-    from tests.support.helpers import run_readme_block
+    from tests.support.helpers import run_doc_block
 
-    namespace = run_readme_block("### Padding-free packing: no padding, each example still clipped alone", tmp_path,
-                                 monkeypatch)
+    namespace = run_doc_block("guides/packing.md", tmp_path, monkeypatch)
     report = namespace["trainer"].privacy_report()
     assert "every text clipped alone" in capsys.readouterr().out
     assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0

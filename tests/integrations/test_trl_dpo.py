@@ -26,7 +26,7 @@ from hf_private.evaluation.held_out import HELD_OUT, OVERLAPS, TrainingRows
 from hf_private.integrations import family_of
 from hf_private.integrations.trl_dpo import PAIR_LOSSES, PairCollator, reference_logps, sequence_logps
 from tests.support import tiny
-from tests.support.helpers import TRL_TEST_ARGS, run_readme_block
+from tests.support.helpers import TRL_TEST_ARGS, run_doc_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -318,11 +318,11 @@ def test_the_independence_test_fails_when_trls_batch_mean_is_put_back(tmp_path, 
     assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
 
 
-# ---------------------------------------------------------------------- the README's script
-def test_readme_dpo_script_runs_as_written(tmp_path, monkeypatch, capsys):
+# ---------------------------------------------------------------------- the docs' script
+def test_docs_dpo_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "DP DPO with TRL", executed unchanged: a LoRA adapter trained privately on preference
     pairs (the adapter-disabled base as reference), saved with a card naming the unit, the trainer and ε."""
-    namespace = run_readme_block("### DP DPO with TRL", tmp_path, monkeypatch)
+    namespace = run_doc_block("guides/dpo.md", tmp_path, monkeypatch)
     assert "preference pair" in capsys.readouterr().out
     report = namespace["trainer"].privacy_report()
     assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0

@@ -29,7 +29,7 @@ from hf_private.evaluation import row_identity
 from hf_private.evaluation.held_out import HELD_OUT, OVERLAPS, UNKNOWN
 from hf_private.integrations import family_of
 from tests.support import tiny
-from tests.support.helpers import TRL_TEST_ARGS, run_readme_block
+from tests.support.helpers import TRL_TEST_ARGS, run_doc_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -300,11 +300,11 @@ def test_a_set_passed_to_evaluate_is_judged_as_trl_prepares_it(tmp_path, packing
     assert trainer._evaluations.results["eval"][0] == UNKNOWN and "read no set" in caplog.text
 
 
-# ---------------------------------------------------------------------- the README's script
-def test_readme_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
+# ---------------------------------------------------------------------- the docs' script
+def test_docs_sft_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "DP SFT with TRL", executed unchanged: a LoRA adapter trained privately on
     prompt-completion pairs, saved with a card naming the unit, the trainer and ε."""
-    namespace = run_readme_block("### DP SFT with TRL", tmp_path, monkeypatch)
+    namespace = run_doc_block("guides/sft.md", tmp_path, monkeypatch)
 
     assert "prompt-completion pair" in capsys.readouterr().out
     report = namespace["trainer"].privacy_report()

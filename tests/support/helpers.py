@@ -60,15 +60,24 @@ def trainable_partitions(model) -> list[list[torch.nn.Parameter]]:
     return [group for group in groups if group]
 
 
-README = Path(__file__).parents[2] / "README.md"
+DOCS = Path(__file__).parents[2] / "docs"
+#: a python block of a docs page, with its marker line (`<!-- doc-test: ... -->`: see tests/project/test_docs.py)
+DOC_BLOCK = re.compile(r"^(?:<!-- doc-test: (?P<marker>[^\n]*?) -->\n)?```python\n(?P<source>.*?)^```$", re.S | re.M)
 
 
-def run_readme_block(heading: str, tmp_path, monkeypatch) -> dict:
-    """The first python block under a README heading (e.g. "### DP SFT with TRL"), up to the next heading, executed
-    unchanged in `tmp_path`: its namespace."""
-    section = re.split(r"\n#{2,4} ", README.read_text().split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
-    script = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+def doc_blocks(page: str) -> list[re.Match]:
+    """The python blocks of a docs page (e.g. "guides/sft.md"), in order, each with its doc-test marker."""
+    return list(DOC_BLOCK.finditer((DOCS / page).read_text()))
+
+
+def doc_block(page: str, index: int = 0) -> str:
+    """The source of a docs page's `index`-th python block, as written."""
+    return doc_blocks(page)[index]["source"]
+
+
+def run_doc_block(page: str, tmp_path, monkeypatch, index: int = 0) -> dict:
+    """A docs page's python block executed unchanged in `tmp_path`, as a user who pastes it would: its namespace."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
-    exec(compile(script, f"README.md ({heading.lstrip('# ')})", "exec"), namespace)
+    exec(compile(doc_block(page, index), f"docs/{page} (block {index})", "exec"), namespace)
     return namespace

@@ -6,7 +6,7 @@ callbacks and collator, and trains privately.
   `evaluate()` (during and after training) and `predict()` hand compute_metrics what `model.generate` gives.
 - A user's Trainer subclass with its own logged metric and a callback, privatized.
 - What privatize() accepts and returns; encoder-decoder models stay refused.
-- The README's "Any Trainer: privatize()" script, run as written.
+- The docs' "Any Trainer: privatize()" script (docs/guides/privatize.md), run as written.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hf_private.models.support import UnsupportedModelError
 from hf_private.optimizer import NoisyOptimizer, noisy_optimizer
 from hf_private.trainer.mixin import PrivateTrainingMixin
 from tests.support import tiny
-from tests.support.helpers import run_readme_block, training_args
+from tests.support.helpers import run_doc_block, training_args
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -368,13 +368,13 @@ def test_encoder_decoder_models_stay_refused_by_the_private_seq2seq_trainer(tmp_
                                   dp_config=DPConfig(noise_multiplier=1.0))
 
 
-# ---------------------------------------------------------------- the README's script
+# ---------------------------------------------------------------- the docs' script
 
 
-def test_readme_privatize_script_runs_as_written(tmp_path, monkeypatch, capsys):
+def test_docs_privatize_script_runs_as_written(tmp_path, monkeypatch, capsys):
     """The python block under "Any Trainer: privatize()", executed unchanged: a decoder-only model trained privately
     with privatize(Seq2SeqTrainer), evaluated by generation, and a card publishing that metric with ε."""
-    namespace = run_readme_block("### Any Trainer: privatize()", tmp_path, monkeypatch)
+    namespace = run_doc_block("guides/privatize.md", tmp_path, monkeypatch)
 
     assert "'eval_verdict_accuracy':" in capsys.readouterr().out
     trainer = namespace["trainer"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from transformers.utils import logging as transformers_logging
 from hf_private import DPConfig, PrivateTrainer
 from hf_private.integrations.losses import default_per_example_loss
 from tests.support import tiny
-from tests.support.helpers import make_trainer, snapshot, training_args
+from tests.support.helpers import doc_block, make_trainer, snapshot, training_args
 
 HF_LOGGER = "transformers.hf_private"
 
@@ -187,10 +186,10 @@ def test_causal_lm_collator_and_plain_trainer_interface_still_work(tmp_path):
     assert trainer.ledger.total_steps == 1
 
 
-def test_readme_per_example_loss_example_trains(tmp_path):
-    """The README's custom-loss example, executed as written (so the documentation stays true)."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    block = next(b for b in readme.split("```python")[1:] if "def focal_loss" in b).split("```")[0]
+def test_docs_per_example_loss_example_trains(tmp_path):
+    """The custom-loss example of docs/guides/custom-losses.md, executed as written (so the documentation stays
+    true)."""
+    block = doc_block("guides/custom-losses.md")
     namespace = {"PrivateTrainer": PrivateTrainer, "model": tiny.bert(), "args": training_args(tmp_path, max_steps=2),
                  "train": tiny.sentiment_dataset(32), "cfg": DPConfig(noise_multiplier=1.0, noise_seed=0)}
     exec(block, namespace)
