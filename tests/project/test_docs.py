@@ -62,7 +62,7 @@ def test_block_run_elsewhere_is_run_by_the_test_it_names(page, test_file):
 def test_a_skipped_block_is_said_to_be_skipped_on_its_page():
     """Readers see which examples no test runs: the page says so in words ("the docs' tests do not run it")."""
     for page, index, marker in BLOCKS:
-        if marker.startswith("skip: "):
+        if (marker or "").startswith("skip: "):
             assert "tests do not run it" in " ".join((DOCS / page).read_text().split()), (page, index)
 
 
