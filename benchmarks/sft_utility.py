@@ -1,7 +1,7 @@
 """Utility of DP SFT and DP DPO against the non-private run on the recipe's generated instruction task.
 
     python -m benchmarks.sft_utility                    # SFT and DPO, ε ∈ {3, 8}, 3 private runs each
-    python -m benchmarks.sft_utility --table            # only print the README's table from the records
+    python -m benchmarks.sft_utility --table            # only print docs/benchmarks.md's table from the records
 
 Every run is `recipes/sft.py` with its offline defaults (10,000 generated pairs, a 2-layer Llama of width 64 built
 from config, logical batch 256; SFT 5 epochs, DPO 3), in a fresh process, one JSON record appended to

@@ -1,7 +1,7 @@
 """User-level DP on SST-2: ULS and ELS at user-level ε ∈ {1, 3, 8}, next to record-level DP and non-private.
 
     python -m benchmarks.user_level                 # the grid; pending runs only: re-run until done
-    python -m benchmarks.user_level --table         # only print the README's table (and draw the plot) from the records
+    python -m benchmarks.user_level --table         # only print docs/benchmarks.md's table and draw the plot
 
 SST-2 has no authors, so its sentences are dealt to users with a heavy-tailed count: user u writes
 min(Zipf(2.0), 64) sentences (numpy's seeded generator, `assign_users`), users are drawn until the training subset

@@ -5,9 +5,9 @@
     python -m benchmarks.utility                  # the grid (20,000 sentences); pending runs only: re-run until done
     python -m benchmarks.utility --list           # the plan: hyperparameters and which runs are done
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
-    python -m benchmarks.utility --table          # only print the README's table from the records
+    python -m benchmarks.utility --table          # only print docs/benchmarks.md's table from the records
 
-The README's new-user runs (Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
+The new-user runs (README, Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
 
     python -m benchmarks.utility --clip-norm auto --head cls --methods dpsgd bitfit lora --epsilons 8 \
         --no-nonprivate --results benchmarks/results/newuser_sst2.jsonl --train-size 1000 \
@@ -670,7 +670,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--quick", action="store_true",
                         help=f"{', '.join(QUICK_METHODS)} at ε = 8 on {QUICK_TRAIN_SIZE} training sentences")
     parser.add_argument("--plots", action="store_true", help="only draw the PNGs from the records")
-    parser.add_argument("--table", action="store_true", help="only print the README's markdown table of the records")
+    parser.add_argument("--table", action="store_true", help="only print docs/benchmarks.md's table of the records")
     parser.add_argument("--list", action="store_true", help="print the plan and which runs are done; run nothing")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     parser.add_argument("--epsilons", nargs="+", type=float, default=None)

@@ -169,8 +169,9 @@ def _cost(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
 
 
 def markdown_table(records: list[dict[str, Any]], order: list[str] | None = None) -> str:
-    """The README's table: dev accuracy per method at each ε and non-privately (the latest record of each), whether
-    each private run's loss fell, and the cost of the ε = 8 run against its twin. Methods in `order` come first."""
+    """The table of docs/benchmarks.md: dev accuracy per method at each ε and non-privately (the latest record of
+    each), whether each private run's loss fell, and the cost of the ε = 8 run against its twin. Methods in `order`
+    come first."""
     chosen = latest(records)
     rank = {name: i for i, name in enumerate(order or [])}
     epsilons = sorted({eps for _, eps in chosen if eps is not None}, reverse=True)

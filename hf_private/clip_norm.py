@@ -96,7 +96,7 @@ class ClipNormCheck:
     engine clipped (`add_norm_hook`) and decides at the optimizer's step end.
 
     The norms are the private batch's, without noise. The warning prints their median to two significant digits,
-    which, like the training loss, is not covered by ε (README, "What is not protected"); it prints nothing when C is
+    which, like the training loss, is not covered by ε (docs/privacy/not-protected.md); it prints nothing when C is
     sensible.
     """
 

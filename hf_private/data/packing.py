@@ -94,9 +94,10 @@ class PackedClassificationCollator:
 
 #: Under masked attention (eager, SDPA: a row's attention is computed densely, O(width²)) a packed chunk runs as rows
 #: of at most this many tokens by default, several rows to a forward, padded to the widest, with at most
-#: PACKED_FORWARD_TOKENS padded tokens a forward. Measured on SST-2 / all-MiniLM-L6-v2, one CPU thread (README,
-#: "Padding-free packing against padded chunks"): rows of 32 in forwards of 256 tokens 13.0 ms an example, rows of 128
-#: one to a forward 14.3, a chunk's rows of 128 in one forward 14.9 (its larger working set ran slower).
+#: PACKED_FORWARD_TOKENS padded tokens a forward. Measured on SST-2 / all-MiniLM-L6-v2, one CPU thread
+#: (docs/benchmarks.md, "Padding-free packing against padded chunks"): rows of 32 in forwards of 256 tokens
+#: 13.0 ms an example, rows of 128 one to a forward 14.3, a chunk's rows of 128 in one forward 14.9 (its larger
+#: working set ran slower).
 PACKED_ROW_TOKENS = 32
 PACKED_FORWARD_TOKENS = 256
 #: attention implementations that read the 4-D mask transformers builds (or a head passes): several packed rows can

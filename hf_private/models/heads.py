@@ -4,7 +4,7 @@ sentence-transformers checkpoints (all-MiniLM-L6-v2, all-distilroberta-v1, ...) 
 `BertForSequenceClassification` classifies the pooler's tanh(W·h_CLS). A mean-pooling sentence encoder's CLS state
 is a poor feature: on all-MiniLM-L6-v2 a logistic regression on SST-2 dev sentences reaches 63% on the CLS state, 64%
 on the pooler output and 77% on the mean of the token states. A private run, whose few noisy steps cannot reshape the
-CLS state, drifts to the majority class there; on the mean it learns (README, "Usage").
+CLS state, drifts to the majority class there; on the mean it learns (README, "Usage"; docs/guides/models.md).
 
 Each head has a config class of its own `model_type`, registered with `AutoConfig` and
 `AutoModelForSequenceClassification` when hf_private is imported. A saved model then reloads with its class, or
