@@ -25,6 +25,7 @@ lives in `cli`: `run_audit` and the `hf-private-audit` command (`python -m hf_pr
 `hf_private.cli.audit`, it is not re-exported here.
 """
 
+from ..privacy.events import AUDIT_MECHANISM_PREFIX
 from .bounds import (
     count_correct,
     epsilon_from_error_rates,
@@ -36,7 +37,7 @@ from .bounds import (
     one_run_p_value,
 )
 from .canaries import add_canary_tokens, build_canaries
-from .result import AUDIT_DATA, AUDIT_MECHANISM_PREFIX, AuditCeiling, AuditResult, ScoreBound, compose_audits
+from .result import AUDIT_DATA, AuditCeiling, AuditResult, ScoreBound, compose_audits
 from .scores import BLACK_BOX, WHITE_BOX, canary_descent_directions, canary_losses
 
 __all__ = [

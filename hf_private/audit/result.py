@@ -14,6 +14,7 @@ from typing import Any
 
 from ..privacy import MechanismGroup
 from ..privacy.accountants import epsilon_bound, sampler_tail_delta
+from ..privacy.events import AUDIT_MECHANISM_PREFIX
 
 # Which data the audit trained on. Only the caller knows; "private" (the default) composes the audit run into the
 # released model's guarantee, the other two are the caller's declaration that no training example was used.
@@ -22,9 +23,6 @@ AUDIT_DATA = {
     "public": "audit run on data declared public by the caller, not composed into ε",
     "disjoint": "audit run on data declared disjoint from the training data by the caller, not composed into ε",
 }
-# How an audit run's mechanisms are named once composed into a report; the card reads it to tell whether an audit on
-# the training data was composed into ε.
-AUDIT_MECHANISM_PREFIX = "audit:"
 
 
 @dataclass(frozen=True)

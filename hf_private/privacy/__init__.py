@@ -1,6 +1,6 @@
 """Privacy accounting: the plan of a run's stages (q, steps, δ, jointly calibrated σ), the ledger of typed events
-it releases, ε from opacus' PRV/RDP accountants (dp_accounting's PLD for user-level ELS events), noise calibration
-to a target ε, and the secret generator for noise and sampling."""
+it releases (`events`), ε from the registered accountants (opacus' PRV/RDP, dp_accounting's PLD for user-level ELS
+events), noise calibration to a target ε, and the secret generator for noise and sampling."""
 
 from .accountants import SUPPORTED_ACCOUNTANTS, compute_epsilon
 from .calibration import (
@@ -10,7 +10,8 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .ledger import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, PrivacyLedger
+from .events import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup
+from .ledger import PrivacyLedger
 from .noise import GaussianNoise
 from .plan import PlannedStage, PrivacyPlan, Stage, resolve_delta
 from .rng import GaussianSampler, SecretRandom

@@ -55,7 +55,7 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .ledger import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
+from .events import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
 from .rng import Z_MAX
 
 logger = get_logger(__name__)

@@ -14,8 +14,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..audit import AUDIT_MECHANISM_PREFIX
 from ..models.peft import unwrap_peft
+from ..privacy.events import AUDIT_MECHANISM_PREFIX
 from ..privacy.rng import Z_MAX
 from ..version import __version__
 from .adapters import is_hub_model_id

@@ -16,7 +16,7 @@ from huggingface_hub import ModelCard
 
 from hf_private import DPFPConfig
 from hf_private.methods.dpfp.clt import clt_noise_multiplier
-from hf_private.privacy.ledger import NO_GUARANTEE
+from hf_private.privacy.events import NO_GUARANTEE
 from tests.support import tiny
 from tests.support.helpers import make_trainer, snapshot
 

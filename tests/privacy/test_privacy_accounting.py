@@ -20,6 +20,7 @@ from hf_private.privacy import (
     compute_epsilon,
     max_steps_within,
 )
+from hf_private.privacy.accountants import prv, rdp
 
 
 def _eps(sigma, q, steps, delta, accountant, prior=()):
@@ -109,14 +110,14 @@ def test_cached_accounting_equals_opacus(history):
     delta = 1e-5
     groups = [MechanismGroup("dp-sgd", sigma, q, steps) for sigma, q, steps in history]
     at = delta - accountants.sampler_tail_delta(groups, delta)  # the accountant's δ: the sampler tail taken out
-    rdp, prv = RDPAccountant(), PRVAccountant()
-    rdp.history, prv.history = list(history), list(history)
-    assert compute_epsilon(groups, delta, "rdp") == pytest.approx(rdp.get_epsilon(at), rel=1e-12, abs=0)
-    reference = prv.get_epsilon(at, eps_error=0.01, delta_error=at / 1000)
+    opacus_rdp, opacus_prv = RDPAccountant(), PRVAccountant()
+    opacus_rdp.history, opacus_prv.history = list(history), list(history)
+    assert compute_epsilon(groups, delta, "rdp") == pytest.approx(opacus_rdp.get_epsilon(at), rel=1e-12, abs=0)
+    reference = opacus_prv.get_epsilon(at, eps_error=0.01, delta_error=at / 1000)
     assert compute_epsilon(groups, delta, "prv") == pytest.approx(reference, rel=1e-12, abs=0)
     prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
     steps = [k for _, _, k in history]
-    assert accountants._safe_domain_half_width(history, 0.01, delta / 1000) == pytest.approx(
+    assert prv._safe_domain_half_width(history, 0.01, delta / 1000) == pytest.approx(
         compute_safe_domain_size(prvs, steps, 0.01, delta / 1000), rel=1e-12, abs=0)
 
 
@@ -130,7 +131,7 @@ def test_rdp_curves_are_computed_once_per_mechanism(monkeypatch):
         return compute_rdp(q, sigma, order)
 
     monkeypatch.setattr(rdp_analysis, "_compute_rdp", counting)
-    accountants._rdp_per_step.cache_clear()
+    rdp.rdp_per_step.cache_clear()
     groups = [MechanismGroup("dp-sgd", 0.9, 0.013, 50), MechanismGroup("psel", 2.7, 0.03, 3)]
     first = compute_epsilon(groups, 1e-5, "prv")
     assert set(computed) == {(0.9, 0.013), (2.7, 0.03)}
@@ -171,8 +172,8 @@ def test_prv_reports_the_upper_bound_not_the_estimate():
 def test_prv_falls_back_to_rdp_when_its_grid_explodes(caplog):
     # σ=0.5, q=0.3, 1000 steps: opacus' PRV would discretise on ~1.1e7 points, past the cap (at σ=0.1, q=0.01 it
     # would be ~2e8: minutes, gigabytes; the sampler's finite tail now makes ε infinite there).
-    assert accountants._prv_grid_size([(0.5, 0.3, 1000)], 1e-5) > accountants._PRV_MAX_GRID
-    with caplog.at_level(logging.INFO, logger="transformers.hf_private.privacy.accountants"):
+    assert prv._prv_grid_size([(0.5, 0.3, 1000)], 1e-5) > prv._PRV_MAX_GRID
+    with caplog.at_level(logging.INFO, logger="transformers.hf_private.privacy.accountants.prv"):
         eps = _eps(0.5, 0.3, 1000, 1e-5, "prv")
     assert eps == _eps(0.5, 0.3, 1000, 1e-5, "rdp")
     assert "RDP bound" in caplog.text

@@ -22,6 +22,7 @@ from hf_private.privacy import (
     max_steps_within,
     resolve_delta,
 )
+from hf_private.privacy.accountants.rdp import rdp_epsilon
 from hf_private.privacy.plan import steps_per_epoch
 
 N = 2_000
@@ -310,8 +311,8 @@ def test_plan_calibrates_at_delta_minus_the_sampler_tail():
     tail = accountants.sampler_tail_delta([event], plan.delta)
     assert 1e-3 * plan.delta < tail < 0.1 * plan.delta
     history = [(event.noise_multiplier, event.sample_rate, event.steps)]
-    assert plan.epsilon() == accountants._rdp_epsilon(history, plan.delta - tail)
-    assert accountants._rdp_epsilon(history, plan.delta) < 20.0 - 0.01 <= plan.epsilon() <= 20.0  # δ alone: too low
+    assert plan.epsilon() == rdp_epsilon(history, plan.delta - tail)
+    assert rdp_epsilon(history, plan.delta) < 20.0 - 0.01 <= plan.epsilon() <= 20.0  # δ alone: too low
     exact_gaussian = calibrate_noise_multiplier(20.0, plan.delta - tail, event.sample_rate, event.steps,
                                                 accountant="rdp")
     assert event.noise_multiplier >= exact_gaussian - 0.01

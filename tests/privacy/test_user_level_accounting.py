@@ -23,11 +23,12 @@ from hf_private.privacy import (
     PrivacyLedger,
     PrivacyPlan,
     Stage,
-    accountants,
     calibrate_noise_multiplier,
     compute_epsilon,
 )
-from hf_private.privacy.accountants import els_fallback, epsilon_bound, sampler_tail_delta
+from hf_private.privacy.accountants import epsilon_bound, sampler_tail_delta
+from hf_private.privacy.accountants.pld import pld_epsilon
+from hf_private.privacy.accountants.rdp import els_fallback, rdp_epsilon
 from hf_private.privacy.calibration import max_steps_within
 from hf_private.privacy.rng import tail_mass
 
@@ -88,11 +89,11 @@ def test_tight_epsilon_is_the_mixtures_between_its_one_shift_and_its_k_shift_bou
     at = DELTA - sampler_tail_delta([els(k)], DELTA)
     sigma_k, any_sampled = els_fallback(SIGMA, Q, k)
     assert any_sampled == pytest.approx(1 - (1 - Q) ** k, rel=1e-12) and sigma_k == SIGMA / k
-    plain_q = accountants._pld_epsilon([(SIGMA, Q, 1, STEPS)], at)[0]
-    one_shift = accountants._pld_epsilon([(SIGMA, any_sampled, 1, STEPS)], at)[0]
+    plain_q = pld_epsilon([(SIGMA, Q, 1, STEPS)], at)[0]
+    one_shift = pld_epsilon([(SIGMA, any_sampled, 1, STEPS)], at)[0]
     assert plain_q < one_shift < tight[k][0]
     if k <= 4:  # at k = 16 the k-shift bound's loss spans thousands: far above, and slow to discretise finely
-        k_shift = accountants._pld_epsilon([(sigma_k, any_sampled, 1, STEPS)], at)[0]
+        k_shift = pld_epsilon([(sigma_k, any_sampled, 1, STEPS)], at)[0]
         assert tight[k][0] < k_shift
 
 
@@ -102,12 +103,12 @@ def group_privacy_epsilon(k, sigma, delta):
     low, high = math.log(delta) - 200, math.log(delta)  # feasible, infeasible
     for _ in range(60):
         middle = (low + high) / 2
-        eps = accountants._rdp_epsilon([(sigma, Q, STEPS)], math.exp(middle))
+        eps = rdp_epsilon([(sigma, Q, STEPS)], math.exp(middle))
         if math.log(k) + (k - 1) * eps + middle <= math.log(delta):
             low = middle
         else:
             high = middle
-    return k * accountants._rdp_epsilon([(sigma, Q, STEPS)], math.exp(low))
+    return k * rdp_epsilon([(sigma, Q, STEPS)], math.exp(low))
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -123,8 +124,8 @@ def test_tight_below_fallback_below_naive_bounds(k):
     sigma_k, any_sampled = els_fallback(sigma, Q, k)
     # "rdp" on an ELS event is exactly RDP on its fallback, at the ELS event's own δ − δ_tail
     at = DELTA - sampler_tail_delta([els(k, sigma=sigma)], DELTA)
-    assert fallback == accountants._rdp_epsilon([(sigma_k, any_sampled, STEPS)], at)
-    unsampled = accountants._rdp_epsilon([(sigma_k, 1.0, STEPS)], at)
+    assert fallback == rdp_epsilon([(sigma_k, any_sampled, STEPS)], at)
+    unsampled = rdp_epsilon([(sigma_k, 1.0, STEPS)], at)
     group = group_privacy_epsilon(k, sigma, DELTA)
     assert tight < fallback < unsampled
     assert tight < group
@@ -187,7 +188,7 @@ def test_rdp_calibration_uses_the_fallback_and_needs_more_noise():
     assert target - 0.01 <= compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") <= target
     sigma_k, any_sampled = els_fallback(sigma_rdp, Q, k)
     at = DELTA - sampler_tail_delta([els(k, sigma=sigma_rdp)], DELTA)
-    assert compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") == accountants._rdp_epsilon(
+    assert compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") == rdp_epsilon(
         [(sigma_k, any_sampled, STEPS)], at)
     assert sigma_rdp > calibrate_noise_multiplier(target, DELTA, Q, STEPS, examples_per_user=k)
 
