@@ -43,6 +43,7 @@ from ..logs import get_logger
 from ..models.head_choice import HEADS
 from ..models.peft import auxiliary_parameter_names, unwrap_peft
 from ..privacy import PrivacyLedger
+from ..privacy.accountants import registered_accountants
 from ..trainer.mixin import PrivateTrainer
 
 logger = get_logger(__name__)
@@ -287,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--epsilon", type=float, default=2.0, help="Claimed (target) ε of the audited run.")
     add("--delta", type=float, default=1e-5, help="Claimed δ; the bound weakens as canaries·δ grows.")
     add("--clip_norm", type=float, default=1.0)
-    add("--accountant", choices=("prv", "rdp"), default="prv")
+    add("--accountant", choices=registered_accountants(), default="prv")
     add("--epochs", type=float, default=3.0)
     add("--batch_size", type=int, default=64, help="Expected logical batch size.")
     add("--learning_rate", type=float, default=0.5)

@@ -34,6 +34,7 @@ from ..data.users import check_privacy_unit
 from ..engine import PerExampleGradientEngine, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
+from ..privacy.accountants import check_accountant
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
 
@@ -119,8 +120,7 @@ class MethodConfig:
         check_privacy_unit(self)
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
-        if self.accountant not in ("prv", "rdp"):
-            raise ValueError(f"accountant must be 'prv' or 'rdp', got {self.accountant!r}.")
+        check_accountant(self.accountant)
 
     def resolve_delta(self, dataset_size: int) -> float:
         """δ for a dataset of this size (None → 1/(2N)); a δ ≥ 1/N would allow publishing one record outright."""
