@@ -46,7 +46,7 @@ from .preflight import (
     check_private_path_unchanged,
     private_path_functions,
 )
-from .publish import AllowListedUpload, ReleaseHooks
+from .publish import ReleaseHooks
 
 logger = get_logger(__name__)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 from concurrent.futures import Future
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,13 @@ class AllowListedUpload:
 
 class ReleaseHooks:
     """Trainer's save, load, push and card methods for a private trainer: placed after `PrivateTrainingMixin` in the
-    MRO (the mixin inherits it), so `super()` is the Trainer class. Reads the mixin's `privacy_run`, `_evaluations`
-    and `_upload_to_hub`."""
+    MRO (the mixin inherits it), so `super()` is the Trainer class. Reads the mixin's `privacy_run` and
+    `_evaluations`."""
+
+    @cached_property
+    def _upload_to_hub(self) -> AllowListedUpload:
+        """The one upload of this trainer's pushes: it warns once about each file it withholds."""
+        return AllowListedUpload()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
