@@ -97,7 +97,6 @@ class PrivateTrainingMixin(ReleaseHooks):
         else:
             trainer_kwargs["model"] = model
         super().__init__(*trainer_args, **trainer_kwargs)
-        self._upload_to_hub = AllowListedUpload()
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
