@@ -49,10 +49,12 @@ class UnitConfig(Protocol):
 
 
 class PrivacyUnits:
-    """The privacy unit's data path. `users`: the training set's users (None when the unit is an example).
+    """The privacy unit's data path, as the trainer uses it. `users`: the training set's users (None when the unit
+    is an example).
 
-    Subclasses change what the sampler draws (`poisson_sampler`), how many consecutive examples each drawn unit has
-    (`unit_sizes`), and what the sampler draws from (`training_view`); `poisson_sample` is the same for every unit.
+    Written for the example unit (`ExampleUnits` adds nothing); a unit changes what the sampler draws
+    (`poisson_sampler`), how many consecutive examples each drawn unit has (`unit_sizes`, `in_unit_order`), or what
+    the sampler draws from (`training_view`). `poisson_sample` is the same for every unit.
     """
 
     users: UserIndex | None = None
