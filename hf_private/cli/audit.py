@@ -44,7 +44,7 @@ from ..models.head_choice import HEADS
 from ..models.peft import auxiliary_parameter_names, unwrap_peft
 from ..privacy import PrivacyLedger
 from ..privacy.accountants import registered_accountants
-from ..trainer.mixin import PrivateTrainer
+from ..trainer import PrivateTrainer
 
 logger = get_logger(__name__)
 
