@@ -1,4 +1,5 @@
-"""The wheel holds every package under hf_private/ (found by setuptools, listed nowhere) and the card template.
+"""The wheel holds every package under hf_private/ (found by setuptools, listed nowhere), the card template and the
+PEP 561 marker py.typed (without it, type checkers ignore the package's inline hints).
 
 The wheel is built offline from a clean copy of the sources (no build/ left over from an earlier build can add or
 hide a file) through setuptools' PEP 517 hook, the one pip calls: a couple of seconds.
@@ -34,7 +35,7 @@ def _build_wheel(tmp_path: pathlib.Path) -> set[str]:
         return set(wheel.namelist())
 
 
-def test_the_wheel_holds_every_module_every_method_folder_and_the_card_template(tmp_path):
+def test_the_wheel_holds_every_module_every_method_folder_the_card_template_and_py_typed(tmp_path):
     names = _build_wheel(tmp_path)
     packaged = {n for n in names if n.startswith("hf_private/") and n.endswith(".py")}
     expected = _python_files(ROOT / "hf_private") | {
@@ -47,3 +48,4 @@ def test_the_wheel_holds_every_module_every_method_folder_and_the_card_template(
             "hf_private/methods/dpfp/forward_noise.py"} <= names
     templates = {f"hf_private/model_cards/{p.name}" for p in (ROOT / "model_cards").glob("*.md")}
     assert templates and templates <= names
+    assert "hf_private/py.typed" in names
