@@ -22,7 +22,9 @@ stays refused, as its shape can coincide with the chunk's; the trainer's indepen
 
 from __future__ import annotations
 
+import functools
 import numbers
+import operator
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,8 +39,9 @@ from ..logs import get_logger
 from .layers import UnsupportedLayerError, handler_for, supported_layer_names
 from .layers.base import LayerHandler
 from .packed_tokens import PackedTokens
-from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer, flat_norms
+from .reducers import ChunkTerms, ClippedSumReducer, FlatL2ClipReducer, Reducer, flat_norms
 from .terms import (
+    Term,
     accumulation_dtype,
     cast_term,
     clipped_sum,
@@ -52,7 +55,7 @@ from .terms import (
 logger = get_logger(__name__)
 
 #: a method's map of one parameter's per-example term to another (a mask); it must act on each example alone
-TermTransform = Callable[[object], object]
+TermTransform = Callable[[Term], Term]
 #: an observer of every training chunk's per-unit norms, as the reducer clipped them (read-only)
 NormHook = Callable[[torch.Tensor], None]
 
@@ -167,7 +170,7 @@ class _Call:
     layer: _HookedLayer
     saved: torch.Tensor | None
     saved_version: int | None
-    terms: dict[str, object] = field(default_factory=dict)
+    terms: dict[str, Term] = field(default_factory=dict)
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -224,11 +227,11 @@ class PerExampleGradientEngine:
     @property
     def max_grad_norm(self) -> float:
         """C of the flat clip (the current reducer's `max_grad_norm`)."""
-        return self._reducer.max_grad_norm
+        return self._gradient_sums_reducer().max_grad_norm
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
-        self._reducer.max_grad_norm = float(value)
+        self._gradient_sums_reducer().max_grad_norm = float(value)
 
     @property
     def clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -239,8 +242,8 @@ class PerExampleGradientEngine:
     def clipped_sums(self, sums: dict[nn.Parameter, torch.Tensor]) -> None:
         self._gradient_sums_reducer().sums = sums
 
-    def _gradient_sums_reducer(self) -> Reducer:
-        if not hasattr(self._reducer, "pop_clipped_sums"):
+    def _gradient_sums_reducer(self) -> ClippedSumReducer:
+        if not isinstance(self._reducer, ClippedSumReducer):
             raise TypeError(
                 f"The engine's reducer is a {type(self._reducer).__name__}, which accumulates no clipped gradient "
                 "sums: nothing from it may reach the optimizer. Pop its own result and set engine.reducer back to a "
@@ -294,7 +297,7 @@ class PerExampleGradientEngine:
     def _find_layers(self) -> list[_HookedLayer]:
         names = {id(p): n for n, p in self.parameters}
         owners: dict[int, list[str]] = defaultdict(list)
-        layers = []
+        layers: list[_HookedLayer] = []
         for module_name, module in self.model.named_modules(remove_duplicate=False):
             own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
             if not own:
@@ -304,7 +307,7 @@ class PerExampleGradientEngine:
             label = f"{module_name or '<root>'} ({type(module).__name__})"
             handler = handler_for(module)
             unknown = sorted(set(own) - set(handler.params)) if handler else sorted(own)
-            if unknown:
+            if handler is None or unknown:
                 partly = f": {type(module).__name__} supports {', '.join(handler.params)} only" if handler else ""
                 raise UnsupportedLayerError(
                     f"Trainable parameter(s) {unknown} of {label} have no per-example gradient rule{partly}. "
@@ -358,8 +361,9 @@ class PerExampleGradientEngine:
             saved = call.saved
             packed = self._packed
             # one example per row, as a padded chunk (a token layer's output gradient is [rows, width, features])
-            split = packed is not None and grad_output.dim() >= 3 and packed.holds(grad_output)
-            if split:
+            if packed is not None and not (grad_output.dim() >= 3 and packed.holds(grad_output)):
+                packed = None  # a layer whose output has no packed token axis: its rows already are the examples
+            if packed is not None:
                 if saved is not None and not packed.holds(saved):
                     raise ValueError(
                         f"{call.layer.name} reads an input of shape {tuple(saved.shape)} in a packed chunk of "
@@ -368,7 +372,7 @@ class PerExampleGradientEngine:
                 grad_output = packed.split(grad_output)
                 saved = packed.split(saved) if saved is not None else None
             call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
-            if split:  # a factored term's sum then runs over the examples' own tokens
+            if packed is not None:  # a factored term's sum then runs over the examples' own tokens
                 call.terms = packed.marked(call.terms)
             call.saved = None  # keep only what the terms reference
 
@@ -416,14 +420,15 @@ class PerExampleGradientEngine:
         frozen_for_chunk = [p for _, p in self.parameters] if self.verified or probe else []
         for p in frozen_for_chunk:
             p.requires_grad_(False)
+        tokens = None
         if packed is not None:
-            packed = PackedTokens(packed if isinstance(packed, PackedLayout) else PackedLayout(packed))
-            if packed.examples != rows:
-                raise ValueError(f"recording() was told of {packed.examples} packed examples for a chunk whose "
+            tokens = PackedTokens(packed if isinstance(packed, PackedLayout) else PackedLayout(packed))
+            if tokens.examples != rows:
+                raise ValueError(f"recording() was told of {tokens.examples} packed examples for a chunk whose "
                                  f"units hold {rows}: every packed example must be one of the chunk's.")
-        self._chunk = _Chunk(batch_size, rows_per_example, probe, packed is not None)
-        self._rows = packed.rows if packed is not None else rows  # the rows the model sees
-        self._packed = packed
+        self._chunk = _Chunk(batch_size, rows_per_example, probe, tokens is not None)
+        self._rows = tokens.rows if tokens is not None else rows  # the rows the model sees
+        self._packed = tokens
         try:
             yield
         except BaseException:  # Ctrl-C, an out-of-memory error: nothing of the broken chunk may reach a release
@@ -469,7 +474,7 @@ class PerExampleGradientEngine:
             by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
                             for t in terms] for p, terms in by_param.items()}
         reduced = ChunkTerms(examples=chunk.examples, terms=dict(by_param))
-        by_param = None  # the reducer may drop each parameter's terms once used
+        del by_param  # the reducer may drop each parameter's terms once used
         if not chunk.probe:
             for transform in self._chunk_transforms.values():
                 reduced = transform(reduced, chunk.units)
@@ -515,7 +520,7 @@ class PerExampleGradientEngine:
             low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(by_param.get(p, [])))
             summands = sum(squared_norm(t).double().clamp(min=0).sqrt().sum() for t in terms)
             pairs.append((name, ours, reference, low_precision, reference.double().norm() + summands))
-        total = torch.sqrt(sum(ref.double().pow(2).sum() for _, _, ref, _, _ in pairs))
+        total = torch.sqrt(functools.reduce(operator.add, (ref.double().pow(2).sum() for _, _, ref, _, _ in pairs)))
         for name, ours, reference, low_precision, scale in pairs:
             tol = _CHECK_TOLERANCE_LOW_PRECISION if low_precision else _CHECK_TOLERANCE.get(reference.dtype, 1e-3)
             error = (ours - reference).double().norm()

@@ -133,16 +133,16 @@ def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_examp
     With `examples_per_unit`: the units (indices into it) of the first, shortest and longest examples, and the unit
     with the most examples.
     """
+    units = _units(examples_per_unit, num_examples)
     mask = _mask(inputs, rows_per_example)
     lengths = packed_examples(inputs)
     if lengths is not None:  # packed: the examples' own token counts
         mask = torch.arange(int(lengths.max()), device=lengths.device) < lengths[:, None]
-    if examples_per_unit is None:
+    if units is None:
         if mask is None:
             return list(dict.fromkeys([0, num_examples - 1]))[:MAX_PROBES]
         lengths = mask.reshape(num_examples, -1).ne(0).sum(1)
         return list(dict.fromkeys([0, int(lengths.argmin()), int(lengths.argmax())]))[:MAX_PROBES]
-    units = _units(examples_per_unit, num_examples)
     owner = np.repeat(np.arange(len(units)), units)
     largest = int(np.argmax(units))
     if mask is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..data.packing import PackedLayout
-from .terms import OuterTerm, PackedOuterTerm, padded_by_unit, unit_slots
+from .terms import OuterTerm, PackedOuterTerm, Term, padded_by_unit, unit_slots
 
 
 class PackedTokens:
@@ -55,7 +55,7 @@ class PackedTokens:
         owner, slot = self._slots[device]
         return padded_by_unit(tokens.unsqueeze(1), owner, slot, self.examples, max(self._sizes))
 
-    def marked(self, terms: dict[str, object]) -> dict[str, object]:
+    def marked(self, terms: dict[str, Term]) -> dict[str, Term]:
         """The terms of a split layer, each factored one marked with its examples' own tokens (`PackedOuterTerm`)."""
         longest = max(self._sizes)
         if min(self._sizes) == longest:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,11 +33,11 @@ class ChunkTerms:
 
     `terms[param]`: the terms of one trainable parameter (several for a tied or reused parameter), every one of
     `examples` rows (one per example) and already transformed by the method's term transforms. Parameters the chunk
-    did not reach are absent. A reducer may drop a parameter's entry (set it to None) once used, to free memory.
+    did not reach are absent. A reducer may empty a parameter's list (`terms[param] = []`) once used, to free memory.
     """
 
     examples: int
-    terms: dict[nn.Parameter, list | None]
+    terms: dict[nn.Parameter, list]
 
 
 def flat_norms(chunk: ChunkTerms) -> torch.Tensor:
@@ -68,6 +69,19 @@ class Reducer:
         raise NotImplementedError
 
 
+@runtime_checkable
+class ClippedSumReducer(Protocol):
+    """A reducer whose result is per-parameter clipped gradient sums, the only result the optimizer may noise and
+    release (`FlatL2ClipReducer`); the engine refuses to hand the optimizer anything from another reducer."""
+
+    max_grad_norm: float
+    sums: dict[nn.Parameter, torch.Tensor]
+
+    def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The sums since the last pop, handed over; accumulation starts afresh."""
+        ...
+
+
 class FlatL2ClipReducer(Reducer):
     """DP-SGD's one flat clip: g_b · min(1, C / (‖g_b‖₂ + 1e-6)) summed per parameter.
 
@@ -93,7 +107,7 @@ class FlatL2ClipReducer(Reducer):
             for term in terms:
                 running = self.sums.get(param)
                 self.sums[param] = clipped_sum(cast_term(term, dtype), factors.to(dtype), param.shape, running)
-            by_param[param] = None  # release this parameter's stored factors as soon as they are used
+            by_param[param] = []  # release this parameter's stored factors as soon as they are used
         return norms
 
     def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:

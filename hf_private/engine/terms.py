@@ -24,7 +24,9 @@ dtype promoted to at least float32, never in bf16.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,6 +69,10 @@ class SampleTerm:
     @property
     def batch_size(self) -> int:
         return self.grad.shape[0]
+
+
+#: one parameter's per-example gradients as a layer handler forms them
+Term = OuterTerm | IndexTerm | SampleTerm
 
 
 def in_compute_dtype(saved: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -270,12 +276,11 @@ def squared_norm(term, grams: FactorGrams | None = None, dtype: torch.dtype | No
         term = cast_term(term, dtype) if dtype is not None else term
         return term.grad.flatten(1).pow(2).sum(1) if isinstance(term, SampleTerm) else _index_squared_norm(term)
     grams = grams or FactorGrams()
-    total = None
+    parts = []  # one per Gram block pair; there is at least one
     for (left, weight), (right, _) in zip(grams(term.left, dtype), grams(term.right, dtype)):
         part = (left * right).flatten(1).sum(1)
-        part = part * weight if weight != 1.0 else part
-        total = part if total is None else total + part
-    return total
+        parts.append(part * weight if weight != 1.0 else part)
+    return functools.reduce(operator.add, parts)
 
 
 def _index_row_sums(term: IndexTerm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,7 +378,7 @@ def cast_term(term, dtype: torch.dtype):
 def combined_squared_norm(terms: list, dtype: torch.dtype, grams: FactorGrams | None = None) -> torch.Tensor:
     """‖Σ_i g_b^i‖² per example over all terms of one parameter, cross terms included, computed in `dtype`."""
     grams = grams or FactorGrams()
-    total = sum(squared_norm(t, grams, dtype) for t in terms)
+    total = functools.reduce(operator.add, (squared_norm(t, grams, dtype) for t in terms))
     terms = [cast_term(t, dtype) for t in terms] if len(terms) > 1 else terms
     for i in range(len(terms)):
         for j in range(i + 1, len(terms)):

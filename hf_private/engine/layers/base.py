@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..terms import Term
+
 
 class UnsupportedLayerError(TypeError):
     """A trainable parameter lives where per-example gradients cannot be computed exactly."""
@@ -36,7 +38,7 @@ class LayerHandler:
 
     def terms(
         self, module: nn.Module, saved: torch.Tensor | None, grad_output: torch.Tensor, trainable: set[str]
-    ) -> dict[str, object]:
+    ) -> dict[str, Term]:
         raise NotImplementedError
 
 

@@ -150,7 +150,7 @@ class PartitionMagnitudeReducer(Reducer):
             total = contributions.sum(0).to(self.device)
             self.totals = total if self.totals is None else self.totals + total
             for param in chunk.terms:
-                chunk.terms[param] = None
+                chunk.terms[param] = []
             return norms
         for param, terms in chunk.terms.items():
             if param in self.index and terms:
@@ -163,7 +163,7 @@ class PartitionMagnitudeReducer(Reducer):
                 else:
                     for term in terms:
                         self.sums[param] = clipped_sum(cast_term(term, dtype), scale, param.shape, self.sums.get(param))
-            chunk.terms[param] = None  # release this parameter's terms as soon as they are used
+            chunk.terms[param] = []  # release this parameter's terms as soon as they are used
         return norms
 
     def pop_magnitudes(self) -> torch.Tensor:
