@@ -44,6 +44,7 @@ def pooling_modes(path: str | os.PathLike, download: bool = False) -> frozenset[
 def _read_json(path: str | os.PathLike, name: str, download: bool) -> Any:
     """`name` inside the checkpoint as JSON; None when absent (or not local, without `download`) or unreadable."""
     path = os.fspath(path)
+    file: str | None
     if os.path.isdir(path):
         file = os.path.join(path, name)
     elif download:
@@ -97,7 +98,7 @@ def cls_head_advice(model: nn.Module) -> str | None:
         return None
     config = getattr(base, "config", None)
     path = getattr(config, "_name_or_path", "") or ""
-    if not path or MEAN not in pooling_modes(path):
+    if config is None or not path or MEAN not in pooling_modes(path):
         return None
     name = heads.mean_pooled_head_for(getattr(config, "model_type", None))
     fix = (f"load hf_private.{name}.from_pretrained({path!r}, num_labels={config.num_labels}) instead" if name

@@ -14,7 +14,7 @@ instead of silently loading `BertForSequenceClassification` (a random pooler und
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,12 @@ from transformers import (
     RobertaPreTrainedModel,
 )
 from transformers.modeling_outputs import SequenceClassifierOutput
+
+if TYPE_CHECKING:  # what the mixins below are mixed into, for their super() calls and inherited attributes
+    from transformers import PreTrainedConfig as _ConfigMixinBase
+    from transformers import PreTrainedModel as _ModelMixinBase
+else:  # at run time they stay plain mixins: the concrete class lists the transformers base itself
+    _ConfigMixinBase = _ModelMixinBase = object
 
 __all__ = ["MEAN_POOLED_HEADS", "MeanPooledBertForSequenceClassification",
            "MeanPooledRobertaForSequenceClassification", "mean_pooled_head_for"]
@@ -56,7 +62,14 @@ def _unsupported_encoder(model_type: str | None, wanted: str, loads: str) -> str
             "AutoModel (a Linear on last_hidden_state averaged over attention_mask).")
 
 
-class _FromEncoderCheckpoint:
+def _num_labels(config: _ConfigMixinBase) -> int:
+    """The classifier's width: transformers leaves `num_labels` None for a config without labels."""
+    if config.num_labels is None:
+        raise ValueError("A mean-pooled classifier needs the number of labels: pass num_labels to from_pretrained.")
+    return config.num_labels
+
+
+class _FromEncoderCheckpoint(_ConfigMixinBase):
     """Config mixin: a plain encoder checkpoint (model_type `encoder_type`) loads as this head's config; a checkpoint
     of another family is refused by name instead of loading its weights into the wrong layers."""
 
@@ -90,7 +103,7 @@ class MeanPooledRobertaConfig(_FromEncoderCheckpoint, RobertaConfig):
     head_name = "MeanPooledRobertaForSequenceClassification"
 
 
-class _MeanPooledClassifier:
+class _MeanPooledClassifier(_ModelMixinBase):
     """Model mixin: `self.base_model` (the encoder, no pooler) → masked mean → `self.classifier`."""
 
     # forward takes **kwargs for the encoder only; its loss is a plain mean, so Trainer must divide it by the
@@ -161,9 +174,9 @@ class MeanPooledBertForSequenceClassification(_MeanPooledClassifier, BertPreTrai
 
     def __init__(self, config: MeanPooledBertConfig) -> None:
         super().__init__(config)
-        self.num_labels = config.num_labels
+        self.num_labels = _num_labels(config)
         self.bert = BertModel(config, add_pooling_layer=False)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, self.num_labels)
         self.post_init()
 
 
@@ -174,9 +187,9 @@ class MeanPooledRobertaForSequenceClassification(_MeanPooledClassifier, RobertaP
 
     def __init__(self, config: MeanPooledRobertaConfig) -> None:
         super().__init__(config)
-        self.num_labels = config.num_labels
+        self.num_labels = _num_labels(config)
         self.roberta = RobertaModel(config, add_pooling_layer=False)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, self.num_labels)
         self.post_init()
 
 
