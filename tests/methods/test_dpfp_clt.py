@@ -61,7 +61,7 @@ TABLE = [
     Row("QQP", 384_348, 5.85, 1.3e-6, 1.182, 3.48, 0.288, 1_153_044, 13.34, 10.85),
 ]
 IDS = [f"{row.task}-eps{row.eps_clt}" for row in TABLE]
-# hf_private's PRV grid stays under its cap (accountants._PRV_MAX_GRID) only for SST-2 and QNLI; for MNLI and QQP
+# hf_private's PRV grid stays under its cap (accountants.prv._PRV_MAX_GRID) only for SST-2 and QNLI; for MNLI and QQP
 # (0.7M and 1.2M releases) it would need 1.1e7-1.7e7 points, so "prv" answers with the RDP bound. PRV runs 4-12 s
 # per row here, so only the SST-2 rows are checked against PLD (QNLI gives 6.63 / 9.18, also within 0.05).
 PRV_ROWS = [row for row in TABLE if row.task == "SST-2"]
