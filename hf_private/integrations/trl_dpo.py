@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.labels import IGNORE_INDEX
-from ..models.peft import unwrap_peft
+from ..models.peft import is_peft_model
 from .base import RefusedKeyword, RefusedSetting, TrainerFamily
 from .trl_shared import KERNEL_AND_BATCH_SETTINGS, PACKING_ISSUE, PEFT_CONFIG
 
@@ -189,8 +189,7 @@ def reference_logps(trainer: Any, model: nn.Module, rows: dict[str, torch.Tensor
         if trainer.ref_model is not None:
             logits = trainer.ref_model(**rows, use_cache=False).logits
         else:
-            peft = unwrap_peft(model) is not model
-            if not peft:
+            if not is_peft_model(model):
                 raise ValueError("DPO needs the reference model's log-probabilities: pass ref_model, train a PEFT "
                                  "adapter (the base model is the reference), or set precompute_ref_log_probs=True.")
             from trl.trainer.utils import use_adapter

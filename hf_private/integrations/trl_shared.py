@@ -17,7 +17,7 @@ PACKING_ISSUE = ("hf_private packs only the sequences of a sampled chunk, each a
 
 def moe_aux_loss(args: Any, model: nn.Module) -> bool:
     """Whether the TRL trainer would add a Mixture-of-Experts load-balancing loss (its rule, read before it runs)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     coef = getattr(args, "router_aux_loss_coef", None)
     if coef is None:

@@ -68,8 +68,10 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
         if head_modules:
             logger.info("%s: PEFT knows no task type for it; its modules outside the backbone (%s) train with LoRA.",
                         name, ", ".join(head_modules))
-    return get_peft_model(model, LoraConfig(task_type=task_type, r=rank, lora_alpha=alpha, target_modules=targets,
-                                            modules_to_save=head_modules))
+    # peft annotates lora_alpha as int, but only ever divides it by r: a float alpha (SparseLowRankConfig) is valid
+    config = LoraConfig(task_type=task_type, r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                        target_modules=targets, modules_to_save=head_modules)
+    return get_peft_model(model, config)
 
 
 def _encoder_default_targets(model: nn.Module) -> list[str] | None:
@@ -80,7 +82,8 @@ def _encoder_default_targets(model: nn.Module) -> list[str] | None:
         return None
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
-    return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(encoder)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(encoder)
+    return None if targets is None else list(targets)
 
 
 # ---------------------------------------------------------------------- recipe defaults

@@ -114,6 +114,9 @@ class DPFPMethod(DPMethod):
         the representation releases alone, as planned."""
         if self._epsilons is None:
             plan, sigma = self._plan, self.representation_noise_multiplier
+            if plan is None or sigma is None:
+                raise RuntimeError("The representation releases are planned by attach_forward_mechanisms(): call it "
+                                   "before asking for their ε.")
             steps = plan[self.name].steps
             release = MechanismGroup("dp-fp-representations", sigma, plan.sample_rate, steps)
             self._epsilons = (clt_epsilon(sigma, plan.sample_rate, steps, plan.delta),

@@ -108,7 +108,8 @@ class FrostMethod(DPMethod):
         total = int(sizes.sum())  # |Θ|, the head included (methods_spec §2.13)
         rounds = config.rounds_per_selection
         sigma = run.plan[SELECTION_STAGE].noise_multiplier
-        remaining, selected = list(self.candidates), []
+        remaining = list(self.candidates)
+        selected: list[int] = []
         observations, deltas, log = [], [], []
         for t in range(1, rounds + 1):
             if not remaining:

@@ -85,7 +85,7 @@ def estimate_pgms(
     return np.where(ever, v, np.nan), lambdas
 
 
-def pgm_std(noise_multiplier: float, lambdas: Sequence[float], deltas: Sequence[float]) -> float:
+def pgm_std(noise_multiplier: float, lambdas: Sequence[float] | np.ndarray, deltas: Sequence[float]) -> float:
     """σ_v of Lemma 6: sqrt(σ_ps² / Σ_{t'} λ_{t'}² / Δ_{t'}²)."""
     if len(lambdas) == 0 or len(lambdas) != len(deltas):
         raise ValueError(f"need equally many (>= 1) scales and sensitivities, got {len(lambdas)} and {len(deltas)}")

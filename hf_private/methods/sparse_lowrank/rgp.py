@@ -25,6 +25,7 @@ tensor back to the module's own layout.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,11 @@ from transformers.pytorch_utils import Conv1D
 __all__ = ["RGPLinear", "full_weight_gradient", "gradient_carriers", "set_carriers", "unwrap_rgp", "wrap_rgp"]
 
 _WRAPPABLE = (nn.Linear, Conv1D)
+
+
+def _wrappable(module: nn.Module) -> TypeGuard[nn.Linear | Conv1D]:
+    """Exactly nn.Linear or Conv1D: a subclass may override forward and change the math."""
+    return type(module) in _WRAPPABLE
 
 
 def _check_rank(rank: int, out_features: int, in_features: int) -> None:
@@ -68,9 +74,15 @@ class RGPLinear(nn.Module):
     `torch.no_grad()` the carrier terms are skipped.
     """
 
+    weight: Tensor  # the wrapped layer's own Parameter objects
+    bias: Tensor | None
+    left: nn.Linear
+    right: nn.Linear
+    _base: nn.Linear | Conv1D
+
     def __init__(self, base: nn.Module, rank: int) -> None:
         super().__init__()
-        if type(base) not in _WRAPPABLE:
+        if not _wrappable(base):
             raise TypeError(
                 f"RGPLinear wraps exactly nn.Linear or transformers' Conv1D, got {type(base).__name__} (a subclass "
                 "may override forward and change the math)."
@@ -266,7 +278,7 @@ def wrap_rgp(model: nn.Module, target_modules: Sequence[str], rank: int, *,
         module = modules[key]
         if isinstance(module, RGPLinear):
             raise ValueError(f"{name} is already an RGPLinear (wrap_rgp was applied twice).")
-        if type(module) not in _WRAPPABLE:
+        if not _wrappable(module):
             raise TypeError(f"{name} is a {type(module).__name__}; RGP wraps exactly nn.Linear or Conv1D layers.")
         shape = module.weight.shape
         _check_rank(rank, *(shape[::-1] if type(module) is Conv1D else shape))
