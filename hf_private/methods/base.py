@@ -22,16 +22,14 @@ import inspect
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from ..run.method_view import MethodRun
-
 from ..data.users import check_privacy_unit
-from ..engine import PerExampleGradientEngine, trainable_parameters
+from ..engine import PerExampleGradientEngine, Reducer, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.accountants import check_accountant
@@ -172,6 +170,50 @@ class MethodConfig:
     def from_pretrained(cls, directory: str | os.PathLike) -> MethodConfig:
         with open(os.path.join(directory, CONFIG_NAME)) as f:
             return cls.from_dict(json.load(f))
+
+
+@runtime_checkable
+class MethodRun(Protocol):
+    """All a method may do with its run (`DPMethod.before_step`): draw a Poisson sample of one of its planned stages,
+    collect per-example terms with a reducer of its choice, and release a noisy vector of that stage.
+
+    The run implements it (`hf_private.run.method_view.MethodView`) and keeps what makes a release private: the sample
+    is drawn at the stage's planned rate from a secret generator, and the noise is the stage's planned σ times the
+    reducer's sensitivity, drawn from a secret source and recorded in the ledger before the method sees the result. No
+    member takes a σ or a noise source: a method chooses what to measure, never how much noise it gets.
+    """
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained (a method changes what trains through requires_grad)."""
+        ...
+
+    @property
+    def plan(self) -> PrivacyPlan:
+        """The run's plan: every stage's q, σ and steps, and the planned training steps."""
+        ...
+
+    def poisson_sample(self, stage: str) -> list[dict[str, Any]]:
+        """This process's share of one Poisson sample of the privacy unit at `stage`'s planned rate, collated in
+        physical chunks (none when the sample is empty: its release is then noise alone)."""
+        ...
+
+    def new_engine(self, reducer: Reducer) -> PerExampleGradientEngine:
+        """An engine on the currently trainable parameters that hands its terms to `reducer`; detach it when done."""
+        ...
+
+    def accumulate(self, engine: PerExampleGradientEngine, chunks: list[dict[str, Any]]) -> None:
+        """Forward and backward every chunk in training mode, one per-example loss each, into `engine`'s reducer."""
+        ...
+
+    def releases(self, stage: str) -> int:
+        """Releases of `stage` the ledger holds (a resumed run's included)."""
+        ...
+
+    def release(self, stage: str, values: torch.Tensor, sensitivity: float) -> torch.Tensor:
+        """`values` plus Gaussian noise of σ_stage · `sensitivity` per coordinate (the L2 sensitivity of `values` under
+        add/remove of one privacy unit, the reducer's), summed over processes and recorded in the ledger."""
+        ...
 
 
 class DPMethod:

@@ -3,13 +3,12 @@
 One object reads the method config once and owns the plan (q, steps, each stage's σ), the ledger, the run's secret
 streams, the per-example gradient engine of the current trainable set, the stage switches, the budget and the report.
 The Trainer glue (`trainer/mixin.py`) calls it at Trainer's hook points and never decides a privacy question itself;
-a method sees only the narrow view `MethodRun`. It imports nothing of the trainer: what it needs of the data and the
-forward/backward pass comes through `TrainingSteps`.
+a method sees only `MethodRun` (`method_view.py`), and what the run says about its privacy is `report.py`'s. It imports
+nothing of the trainer: what it needs of the data and the forward/backward pass comes through `TrainingSteps`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..audit import AuditResult, compose_audits
+from ..audit import AuditResult
 from ..clip_norm import ClipNormCheck
 from ..data.sampling import sampling_random
 from ..data.user_cap import UserExamples
-from ..data.users import UserIndex, cap_examples, sampled_unit, stages_for, user_level_facts, user_level_plan
+from ..data.users import UserIndex, cap_examples, sampled_unit, stages_for, user_level_facts
 from ..engine import PerExampleGradientEngine, trainable_parameters
 from ..evaluation.prediction_collapse import RunSettings
 from ..integrations import trainer_name
@@ -29,7 +28,7 @@ from ..logs import get_logger
 from ..methods import DPMethod, MethodConfig
 from ..models.peft import auxiliary_parameter_names
 from ..optimizer import NoisyOptimizer
-from ..privacy import GaussianNoise, MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
+from ..privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
 from ..privacy.rng import test_stream_seed
 from ..release.adapters import private_adapter_names
 from ..release.checkpoints import (
@@ -42,14 +41,10 @@ from ..release.checkpoints import (
 )
 from ..release.model_card import base_model_name, public_base_model
 from .forks import find_fork
-from .method_view import MethodRun
+from .method_view import MethodView, TrainingPasses
+from .report import plan_lines, privacy_report
 
 logger = get_logger(__name__)
-
-# Noise std per coordinate of the averaged update, in units of C (σ / expected batch), above which a run is warned
-# that it will learn little: a rule of thumb (usual DP fine-tuning runs sit near 1e-3; 0.05 means twenty perfectly
-# aligned clipped gradients per step to match one noise standard deviation).
-NOISY_UPDATE = 0.05
 
 
 class Instrument(Protocol):
@@ -61,18 +56,10 @@ class Instrument(Protocol):
     def attach_optimizer(self, optimizer: NoisyOptimizer) -> None: ...
 
 
-class TrainingSteps(Protocol):
-    """What the run needs of the trainer: its arguments, the training data as collated, one Poisson sample of the
-    privacy unit in physical chunks, and one chunked forward/backward pass into an engine (the trainer's own, so a
-    method's measurement samples and sees what training does)."""
+class TrainingSteps(TrainingPasses, Protocol):
+    """What the run needs of the trainer: its arguments, and the data and passes a method's measurement uses."""
 
     args: Any
-
-    def training_data(self) -> tuple[Any, Any]: ...
-
-    def poisson_chunks(self, dataset: Any, sample_rate: float, random: Any) -> list[list[int]]: ...
-
-    def record_chunks(self, model: nn.Module, inputs: dict, engine: PerExampleGradientEngine) -> torch.Tensor: ...
 
 
 class PrivacyRun:
@@ -82,8 +69,8 @@ class PrivacyRun:
                  dataset_size: int, delta: float, expected_batch_size: int,
                  dataset_fingerprint: str | None = None, unit: str = "example") -> None:
         """`dataset_size`, `delta` (resolved from the config) and `expected_batch_size` as
-        `hf_private.trainer.preflight`
-        checked them; `unit` is the privacy unit as the trainer's family names it (`hf_private.integrations`)."""
+        `hf_private.trainer.preflight` checked them; `unit` is the privacy unit as the trainer's family names it
+        (`hf_private.integrations`)."""
         args = steps.args
         self._config = config  # saved with every checkpoint and compared on resume; its fields are read here only
         self.method, self.model, self.dataset_size = method, model, dataset_size
@@ -109,7 +96,11 @@ class PrivacyRun:
         self.add_instrument(ClipNormCheck(sampled_unit(config, unit)))  # warns once if C is far above the norms
         self._engine_suspended = False
         self.needs_independence_probe = True  # on the first chunk of ≥ 2, and again after every trainable-set switch
-        self.method_view = MethodRun(self, steps)
+        self.method_view = MethodView(
+            model, self.plan, steps, max_grad_norm=self.max_grad_norm, noise=self.noise("method noise"),
+            random=self.sampling_random("method sampling"), ledger=lambda: self.ledger,
+            record_release=self.record_release, suspend_training_engine=self.suspend_training_engine,
+        )
         self.forward_mechanisms = method.attach_forward_mechanisms(model, self.noise("forward noise"), self.plan)
         # Every tensor trained in any stage: what a saved adapter must contain.
         self.trained_parameter_names = method.trained_parameter_names(model)
@@ -373,40 +364,9 @@ class PrivacyRun:
     def log_plan(self, users: UserIndex | None = None) -> None:
         """The plan, once, from the main process, at WARNING so that transformers' default verbosity shows it: the one
         line a DP user must read. At user level (`users`, the training set's) it says what happens to the data."""
-        plan, name = self.plan, self.mechanism_name
-        units = f"{sampled_unit(self._config, self.subject['unit'])}s"  # what N and the batch count
-        data = "" if users is None else " " + user_level_plan(self._config, users, plan.steps_per_epoch)
-        if not plan.has_guarantee:
-            logger.warning("Training plan WITHOUT a privacy guarantee (%s): N=%d %s, q=%.5g, %d steps. %s%s",
-                           name, self.dataset_size, units, plan.sample_rate, plan.planned_steps, plan.guarantee[1],
-                           data)
-            return
-        target = self.target_epsilon
-        if self.test_seed is not None:  # calibrated as usual, but the known seed replays the noise
-            logger.warning(
-                "Training plan in insecure test mode, WITHOUT a privacy guarantee (%s): N=%d %s, q=%.5g, %d "
-                "steps, noise multiplier σ=%.4g%s, clip norm C=%.4g. DPConfig.noise_seed replays the noise and "
-                "sampling: never publish this model as private.%s", name, self.dataset_size, units, plan.sample_rate,
-                plan.planned_steps, self.noise_multiplier,
-                "" if target is None else f" (calibrated as for target {target:g})", self.max_grad_norm, data,
-            )
-        else:
-            logger.warning(
-                "Private training plan (%s): N=%d %s, sampling rate q=%.5g (expected logical batch %d %s), %d "
-                "steps, noise multiplier σ=%.4g, clip norm C=%.4g, δ=%.3g, %s accountant%s.%s",
-                name, self.dataset_size, units, plan.sample_rate, self.expected_batch_size, units, plan.planned_steps,
-                self.noise_multiplier, self.max_grad_norm, self.delta, self.accountant,
-                "" if target is None else f", target ε={target:g}", data,
-            )
-        noise_per_batch = self.noise_multiplier / self.expected_batch_size
-        if noise_per_batch > NOISY_UPDATE:
-            logger.warning(
-                "The model will be mostly noise: σ=%.4g over an expected batch of %d %s puts noise of %.3g·C on "
-                "every coordinate of each averaged update (learning usually needs well under %g·C). Use a larger "
-                "logical batch (per_device_train_batch_size × gradient_accumulation_steps), fewer epochs, more "
-                "data, or a larger target ε.", self.noise_multiplier, self.expected_batch_size, units,
-                noise_per_batch, NOISY_UPDATE,
-            )
+        for line in plan_lines(self.plan, self._config, self.subject["unit"], users, mechanism=self.mechanism_name,
+                               noise_multiplier=self.noise_multiplier):
+            logger.warning("%s", line)
 
     # ------------------------------------------------------------------ report, audits, checkpoints
     @property
@@ -416,85 +376,12 @@ class PrivacyRun:
         return self.plan.has_guarantee and self.test_seed is None
 
     def privacy_report(self) -> dict[str, Any]:
-        """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`).
-
-        Returns:
-            A dict with:
-
-            - `epsilon` (float): the ε spent so far, at `delta`; absent without a formal guarantee.
-            - `delta` (float): δ of the guarantee (the DP config's, or 1/(2N)).
-            - `guarantee` (str): "formal", or "none" with `guarantee_note` saying why (DP-FP paper mode, a test seed).
-            - `accountant` (str): what computed ε ("prv", "rdp", or "pld" for user-level ELS histories).
-            - `sampler_tail_delta` (float): the part of δ the noise sampler's finite tail takes.
-            - `dataset_size` (int): N, what sampling draws from (users under ULS; the kept examples under ELS).
-            - `steps`, `planned_steps` (int): optimizer steps taken and planned.
-            - `mechanisms` (list of dict): every release in the ledger (name, σ, q, steps, C, ...), enough to
-              recompute ε.
-            - `unit`, `trainer`, `base_model`: the privacy unit ("example", "preference pair", "user", ...), the
-              trainer class, and the public base model (None for a local path); at user level also `user_column`,
-              `user_sampling` and `examples_per_user` or `max_examples_per_user`.
-            - `method`, `target_epsilon`, `noise_multiplier`, `sample_rate`, `max_grad_norm`, `expected_batch_size`,
-              `trainable_fraction`, `phases` (each training stage and its first step), and `method_details` where
-              the method reports its own.
-            - With an audit on the training data attached: `epsilon` composed with it and `training_epsilon`,
-              training's own. After a resume from a checkpoint older than the newest ledger: `forks` (and
-              `epsilon_with_forks`).
-            - Without a formal guarantee: no `epsilon` (nor `training_epsilon`); the numbers that may still be shown,
-              each labelled, under `not_a_guarantee`.
-        """
-        report = self.ledger.report()
-        notes = [note for note in dict.fromkeys([self.ledger.guarantee()[1], self.plan.guarantee[1]]) if note]
-        if self.test_seed is not None:
-            notes.append(
-                "Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be "
-                "replayed by anyone who knows the seed, so no privacy loss is bounded."
-            )
-        report.pop("guarantee_note", None)
-        report["guarantee"] = "none" if notes else "formal"
-        if notes:
-            report["guarantee_note"] = " ".join(notes)
-        report.update(
-            steps=self.training_steps(),  # optimizer steps; a method's own releases are in `mechanisms`
-            method=self.method.name,
-            **self.subject,
-            target_epsilon=self.target_epsilon,
-            noise_multiplier=self.noise_multiplier,
-            sample_rate=self.plan.sample_rate,
-            max_grad_norm=self.max_grad_norm,
-            planned_steps=self.plan.planned_steps,
-            expected_batch_size=self.expected_batch_size,
-            trainable_fraction=round(self.share_of_model(self.method.trained_parameter_names(self.model)), 6),
-            phases=[{"mechanism": stage.name, "from_step": stage.start_step} for stage in self.plan.training_stages],
-        )
-        details = self.method.report()
-        if details:
-            report["method_details"] = details
-        report = compose_audits(report, self._audits, self.ledger.accountant)
-        if self.ledger.forks:
-            report["forks"] = self.ledger.forks
-            if report["guarantee"] == "formal" and all(fork["newer_ledger_found"] for fork in self.ledger.forks):
-                both = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + [
-                    MechanismGroup.from_dict(m) for fork in self.ledger.forks for m in fork["newer_releases"]]
-                report["epsilon_with_forks"] = compute_epsilon(both, report["delta"], self.ledger.accountant)
-        if report["guarantee"] == "formal":
-            return report
-        return self._without_guarantee(report)
-
-    def _without_guarantee(self, report: dict[str, Any]) -> dict[str, Any]:
-        """The report of a run without a formal guarantee: no number labelled ε; what may be shown, labelled."""
-        figures = dict(self.method.figures_without_guarantee())
-        epsilon = report.pop("epsilon", None)
-        report.pop("training_epsilon", None)
-        if epsilon is not None and math.isfinite(epsilon):  # only a test seed (this run's or an audit's) leaves one
-            figures["accounting_with_a_secret_seed"] = {
-                "value": epsilon,
-                "what": f"What the {report['accountant']} accountant gives for these mechanisms at δ: it would bound "
-                        "the privacy loss had all the noise and sampling come from a secret key. Some came from a "
-                        "test seed (this run's or a composed audit's), which replays them, so it bounds nothing.",
-            }
-        if figures:
-            report["not_a_guarantee"] = figures
-        return report
+        """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`): every key is described at
+        `hf_private.run.report.privacy_report`."""
+        trained = self.method.trained_parameter_names(self.model)
+        return privacy_report(self.ledger, self.plan, self._config, self.subject, self.method, self._audits,
+                              noise_multiplier=self.noise_multiplier,
+                              trainable_fraction=round(self.share_of_model(trained), 6))
 
     def attach_audit(self, result: AuditResult) -> None:
         """Put an audit on the card; one run on the training data (the default) is composed into ε from now on.

@@ -606,19 +606,19 @@ def frost_uls(clip: float, k: int, **fields) -> FrostConfig:
 def test_dp_frost_under_uls_samples_users_in_its_selection_rounds(tmp_path, monkeypatch):
     """Every selection round is a Poisson sample of users at q_ps over users, each with up to k of their examples
     in one chunk; the selection and the training steps are accounted over users."""
-    from hf_private.run.method_view import MethodRun
+    from hf_private.run.method_view import MethodView
 
     data, users = _user_rows(12, 5)
     index = UserIndex.of(with_users(data, users), "user_id")
     drawn: list[list[int]] = []
-    sample = MethodRun.poisson_sample
+    sample = MethodView.poisson_sample
 
     def spy(self, stage):
         chunks = sample(self, stage)
         drawn.extend(chunk["unit_sizes"].tolist() for chunk in chunks)
         return chunks
 
-    monkeypatch.setattr(MethodRun, "poisson_sample", spy)
+    monkeypatch.setattr(MethodView, "poisson_sample", spy)
     trainer = user_trainer(tmp_path, data, users, dp=frost_uls(1.0, 3, selection_sample_rate=0.5),
                            per_device_train_batch_size=4, max_steps=2)
     assert trainer.dataset_size == index.users == 12
@@ -637,10 +637,10 @@ def first_selection_release(tmp_path, dataset: Dataset, users: list, clip: float
                             monkeypatch) -> tuple[torch.Tensor, float]:
     """The first noisy magnitudes DP-FROST releases (q_ps = 1, noise replayed under the test seed) and the
     sensitivity the reducer claimed for them."""
-    from hf_private.run.method_view import MethodRun
+    from hf_private.run.method_view import MethodView
 
     releases: list[tuple[torch.Tensor, float]] = []
-    release = MethodRun.release
+    release = MethodView.release
 
     def spy(self, stage, values, sensitivity):
         noisy = release(self, stage, values, sensitivity)
@@ -648,7 +648,7 @@ def first_selection_release(tmp_path, dataset: Dataset, users: list, clip: float
         return noisy
 
     with monkeypatch.context() as patch:
-        patch.setattr(MethodRun, "release", spy)
+        patch.setattr(MethodView, "release", spy)
         trainer = make_trainer(tmp_path, model=tiny.bert(), dataset=with_users(dataset, users),
                                dp=frost_uls(clip, k, selection_sample_rate=1.0, selection_rounds=1, noise_seed=SEED),
                                per_device_train_batch_size=len(set(users)), max_steps=1)

@@ -38,7 +38,7 @@ from hf_private import (  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from hf_private.release import card_facts, checkpoints  # noqa: E402
-from hf_private.run.method_view import MethodRun  # noqa: E402
+from hf_private.run.method_view import MethodView  # noqa: E402
 from recipes.process_group import leave_process_group  # noqa: E402
 from tests.support import tiny  # noqa: E402
 
@@ -109,13 +109,13 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
 
 def _record_releases() -> list[torch.Tensor]:
     """Every vector a method releases through MethodRun (DP-FROST's selection rounds), as the method receives it."""
-    releases, release = [], MethodRun.release
+    releases, release = [], MethodView.release
 
     def recorded(self, *a, **kw):
         releases.append(release(self, *a, **kw).clone())
         return releases[-1]
 
-    MethodRun.release = recorded
+    MethodView.release = recorded
     return releases
 
 

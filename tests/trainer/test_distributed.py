@@ -38,11 +38,11 @@ def update_runs(request, tmp_path_factory):
     method = request.param
     ranks = _launch(method, "update", tmp_path_factory.mktemp(f"{method}-2proc"))
     single_dir = tmp_path_factory.mktemp(f"{method}-1proc")
-    add_noise, release = worker.GaussianNoise.add_, worker.MethodRun.release
+    add_noise, release = worker.GaussianNoise.add_, worker.MethodView.release
     try:
         worker.run(method, "update", single_dir, world_size=1)
     finally:
-        worker.GaussianNoise.add_, worker.MethodRun.release = add_noise, release
+        worker.GaussianNoise.add_, worker.MethodView.release = add_noise, release
     return method, ranks, torch.load(single_dir / "rank0.pt", weights_only=False)
 
 

@@ -18,8 +18,7 @@ from torch import nn
 from ...logs import get_logger
 from ...models.peft import is_peft_model
 from ...privacy.plan import Stage
-from ...run.method_view import MethodRun
-from ..base import DPMethod, RecipeDefaults, register_dp_method
+from ..base import DPMethod, MethodRun, RecipeDefaults, register_dp_method
 from ..shared import head_parameter_names, train_only
 from .config import FrostConfig
 from .partitions import Partition, model_partitions
