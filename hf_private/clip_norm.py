@@ -20,6 +20,8 @@ nothing is clipped and the noise σ·C drowns the whole summed gradient; such a 
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,7 +73,8 @@ def gradient_norms_at_init(
             raise ValueError("Each example needs a 'labels' (or 'label') entry to compute its loss.")
         loss = default_per_example_loss(probe, probe(**batch), labels).sum()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        norms.append(torch.sqrt(sum(g.double().pow(2).sum() for g in grads if g is not None)))
+        squares = (g.double().pow(2).sum() for g in grads if g is not None)
+        norms.append(torch.sqrt(functools.reduce(operator.add, squares)))
     return torch.stack(norms).float().cpu()
 
 

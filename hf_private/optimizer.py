@@ -225,6 +225,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
     def transform_gradients(self, params: list[nn.Parameter]) -> None:
         for param in params:
             for transform in self._gradient_transforms.get(param, {}).values():
+                if param.grad is None:  # to_gradients gave every parameter one; a transform may not take it away
+                    raise ValueError(f"A gradient transform of a parameter of shape {tuple(param.shape)} left it "
+                                     "without a gradient: a transform returns a tensor or None (changed in place).")
                 result = transform(param.grad)
                 if result is not None:
                     if result.shape != param.shape:
