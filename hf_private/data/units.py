@@ -109,6 +109,8 @@ class ExampleUnits(PrivacyUnits):
 class CappedUserUnits(ExampleUnits):
     """ELS: examples sampled as `ExampleUnits` does, from the at most `max_examples_per_user` each user keeps."""
 
+    users: UserIndex
+
     def __init__(self, args: TrainingArguments, users: UserIndex, cap: Cap) -> None:
         super().__init__(args)
         self.users, self._cap = users, cap
@@ -122,6 +124,8 @@ class CappedUserUnits(ExampleUnits):
 class UserUnits(PrivacyUnits):
     """ULS: the sampler draws users at rate q, each with up to `examples_per_user` of their examples, consecutive and
     tagged with their user, so the engine sums a user's examples into one term and clips it."""
+
+    users: UserIndex
 
     def __init__(self, args: TrainingArguments, users: UserIndex, examples_per_user: int) -> None:
         super().__init__(args)
@@ -142,7 +146,7 @@ class UserUnits(PrivacyUnits):
         return None
 
     def unit_sizes(self, indices: list[int]) -> list[int]:
-        return run_lengths(self.users.user_of[indices])
+        return run_lengths(self.users.user_of[indices].tolist())
 
     def in_unit_order(self, indices: list[int]) -> list[int]:
         return sorted(indices, key=lambda i: self.users.user_of[i])
@@ -159,6 +163,7 @@ def units_for(config: UnitConfig, args: TrainingArguments, training_set: Any, ca
     and may drop rows). `cap` draws the ELS cap when the training view is first built."""
     if config.privacy_unit != "user":
         return ExampleUnits(args)
+    assert config.user_column is not None  # `users.check_privacy_unit`: the user level names its column
     users = users if users is not None else UserIndex.of(training_set, config.user_column)
     if config.user_sampling == "user":
         return UserUnits(args, users, config.examples_per_user)

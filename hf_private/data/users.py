@@ -119,7 +119,7 @@ def plain_user_ids(values: Sequence[Any], column: str) -> list[int | str]:
         raise ValueError(f"{len(rows)} training examples have {problem} in column {column!r} ({_rows(rows)}): every "
                          "example must belong to one user, named by an integer or a string, or the user-level "
                          "guarantee would not cover it. Drop them or give each its user.")
-    kinds = {str: [], int: []}
+    kinds: dict[type, list[int]] = {str: [], int: []}
     for row, value in enumerate(plain):
         kinds[type(value)].append(row)
     if kinds[str] and kinds[int]:
@@ -286,7 +286,7 @@ class UserPoissonSampler(Sampler[list[int]]):
 class UnitTagged:
     """The training set with each example tagged by its unit (its user), for `UnitCollator` to group."""
 
-    def __init__(self, dataset: Any, unit_of: Sequence[int]) -> None:
+    def __init__(self, dataset: Any, unit_of: Sequence[int] | np.ndarray) -> None:
         self.dataset, self.unit_of = dataset, unit_of
 
     def __len__(self) -> int:
