@@ -100,10 +100,10 @@ def _item_counts(dataset) -> LabelCounts:
         for column in LABEL_COLUMNS:
             if column in item:
                 non_finite[column] += _non_finite(item[column])
-        column = next((c for c in LABEL_COLUMNS if c in item), None)
-        if column is None or not integer:
+        first = next((c for c in LABEL_COLUMNS if c in item), None)
+        if first is None or not integer:
             continue
-        values = torch.as_tensor(item[column])
+        values = torch.as_tensor(item[first])
         if values.is_floating_point() or values.dtype == torch.bool:
             integer = False
             continue
@@ -140,10 +140,13 @@ def string_labels(dataset) -> tuple[str, list[str], str] | None:
                 return column, sorted(v for v in pc.unique(values).to_pylist() if v is not None), unit
         return None
     item = dataset[0] if len(dataset) else None  # a map-style dataset of dicts: its first item tells the label type
-    column = next((c for c in LABEL_COLUMNS if isinstance(item, Mapping) and c in item), None)
-    value = item[column] if column is not None else None
-    if isinstance(value, str) or (isinstance(value, list | tuple) and any(isinstance(v, str) for v in value)):
-        return column, sorted(_item_strings(dataset, column)), "examples" if isinstance(value, str) else "tokens"
+    if not isinstance(item, Mapping):
+        return None
+    first = next((c for c in LABEL_COLUMNS if c in item), None)
+    value = item[first] if first is not None else None
+    if first is not None and (isinstance(value, str) or (isinstance(value, list | tuple)
+                                                         and any(isinstance(v, str) for v in value))):
+        return first, sorted(_item_strings(dataset, first)), "examples" if isinstance(value, str) else "tokens"
     return None
 
 

@@ -127,8 +127,8 @@ def packed_shape(model: nn.Module, row_tokens: int | str | None,
     masked attention, one row a chunk under varlen kernels, which attend within each example whatever the row's
     length. Varlen kernels take one row a forward."""
     masked = rows_share_a_forward(model)
-    if row_tokens == "auto":
-        row_tokens = PACKED_ROW_TOKENS if masked else None
+    if isinstance(row_tokens, str):  # "auto", the one string `check_packing_tokens` lets through
+        return PACKED_ROW_TOKENS if masked else None, forward_tokens if masked else 0
     return row_tokens, forward_tokens if masked else 0
 
 
@@ -284,7 +284,7 @@ def slice_packed(batch: Mapping[str, Any], start: int, stop: int) -> dict[str, A
 
 def _one_row(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A chunk laid out by `lay_out_rows` back in one row: its examples' tokens end to end, no padding."""
-    layout = packed_layout(batch)
+    layout = PackedLayout(batch[PACKED_LENGTHS_KEY], batch[PACKED_ROWS_KEY].tolist())
     row: dict[str, Any] = {}
     for key, value in batch.items():
         if key in (PACKED_ROWS_KEY, "attention_mask"):
