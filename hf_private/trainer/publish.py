@@ -13,7 +13,7 @@ import glob
 from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo
 from torch import nn
@@ -25,6 +25,14 @@ from ..release.adapters import adapter_format, has_private_adapter, load_adapter
 from ..release.artifacts import copy_pushable, has_trainer_weights, pushable_files, withheld_files
 from ..release.card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from ..release.checkpoints import save_private_checkpoint
+
+if TYPE_CHECKING:  # type checkers read the hooks as the Trainer methods they override
+    from transformers import Trainer as _Trainer
+
+    from ..evaluation.held_out import Evaluations
+    from ..run.privacy_run import PrivacyRun
+else:
+    _Trainer = object
 
 logger = get_logger(__name__)
 
@@ -50,10 +58,13 @@ class AllowListedUpload:
         )
 
 
-class ReleaseHooks:
+class ReleaseHooks(_Trainer):
     """Trainer's save, load, push and card methods for a private trainer: placed after `PrivateTrainingMixin` in the
     MRO (the mixin inherits it), so `super()` is the Trainer class. Reads the mixin's `privacy_run` and
     `_evaluations`."""
+
+    privacy_run: PrivacyRun
+    _evaluations: Evaluations
 
     @cached_property
     def _upload_to_hub(self) -> AllowListedUpload:
