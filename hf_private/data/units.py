@@ -120,6 +120,11 @@ class CappedUserUnits(ExampleUnits):
         kept = self._cap(self.users)
         return (dataset.select(kept) if hasattr(dataset, "select") else Subset(dataset, kept.tolist())), collate
 
+    def chunk_lengths(self, source: Any, processing_class: Any, view: Any, collate: Callable) -> torch.Tensor | None:
+        """The lengths of the kept examples: the sampler draws from the view, not from the whole training set."""
+        lengths = super().chunk_lengths(source, processing_class, view, collate)
+        return None if lengths is None else lengths[torch.as_tensor(self._cap(self.users), dtype=torch.long)]
+
 
 class UserUnits(PrivacyUnits):
     """ULS: the sampler draws users at rate q, each with up to `examples_per_user` of their examples, consecutive and

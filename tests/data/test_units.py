@@ -94,6 +94,19 @@ def test_example_units_shard_the_sample_over_processes():
     assert shards == [[[0, 2], [4, 6]], [[1, 3], [5]]]
 
 
+def test_capped_user_units_sort_the_kept_examples_by_their_own_lengths():
+    """Regression: the lengths were read from the whole training set (7 here) for a view of the kept rows (5), and
+    ELS with group_by_length or a packing collator stopped with 'lengths has 7 entries for 5 examples'."""
+    kept = np.array([0, 2, 3, 4, 6])
+    units = CappedUserUnits(args(train_sampling_strategy="group_by_length"), UserIndex.of(dataset(), "user_id"),
+                            lambda users: kept)
+    view, _ = units.training_view(dataset(), collate)
+    lengths = units.chunk_lengths(dataset(), None, view, collate)
+    assert lengths.tolist() == [LENGTHS[i] for i in kept]
+    batch = next(iter(units.poisson_sampler(view, 1.0, 1, 1, random(), lengths)))
+    assert sorted(batch) == list(range(len(kept))) and [lengths[i] for i in batch] == sorted(lengths.tolist())
+
+
 # ---------------------------------------------------------------------- ULS: users
 def uls(k: int = 2) -> UserUnits:
     return UserUnits(args(), UserIndex.of(dataset(), "user_id"), k)
