@@ -3,8 +3,9 @@
 Trainer glue only: the privacy unit's Poisson batch sampler (`data.units`) → physical chunks of whole units
 (`data.chunks`) → engine hooks clip per unit during the one backward pass → the noisy optimizer adds noise once per
 logical batch → the ledger records the step. Every privacy decision is the run's (`run.privacy_run.PrivacyRun`);
-saving, loading, pushing and the card are the publishing hooks' (`trainer.publish.ReleaseHooks`). The model stays the
-user's own `PreTrainedModel`/`PeftModel`, so evaluation works as usual.
+saving, loading, pushing and the card are the publishing hooks' (`trainer.publish.ReleaseHooks`), the held-out
+verdicts the evaluation hooks' (`trainer.evaluation_hooks.EvaluationHooks`), and the run's state is read under the
+trainer's names (`trainer.run_attributes.RunAttributes`). The model stays the user's own `PreTrainedModel`/`PeftModel`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..optimizer import noisy_optimizer
 from ..privacy.rng import SecretRandom
 from ..release.checkpoints import resolve_checkpoint
 from ..run.privacy_run import PrivacyRun
+from .evaluation_hooks import EvaluationHooks
 from .preflight import (
     check_before_trainer,
     check_built_trainer,
@@ -47,31 +49,15 @@ from .preflight import (
     private_path_functions,
 )
 from .publish import ReleaseHooks
+from .run_attributes import RunAttributes
 
 logger = get_logger(__name__)
 
 
-class _FromRun:
-    """A trainer attribute that is the privacy run's own (`trainer.privacy_run`), under the trainer's public name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
-        return self if trainer is None else getattr(trainer.privacy_run, self.name)
-
-    def __set__(self, trainer: Any, value: Any) -> None:
-        setattr(trainer.privacy_run, self.name, value)
-
-
-class PrivateTrainingMixin(ReleaseHooks):
+class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
     """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
     class's own."""
 
-    # The run's state and actions under the trainer's public names: `trainer.plan` is `trainer.privacy_run.plan`.
-    (plan, ledger, engine, stage, delta, expected_batch_size, sample_rate, steps_per_epoch, planned_steps,
-     noise_multiplier, mechanism_name, has_formal_guarantee, training_steps, trained_parameter_names, record_release,
-     suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
 
     def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
                  packed_row_tokens: int | str | None = "auto",
@@ -280,34 +266,6 @@ class PrivateTrainingMixin(ReleaseHooks):
         """0: Trainer's count (6 × tokens × parameters) is an exact function of each Poisson batch's private token
         count, and it is saved in trainer_state.json and returned as `total_flos`."""
         return 0
-
-    # ------------------------------------------------------------------ evaluation: held out or not
-    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
-                 **kwargs: Any) -> dict[str, float]:
-        """The class's evaluate, recording its metrics and whether the card may call them held-out.
-
-        Only metrics computed here reach the card, each with the verdict on the very set that produced it (a dict
-        of sets recurses here once per set, under the prefix eval_<name>).
-        """
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if isinstance(dataset, str):  # Trainer's recursion over a dict names self.eval_dataset's entries
-            dataset = self.eval_dataset[dataset]
-        if isinstance(dataset, dict) or dataset is None:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
-        metrics = self._evaluations.record(metric_key_prefix, partial(
-            super().evaluate, eval_dataset, ignore_keys, metric_key_prefix, **kwargs))
-        settings = self.privacy_run.collapse_settings(self.args.learning_rate)
-        self._evaluations.predictions.warn_if_collapsed(metric_key_prefix, self.model, settings, reduce=(
-            partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
-        return metrics
-
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """Trainer's, once the set it reads is judged held out or not (`held_out.Evaluations.reading`): here the set
-        is as the class's evaluate prepared it (TRL tokenizes, appends an EOS to and packs a set passed to evaluate)."""
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if dataset is not None:
-            self._evaluations.reading(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
-        return super().get_eval_dataloader(eval_dataset)
 
 
 def _grouped(units: list[int]) -> list[int] | None:
