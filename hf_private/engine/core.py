@@ -227,11 +227,11 @@ class PerExampleGradientEngine:
     @property
     def max_grad_norm(self) -> float:
         """C of the flat clip (the current reducer's `max_grad_norm`)."""
-        return self._gradient_sums_reducer().max_grad_norm
+        return self._reducer.max_grad_norm
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
-        self._gradient_sums_reducer().max_grad_norm = float(value)
+        self._reducer.max_grad_norm = float(value)
 
     @property
     def clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:

@@ -53,6 +53,10 @@ def flat_norms(chunk: ChunkTerms) -> torch.Tensor:
 class Reducer:
     """Turns each chunk's per-example terms into a running result, released by the caller between logical batches."""
 
+    #: C of a reducer that clips each example's flat L2 norm (`engine.max_grad_norm` reads and sets it); declared
+    #: only, so reading it from a reducer without one still raises AttributeError
+    max_grad_norm: float
+
     def bind(self, parameters: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Called when the engine adopts the reducer, with the engine's trainable parameters: refuse a mismatch."""
 
