@@ -20,15 +20,19 @@ from ..models.peft import unwrap_peft
 DESIGN_SEED = 2023  # public: the canaries' embedding rows and labels; only their inclusion is secret
 
 
-def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) -> list[int]:
-    """Append `count` fresh vocabulary rows (ids nothing in the data uses) and return their ids."""
-    base = unwrap_peft(model)
-    embeddings = base.get_input_embeddings()
+def input_embedding(model: nn.Module) -> nn.Embedding:
+    """The model's input embedding layer, where the canaries' tokens live: the audit needs an nn.Embedding."""
+    embeddings = unwrap_peft(model).get_input_embeddings()
     if not isinstance(embeddings, nn.Embedding):
         raise ValueError(f"The audit needs an nn.Embedding input layer, got {type(embeddings).__name__}.")
-    old = embeddings.num_embeddings
-    base.resize_token_embeddings(old + count, mean_resizing=False)
-    weight = base.get_input_embeddings().weight
+    return embeddings
+
+
+def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) -> list[int]:
+    """Append `count` fresh vocabulary rows (ids nothing in the data uses) and return their ids."""
+    old = input_embedding(model).num_embeddings
+    unwrap_peft(model).resize_token_embeddings(old + count, mean_resizing=False)
+    weight = input_embedding(model).weight
     with torch.no_grad():
         scale = weight[:old].float().std().item()
         rows = torch.randn(count, weight.shape[1], generator=generator) * scale
@@ -76,8 +80,9 @@ def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_lab
     users: tuple = ()
     if user_column is not None:
         taken = set(user_ids(train_dataset, user_column))  # as the trainer reads them: 0-d tensors are integers
-        if all(isinstance(u, int) for u in taken):
-            start = max(taken) + 1
+        numbers = {u for u in taken if isinstance(u, int)}
+        if numbers == taken:
+            start = max(numbers) + 1
             users = (user_column, *range(start, start + len(token_ids)))
         else:
             users = (user_column, *(f"audit-canary-{i}" for i in range(len(token_ids))))

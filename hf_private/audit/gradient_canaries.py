@@ -152,19 +152,19 @@ class GradientCanaryInserter:
     def _dirac_term(self, param: nn.Parameter, canary: torch.Tensor, mine: torch.Tensor):
         """±norm at each of these units' coordinates of `param`, zero for every other unit: factored for a matrix (one
         position, a row vector and a column vector, as a Linear weight's term), explicit for a vector."""
-        on = dict(dtype=accumulation_dtype(param), device=param.device)
+        dtype, device = accumulation_dtype(param), param.device
         units = canary.numel()
         index = torch.nonzero(mine).flatten()
         flat = self.canaries.flat_index[canary[index]]
-        value = (self.canaries.sign[canary[index]] * self.norm).to(**on)
+        value = (self.canaries.sign[canary[index]] * self.norm).to(device=device, dtype=dtype)
         index = index.to(param.device)
         if param.dim() == 1:
-            grad = torch.zeros(units, param.numel(), **on)
+            grad = torch.zeros(units, param.numel(), dtype=dtype, device=device)
             grad[index, flat.to(param.device)] = value
             return SampleTerm(grad)
         rows, columns = param.shape[0], param.numel() // param.shape[0]
-        left = torch.zeros(units, 1, rows, **on)
-        right = torch.zeros(units, 1, columns, **on)
+        left = torch.zeros(units, 1, rows, dtype=dtype, device=device)
+        right = torch.zeros(units, 1, columns, dtype=dtype, device=device)
         left[index, 0, (flat // columns).to(param.device)] = value
         right[index, 0, (flat % columns).to(param.device)] = 1.0
         return OuterTerm(left=left, right=right)

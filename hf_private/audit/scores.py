@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.peft import unwrap_peft
+from .canaries import input_embedding
 
 WHITE_BOX = "white-box"
 WHITE_BOX_GRADIENT = "white-box-gradient"
@@ -65,7 +65,7 @@ def canary_descent_directions(trainer, rows: list[dict[str, Any]], token_ids: Se
     a projection keeps the signal and 1/d of the noise variance.
     """
     model = trainer.model
-    weight = unwrap_peft(model).get_input_embeddings().weight
+    weight = input_embedding(model).weight
     total = torch.zeros_like(weight, dtype=torch.float32)
     for batch, labels in _batches(trainer, rows):
         loss = trainer.per_example_loss(model, model(**batch), labels).sum()
@@ -76,5 +76,5 @@ def canary_descent_directions(trainer, rows: list[dict[str, Any]], token_ids: Se
 
 def canary_rows(model: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """A float copy of the canaries' own embedding rows: the white-box score compares them before and after."""
-    return unwrap_peft(model).get_input_embeddings().weight.detach()[list(token_ids)].float().cpu().clone()
+    return input_embedding(model).weight.detach()[list(token_ids)].float().cpu().clone()
 

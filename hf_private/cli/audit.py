@@ -127,7 +127,7 @@ def run_audit(
                                           secret)
         inserter = GradientCanaryInserter(trainer.model, gradient, dp_config.max_grad_norm)
         trainer.privacy_run.add_instrument(inserter)
-    token_ids, rows = setup.token_ids.get(TOKEN_CANARIES), setup.rows.get(TOKEN_CANARIES)
+    token_ids, rows = setup.token_ids.get(TOKEN_CANARIES, []), setup.rows.get(TOKEN_CANARIES, [])
     if WHITE_BOX in active:
         start_rows = canary_rows(trainer.model, token_ids)
         directions = canary_descent_directions(trainer, rows, token_ids)
@@ -389,8 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
                 result.epsilon_lower_bound, 100 * result.confidence, verdict,
                 "claimed ε" if result.claim == "epsilon" else f"tested figure {result.claim}", result.claimed_epsilon)
-    logger.info("μ-GDP on the same guesses: μ_lb = %.3f, ε %.3f at δ = %.3g. The most these tests could certify with "
-                "%d canaries and %d guesses: ε %.3f; μ %.3f (ε %.3f at δ).", result.mu_lower_bound,
-                result.gdp_epsilon_lower_bound, result.delta, result.canaries, result.k_plus + result.k_minus,
-                result.ceiling.epsilon, result.ceiling.mu, result.ceiling.gdp_epsilon)
+    logger.info("μ-GDP on the same guesses: μ_lb = %.3f, ε %.3f at δ = %.3g.", result.mu_lower_bound,
+                result.gdp_epsilon_lower_bound, result.delta)
+    if result.ceiling is not None:
+        logger.info("The most these tests could certify with %d canaries and %d guesses: ε %.3f; μ %.3f (ε %.3f at δ).",
+                    result.canaries, result.k_plus + result.k_minus, result.ceiling.epsilon, result.ceiling.mu,
+                    result.ceiling.gdp_epsilon)
     return 1 if result.refutes_claim else 0

@@ -64,7 +64,7 @@ class HeldOutPredictions:
         """One evaluation batch: its single-label classification logits [B, K] and integer labels [B]; anything else
         (regression, multi-label, tokens, multiple choice) is not counted."""
         logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
-        if not self._active or not _single_label(model, logits, labels):
+        if not self._active or logits is None or labels is None or not _single_label(model, logits, labels):
             return
         classes = logits.shape[-1]
         labels = labels.detach().long()
@@ -78,7 +78,7 @@ class HeldOutPredictions:
                           reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
         """Log the WARNING once per evaluation set name (INFO after) when the counts collapsed; whether they did.
         `reduce` sums a tensor over processes (distributed evaluation, where each counts its own shard)."""
-        if self.predicted is None or facts.steps == 0:  # not counted, or nothing trained yet: no cause to name
+        if self.predicted is None or self.labels is None or facts.steps == 0:  # not counted, or nothing trained yet
             return False
         predicted, labels = self.predicted, self.labels
         if reduce is not None:

@@ -104,6 +104,7 @@ def _units(row: Mapping[str, Any], runs: list[list[int]] | None, how: Identity, 
     """The sequences of a packed row (`runs`: each one's token positions), each keyed as an unpacked row would be.
     The row is kept whole, `undivided`, when its marks do not add up (None), or when it has text columns or model
     inputs that are not one value per token (they belong to the whole row)."""
+    assert how.others is not None, "a set compared on whole rows has no tokens, so no packed row"
     tokens = row[TOKENS]
     per_token = all(isinstance(row[c], list) and len(row[c]) == len(tokens) for c in how.others)
     if runs is None or how.texts or not per_token:

@@ -65,12 +65,12 @@ def is_pushable(name: str) -> bool:
     return name in PUSHABLE_NAMES or _WEIGHT_SHARD.fullmatch(name) is not None
 
 
-def pushable_files(directory: str | os.PathLike) -> list[str]:
+def pushable_files(directory: str | os.PathLike[str]) -> list[str]:
     """The files of `directory` (top level only) a push may upload, sorted."""
     return sorted(e.name for e in os.scandir(directory) if e.is_file() and is_pushable(e.name))
 
 
-def withheld_files(directory: str | os.PathLike) -> list[str]:
+def withheld_files(directory: str | os.PathLike[str]) -> list[str]:
     """What a push leaves behind (folders end in '/'); checkpoint folders, local by design, are not listed."""
     return sorted(
         e.name if e.is_file() else f"{e.name}/" for e in os.scandir(directory)

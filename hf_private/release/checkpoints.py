@@ -27,7 +27,7 @@ _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 def resolve_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> str:
     """Trainer's `resume_from_checkpoint`: a checkpoint folder, or True for the newest one in `output_dir`."""
     checkpoint = get_last_checkpoint(output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
-    if checkpoint is None:
+    if not checkpoint:
         raise ValueError(f"No checkpoint found in {output_dir} to resume from.")
     return checkpoint
 
