@@ -148,6 +148,7 @@ def _released_checkpoint(facts: RunFacts, steps_taken: int, held_out: dict[str, 
 
 def _drop_stale_evaluations(facts: RunFacts, step: int, held_out: dict[str, float], notes: list[str]):
     """Held-out results measured before the best checkpoint was reloaded describe other weights: not published."""
+    assert facts.reloaded_best is not None  # called only once `_released_checkpoint` found the best one reloaded
     stale = facts.reloaded_best["evaluations"]
     kept = {prefix: entry for prefix, entry in facts.evaluations.items()
             if not any(entry is before for before in stale)}

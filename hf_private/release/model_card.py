@@ -63,10 +63,9 @@ def base_model_name(model) -> str | None:
 
 def public_base_model(base_model: str | None) -> str:
     """How the report and the ledger name the base model: its Hub id, never a local path."""
-    kind = base_kind(base_model)
-    if kind == HUB:
-        return base_model
-    return "a local model (path withheld)" if kind == LOCAL else "none (random initialisation from a configuration)"
+    if not base_model:
+        return "none (random initialisation from a configuration)"
+    return base_model if base_kind(base_model) == HUB else "a local model (path withheld)"
 
 
 def framework_versions() -> dict[str, str]:
@@ -190,7 +189,7 @@ def build_model_card(
     results = eval_results_metadata(eval_results, task_type=task_type, dataset_name=eval_dataset_name,
                                     dataset_type=eval_dataset_type)
     relation = {"full": "finetune", "peft": "adapter", "private_adapter": "adapter"}.get(adapter_format or "")
-    extra = {"base_model_relation": relation} if kind == HUB and relation else {}
+    extra: dict[str, Any] = {"base_model_relation": relation} if kind == HUB and relation else {}
     card_data = ModelCardData(
         base_model=base_model if kind == HUB else None,
         license=license or UNKNOWN_LICENSE,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
 from torch.utils.data import DataLoader
 
 if TYPE_CHECKING:  # type checkers read the hooks as the Trainer methods they override
@@ -28,6 +29,16 @@ class EvaluationHooks(_Trainer):
 
     privacy_run: PrivacyRun
     _evaluations: Evaluations
+    model: nn.Module  # never None: the mixin refuses a missing model and model_init before Trainer is built
+
+    def _set_read(self, eval_dataset: Any) -> Any:
+        """The set an evaluation reads: `eval_dataset`, else the trainer's; a name is an entry of the trainer's dict
+        of sets (Trainer's evaluate recurses over a dict under the names of its entries)."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, str):
+            return dataset
+        assert isinstance(self.eval_dataset, dict), "only a dict of evaluation sets names its sets"
+        return self.eval_dataset[dataset]
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
                  **kwargs: Any) -> dict[str, float]:
@@ -36,9 +47,7 @@ class EvaluationHooks(_Trainer):
         Only metrics computed here reach the card, each with the verdict on the very set that produced it (a dict
         of sets recurses here once per set, under the prefix eval_<name>).
         """
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if isinstance(dataset, str):  # Trainer's recursion over a dict names self.eval_dataset's entries
-            dataset = self.eval_dataset[dataset]
+        dataset = self._set_read(eval_dataset)
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
         metrics = self._evaluations.record(metric_key_prefix, partial(
@@ -51,7 +60,7 @@ class EvaluationHooks(_Trainer):
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """Trainer's, once the set it reads is judged held out or not (`held_out.Evaluations.reading`): here the set
         is as the class's evaluate prepared it (TRL tokenizes, appends an EOS to and packs a set passed to evaluate)."""
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        dataset = self._set_read(eval_dataset)
         if dataset is not None:
-            self._evaluations.reading(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
+            self._evaluations.reading(dataset)
         return super().get_eval_dataloader(eval_dataset)

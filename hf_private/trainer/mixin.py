@@ -73,9 +73,9 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         self.packed_row_tokens, self.packed_forward_tokens = check_packing_tokens(packed_row_tokens,
                                                                                   packed_forward_tokens)
         self.dp_method = dp_config.build_method()
-        warn_if_cls_head_on_mean_encoder(model)
+        warn_if_cls_head_on_mean_encoder(checked.model)
         self.dataset_size = checked.dataset_size
-        model = self.dp_method.wrap_model(model)  # after every check: a refused run leaves the model as it was
+        model = self.dp_method.wrap_model(checked.model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
         if "model" in names[:len(trainer_args)]:
             trainer_args = tuple(model if name == "model" else value for name, value in zip(names, trainer_args)
@@ -100,8 +100,8 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         # the logged loss is a mean per example: under ULS a sampled user brings up to k examples
         self._examples_per_batch = self.units.examples_per_batch(self.sample_rate, expected)
         self.add_callback(_LogicalBatchBoundaries(self))
-        self._set_signature_columns_if_needed()
-        training_rows = TrainingRows(self.train_dataset, self._signature_columns,
+        self._set_signature_columns_if_needed()  # a list: Trainer leaves it unannotated, set to None in its __init__
+        training_rows = TrainingRows(self.train_dataset, self._signature_columns,  # type: ignore[arg-type]
                                      [*self.label_names, *checked.family.derived_columns],
                                      pad_token_id(self.processing_class), checked.family.unmarked_units(self.args))
         self._evaluations = Evaluations(training_rows, self.eval_dataset)
@@ -113,6 +113,7 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         """The set the sampler draws from (the training set as the model reads it, unused columns removed, in the
         unit's view) and its empty-batch-safe collator."""
         dataset = self.train_dataset
+        assert dataset is not None  # preflight.check_dataset refused a missing training set
         if hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")
         collate = EmptySafeCollator(self.trainer_family.training_collator(self.data_collator), dataset[0])
@@ -204,8 +205,8 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
         with cp_context():
             model.train()
-            if callable(getattr(self.optimizer, "train", None)):
-                self.optimizer.train()
+            if callable(optimizer_train := getattr(self.optimizer, "train", None)):
+                optimizer_train()
             loss = self._training_loss(model, self._prepare_inputs(inputs))
             every = self.args.torch_empty_cache_steps
             if every is not None and self.state.global_step % every == 0:
@@ -242,17 +243,17 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         check_private_path_unchanged(self, self._private_path)  # a patch after construction, before anything runs
-        if resume_from_checkpoint:
-            resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-            self.privacy_run.resume(resume_from_checkpoint, self.args.output_dir)
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self._output_dir) if resume_from_checkpoint else None
+        if checkpoint is not None:
+            self.privacy_run.resume(checkpoint, self._output_dir)
         requested = self.args.max_steps if self.args.max_steps > 0 else self.planned_steps
-        if not self.privacy_run.begin(requested, resumed=bool(resume_from_checkpoint)):
+        if not self.privacy_run.begin(requested, resumed=checkpoint is not None):
             # No step is possible: load the checkpoint's weights (what save/push will publish), train nothing.
-            metrics = self.privacy_run.spent_already(resume_from_checkpoint)
-            if resume_from_checkpoint:
-                self._load_from_checkpoint(resume_from_checkpoint)
+            metrics = self.privacy_run.spent_already(checkpoint)
+            if checkpoint is not None:
+                self._load_from_checkpoint(checkpoint)
             return TrainOutput(self.training_steps(), math.nan, metrics)
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(checkpoint or resume_from_checkpoint, *args, **kwargs)
         self.privacy_run.finish(output.metrics)
         return output
 

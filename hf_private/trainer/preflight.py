@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -41,6 +41,7 @@ from transformers.trainer_utils import HubStrategy
 
 from ..data import chunks
 from ..data.labels import LabelCounts, check_collated_labels, count_labels, refuse_string_labels
+from ..data.units import PrivacyUnits
 from ..data.users import UserIndex, capped_size
 from ..integrations import TrainerFamily, family_of
 from ..logs import get_logger
@@ -62,6 +63,7 @@ class Preflight:
     labels: LabelCounts  # non-finite and -100 labels; the -100 count is logged with the plan
     family: TrainerFamily  # the trainer class's family (hf_private.integrations): its unit, rows and per-unit loss
     unit: str  # the privacy unit, as the family names the training set's rows ("user" at user level)
+    model: nn.Module  # the model as given, checked: never None
     users: UserIndex | None = None  # at user level: the users of the training set as it was given
 
 
@@ -76,14 +78,18 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     check_subclass(trainer_class, mixin, custom_loss, family)
     check_custom_loss(custom_loss, family)
     check_trainer_kwargs(trainer_kwargs, family, dp_config)
-    check_model(model)
+    model = check_model(model)
     dataset_size = check_dataset(train_dataset)
     family.check_columns(train_dataset, args, trainer_kwargs)  # what the family's trainer prepares from (TRL)
     users = None
     if dp_config.privacy_unit == "user":  # ULS: N counts users (q = B / users); ELS: the examples users keep
+        assert dp_config.user_column is not None  # `users.check_privacy_unit`: the user level names its column
         users = UserIndex.of(train_dataset, dp_config.user_column)
-        dataset_size = (users.users if dp_config.user_sampling == "user"
-                        else capped_size(users, dp_config.max_examples_per_user))
+        if dp_config.user_sampling == "user":
+            dataset_size = users.users
+        else:
+            assert dp_config.max_examples_per_user is not None  # `users.check_privacy_unit`: ELS caps every user
+            dataset_size = capped_size(users, dp_config.max_examples_per_user)
         unit = "user"
     else:
         unit = family.unit(train_dataset)
@@ -92,7 +98,7 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
         check_user_level_arguments(args, dp_config)
-    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, users)
+    return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, model, users)
 
 
 def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
@@ -100,6 +106,7 @@ def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodCon
     """What needs the built Trainer (its default arguments, its accelerator's parallelism, the world size); returns
     the expected logical batch (per_device_train_batch_size × gradient_accumulation_steps × world_size)."""
     if not args_given:
+        assert trainer.model is not None  # check_before_trainer refused a missing model and model_init
         check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
                         checked.family, trainer.model)
         check_user_level_arguments(trainer.args, dp_config)
@@ -187,7 +194,13 @@ def _checked_classes(trainer_class: type[Trainer], mixin: type) -> list[type]:
     return [cls for cls in trainer_class.__mro__ if cls not in (mixin, Trainer, object)]
 
 
-def private_path_functions(trainer: Trainer, custom_loss: bool) -> dict[str, Any]:
+class HoldsPrivacyUnits(Protocol):
+    """A built private trainer as the private-path guard reads it: besides its class, the privacy unit it holds."""
+
+    units: PrivacyUnits
+
+
+def private_path_functions(trainer: HoldsPrivacyUnits, custom_loss: bool) -> dict[str, Any]:
     """What each function of the private path resolves to on the built trainer: its class's private-path methods
     (compute_loss too without per_example_loss), its privacy unit's (`units.<name>`) and the chunk layout's
     (`chunks.<name>`), once none is found set on an instance (a user's __init__ may set one): recorded when the
@@ -201,7 +214,7 @@ def private_path_functions(trainer: Trainer, custom_loss: bool) -> dict[str, Any
     return functions
 
 
-def check_private_path_unchanged(trainer: Trainer, functions: dict[str, Any]) -> None:
+def check_private_path_unchanged(trainer: HoldsPrivacyUnits, functions: dict[str, Any]) -> None:
     """Refuse a private-path function patched since the trainer was built (`functions`: what each resolved to then):
     a method set on the trainer or its privacy unit, or on a class of their MRO, or a chunk function replaced in its
     module; the refusal names the function, where the patch sits and what it is."""
@@ -223,7 +236,7 @@ _PRIVATE_PATH_REASONS = {**_PRIVATE_PATH_METHODS,
                          **{f"chunks.{name}": reason for name, reason in _PRIVATE_CHUNK_FUNCTIONS.items()}}
 
 
-def _patch(trainer: Trainer, name: str, recorded: Any) -> tuple[str, Any] | None:
+def _patch(trainer: HoldsPrivacyUnits, name: str, recorded: Any) -> tuple[str, Any] | None:
     """(where the private-path function `name` is patched, what it is now), or None while it is as `recorded`."""
     holder, _, attribute = name.rpartition(".")
     if holder == "chunks":
@@ -281,14 +294,14 @@ _LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
 
 
 def check_arguments(args: TrainingArguments, max_grad_norm: float, custom_loss: bool, trainer_class: type[Trainer],
-                    family: TrainerFamily, model: nn.Module | None) -> None:
+                    family: TrainerFamily, model: nn.Module) -> None:
     """The training settings (the trainer family's own first), then what a run may publish."""
     check_family_settings(args, family, model)
     check_training_args(args, max_grad_norm, custom_loss, trainer_class)
     check_release_settings(args)
 
 
-def check_family_settings(args: TrainingArguments, family: TrainerFamily, model: nn.Module | None) -> None:
+def check_family_settings(args: TrainingArguments, family: TrainerFamily, model: nn.Module) -> None:
     """The settings of a trainer family (TRL's SFTConfig) that would change what is clipped, refused by name."""
     for setting in family.refused_settings:
         if setting.is_on(args, model):
@@ -375,8 +388,9 @@ _SUPPORTED_PARALLELISM = (
 )
 
 
-def check_model(model: nn.Module | None) -> None:
-    """The model itself (not a wrapper), of a supported family, without layers that mix examples."""
+def check_model(model: nn.Module | None) -> nn.Module:
+    """The model itself (not a wrapper), of a supported family, without layers that mix examples; returned once
+    checked."""
     if model is None:
         raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
     if isinstance(model, str):
@@ -397,6 +411,7 @@ def check_model(model: nn.Module | None) -> None:
             f"BatchNorm layers {batch_norms} mix examples in train mode, which breaks per-example clipping and "
             "the guarantee. Replace them with GroupNorm/LayerNorm (opacus.validators.ModuleValidator.fix)."
         )
+    return model
 
 
 def check_supported_model(model: nn.Module) -> None:

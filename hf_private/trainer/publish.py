@@ -13,7 +13,7 @@ import glob
 from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from huggingface_hub import CommitInfo
 from torch import nn
@@ -44,7 +44,8 @@ class AllowListedUpload:
         self._warned: set[str] = set()
 
     def __call__(self, repo_id: str, folder: str, *, commit_message: str | None, token: str | None,
-                 revision: str | None, run_as_future: bool) -> CommitInfo | Future[CommitInfo]:
+                 revision: str | None, run_as_future: Literal[True, False]) -> CommitInfo | Future[CommitInfo]:
+        """`run_as_future` is a bool, spelled as its two values: `upload_folder` is typed once for each."""
         files = pushable_files(folder)
         new = [name for name in withheld_files(folder) if name not in self._warned]
         if new:
@@ -65,6 +66,24 @@ class ReleaseHooks(_Trainer):
 
     privacy_run: PrivacyRun
     _evaluations: Evaluations
+    model: nn.Module  # never None: the mixin refuses a missing model and model_init before Trainer is built
+    # Trainer leaves these two unannotated, set to None in __init__: type checkers infer `None` from that.
+    hub_model_id: str | None  # type: ignore[assignment]  # the repository's id once init_hf_repo has run
+    push_in_progress: PushInProgress | None  # type: ignore[assignment]  # the checkpoint pushes under way
+
+    @property
+    def _output_dir(self) -> str:
+        """`args.output_dir`, never None: TrainingArguments replaces None by 'trainer_output' when it is built."""
+        output_dir = self.args.output_dir
+        assert output_dir is not None, "TrainingArguments.__post_init__ sets output_dir"
+        return output_dir
+
+    @property
+    def _hub_repo(self) -> str:
+        """The repository pushes go to: Trainer's `init_hf_repo` names it, at build time when push_to_hub is set, and
+        in `push_to_hub` before the push otherwise."""
+        assert self.hub_model_id is not None, "init_hf_repo sets hub_model_id before any push"
+        return self.hub_model_id
 
     @cached_property
     def _upload_to_hub(self) -> AllowListedUpload:
@@ -73,7 +92,7 @@ class ReleaseHooks(_Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
+        output_dir = output_dir or self._output_dir
         if self.args.should_save:
             self.privacy_run.save(output_dir)
             self._write_card(output_dir)
@@ -85,7 +104,7 @@ class ReleaseHooks(_Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Checkpoints and final saves alike write only what was trained (see `hf_private.release.adapters`)."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else self._output_dir
         if self.adapter_format != "private_adapter":
             super()._save(output_dir, state_dict)
             if self.args.should_save:
@@ -121,7 +140,7 @@ class ReleaseHooks(_Trainer):
         self.callback_handler.on_push_begin(args, self.state, self.control)
         model_name = kwargs.pop("model_name", None)
         if model_name is None and args.should_save:
-            model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+            model_name = Path(self._output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
         token = token if token is not None else args.hub_token
         if self.hub_model_id is None:
             self.init_hf_repo(token=token, private=private)
@@ -136,7 +155,7 @@ class ReleaseHooks(_Trainer):
         self.create_model_card(model_name=model_name, **kwargs)
         self._finish_current_push()
         return self._upload_to_hub(
-            self.hub_model_id, args.output_dir, commit_message=commit_message, token=token,
+            self._hub_repo, self._output_dir, commit_message=commit_message, token=token,
             revision=revision if revision is not None else args.hub_revision, run_as_future=not blocking,
         )
 
@@ -145,26 +164,28 @@ class ReleaseHooks(_Trainer):
         copied to the output directory together (weights, ledger and card of the same step), then uploaded from
         there in the background."""
         args = self.args
-        busy = self.push_in_progress is not None and not self.push_in_progress.is_done()
+        running = self.push_in_progress  # the previous push, while its uploads are not all done
+        running = None if running is None or running.is_done() else running
         if (not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END
-                or (busy and not args.hub_always_push)):
+                or (running is not None and not args.hub_always_push)):
             return
         self.callback_handler.on_push_begin(args, self.state, self.control)
-        copy_pushable(checkpoint_folder, args.output_dir)
+        copy_pushable(checkpoint_folder, self._output_dir)
         progress = (f"step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
                     else f"epoch {int(self.state.epoch)}")
-        job = self._upload_to_hub(self.hub_model_id, args.output_dir,
+        job = self._upload_to_hub(self._hub_repo, self._output_dir,
                                   commit_message=f"Training in progress, {progress}", token=args.hub_token,
                                   revision=args.hub_revision, run_as_future=True)
-        if busy:
-            self.push_in_progress.jobs.append(job)
+        # transformers types PushInProgress's jobs as one Future; they are a list of them, as its own Trainer passes
+        if running is not None:
+            running.jobs.append(job)  # type: ignore[union-attr]
         else:
-            self.push_in_progress = PushInProgress([job])
+            self.push_in_progress = PushInProgress([job])  # type: ignore[arg-type]
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
         if self.is_world_process_zero():
-            self._write_card(self.args.output_dir, model_name=model_name, finetuned_from=finetuned_from,
+            self._write_card(self._output_dir, model_name=model_name, finetuned_from=finetuned_from,
                              tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
                              dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
 
