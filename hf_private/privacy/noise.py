@@ -49,12 +49,13 @@ class _Draw:
         self.generation, self.key, self.values = generation, key, values
         self.spent = False
         self._error: BaseException | None = None
-        cuda = values.device.type == "cuda"
-        self._side = torch.cuda.Stream(values.device) if cuda else None
-        self._after: torch.cuda.Event | None = None
-        if cuda:
-            self._after = torch.cuda.Event()
-            self._after.record()
+        # On CUDA: the side stream, and the event it waits for (everything queued on the caller's stream so far).
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        if values.device.type == "cuda":
+            side = torch.cuda.Stream(values.device)
+            after = torch.cuda.Event()
+            after.record()
+            self._side = side, after
         # Not a daemon: interpreter exit waits for at most one draw rather than killing it inside torch.
         self._thread = threading.Thread(target=self._run, args=(sampler,), name="hf_private noise", daemon=False)
         self._thread.start()
@@ -64,10 +65,11 @@ class _Draw:
             if self._side is None:
                 self._draw(sampler)
                 return
-            with torch.cuda.stream(self._side):
-                self._side.wait_event(self._after)
+            side, after = self._side
+            with torch.cuda.stream(side):
+                side.wait_event(after)
                 self._draw(sampler)
-            self._side.synchronize()
+            side.synchronize()
         except BaseException as error:  # raised again in the caller's thread by `wait`
             self._error = error
 

@@ -271,13 +271,24 @@ class PlannedStage:
     def end_step(self) -> int | None:
         return None if self.start_step is None else self.start_step + self.steps
 
+    def training_span(self) -> tuple[int, int]:
+        """(start, end): the 0-based training steps start ≤ step < end of a training stage, which always has them;
+        ValueError for a stage outside the training steps."""
+        if self.start_step is None:
+            raise ValueError(f"Stage {self.name!r} runs outside the training steps: it has no training span.")
+        return self.start_step, self.start_step + self.steps
+
+    def release_noise_multiplier(self) -> float:
+        """σ of this stage's noised releases; ValueError where it is undefined (a stage planned with no steps)."""
+        if self.noise_multiplier is None:
+            raise ValueError(f"Stage {self.name!r} has no σ (it was planned with no steps).")
+        return self.noise_multiplier
+
     def event(self, steps: int, max_grad_norm: float | None = None) -> MechanismGroup:
         """The ledger event of `steps` releases of this stage."""
         if self.stage.no_guarantee is not None:
             return MechanismGroup.no_guarantee(self.name, self.stage.no_guarantee, steps, max_grad_norm)
-        if self.noise_multiplier is None:
-            raise ValueError(f"Stage {self.name!r} has no σ (it was planned with no steps).")
-        return self.stage.event(self.noise_multiplier, self.sample_rate, steps, max_grad_norm)
+        return self.stage.event(self.release_noise_multiplier(), self.sample_rate, steps, max_grad_norm)
 
     def to_dict(self) -> dict[str, Any]:
         if self.stage.no_guarantee is not None:
@@ -334,16 +345,16 @@ class PrivacyPlan:
         self.expected_batch_size = int(expected_batch_size)
         self.sample_rate = self.expected_batch_size / self.dataset_size
         self.steps_per_epoch = steps_per_epoch(self.sample_rate)
-        if (steps is None) == (epochs is None):
-            raise ValueError(f"Give exactly one of steps and epochs, got steps={steps}, epochs={epochs}.")
-        if steps is not None:
+        if steps is not None and epochs is None:
             if int(steps) != steps or steps < 1:
                 raise ValueError(f"steps must be a positive integer, got {steps}.")
             self.planned_steps = int(steps)
-        else:
+        elif epochs is not None and steps is None:
             if not (math.isfinite(epochs) and epochs > 0):
                 raise ValueError(f"epochs must be finite and > 0, got {epochs}.")
             self.planned_steps = math.ceil(epochs * self.steps_per_epoch)
+        else:
+            raise ValueError(f"Give exactly one of steps and epochs, got steps={steps}, epochs={epochs}.")
         check_budget(target_epsilon, noise_multiplier)
         self.accountant = accountant
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
@@ -400,16 +411,17 @@ class PrivacyPlan:
 
     def _layout(self) -> list[tuple[Stage, float, int, int | None]]:
         """(stage, q, steps, start step) for every stage; training stages fill the planned steps in order."""
-        layout = []
+        layout: list[tuple[Stage, float, int, int | None]] = []
         position = 0
         for stage in self.stages:
             q = self.sample_rate if stage.sample_rate is None else float(stage.sample_rate)
-            k = self._stage_steps(stage, q)
+            given = self._stage_steps(stage, q)
             if not stage.training:
-                layout.append((stage, q, k, None))
+                assert given is not None  # Stage.__post_init__: a stage outside training gives its steps or epochs
+                layout.append((stage, q, given, None))
                 continue
             left = self.planned_steps - position
-            k = left if k is None else min(k, left)
+            k = left if given is None else min(given, left)
             layout.append((stage, q, k, position))
             position += k
         if position < self.planned_steps:
@@ -423,38 +435,41 @@ class PrivacyPlan:
         sigmas: list[float | None] = [None] * len(layout)
         self._scale: float | None = None
         ratio = [i for i, (stage, *_) in enumerate(layout) if stage.calibration == "ratio"]
-        if self.target_epsilon is None:  # a fixed σ for the run: ratio stages scale it
+        if self.noise_multiplier is not None:  # a fixed σ for the run, no target (check_budget): ratio stages scale it
             self._scale = self.noise_multiplier
             for i, (stage, *_) in enumerate(layout):
-                if stage.calibration == "fixed" or (stage.calibration == "none" and stage.noise_multiplier):
+                if stage.noise_multiplier is not None:  # a "fixed" stage, or a "none" one with its own σ
                     sigmas[i] = float(stage.noise_multiplier)
                 elif stage.calibration == "ratio":
                     sigmas[i] = (stage.noise_ratio or 1.0) * self.noise_multiplier
             return sigmas
+        target = self.target_epsilon
+        assert target is not None  # check_budget: exactly one of target_epsilon and noise_multiplier
         prior: list[MechanismGroup] = []
         for i, (stage, q, k, _) in enumerate(layout):
             if stage.noise_multiplier is not None:
-                sigmas[i] = float(stage.noise_multiplier)
+                fixed = sigmas[i] = float(stage.noise_multiplier)
                 if stage.calibration == "fixed" and k > 0:
-                    prior.append(stage.event(sigmas[i], q, k))
-        shares = sorted((i for i, (stage, *_) in enumerate(layout) if stage.calibration == "share"),
-                        key=lambda i: layout[i][0].epsilon_share)
-        for i in shares:
+                    prior.append(stage.event(fixed, q, k))
+        # The "share" stages, in increasing share (shares differ, _check_stages).
+        shares = sorted((stage.epsilon_share, i) for i, (stage, *_) in enumerate(layout)
+                        if stage.epsilon_share is not None)
+        for share, i in shares:
             stage, q, k, _ = layout[i]
             if k == 0:
                 continue
-            sigmas[i] = calibrate_noise_multiplier(
-                stage.epsilon_share * self.target_epsilon, self.delta, q, k, accountant=self.accountant,
+            calibrated = sigmas[i] = calibrate_noise_multiplier(
+                share * target, self.delta, q, k, accountant=self.accountant,
                 prior=prior, name=stage.name, tolerance=self.tolerance,
                 max_noise_multiplier=self.max_noise_multiplier, examples_per_user=stage.examples_per_user,
             )
-            prior.append(stage.event(sigmas[i], q, k))
+            prior.append(stage.event(calibrated, q, k))
         joint = [JointMechanism(layout[i][0].name, layout[i][0].noise_ratio or 1.0, layout[i][1], layout[i][2],
                                 layout[i][0].examples_per_user)
                  for i in ratio]
         if any(m.steps > 0 for m in joint):
             self._scale = calibrate_jointly(
-                self.target_epsilon, self.delta, joint, accountant=self.accountant, prior=prior,
+                target, self.delta, joint, accountant=self.accountant, prior=prior,
                 tolerance=self.tolerance, max_noise_multiplier=self.max_noise_multiplier,
             )
             for i, m in zip(ratio, joint):
@@ -463,9 +478,9 @@ class PrivacyPlan:
             pass  # ε is ∞ whatever the noise: nothing to check against the target
         else:
             epsilon = compute_epsilon(prior, self.delta, self.accountant)
-            if epsilon > self.target_epsilon:
+            if epsilon > target:
                 raise BudgetError(
-                    f"The stages with fixed noise spend ε={epsilon:.4g} > target ε={self.target_epsilon:.4g}: "
+                    f"The stages with fixed noise spend ε={epsilon:.4g} > target ε={target:.4g}: "
                     "give them more noise, fewer steps or smaller rates, or allow a larger ε."
                 )
         return sigmas
@@ -520,7 +535,7 @@ class PrivacyPlan:
     @property
     def start_steps(self) -> dict[str, int]:
         """Training stage name → the 0-based training step at which it starts."""
-        return {p.name: p.start_step for p in self.training_stages}
+        return {p.name: p.training_span()[0] for p in self.training_stages}
 
     def stage_at(self, step: int) -> PlannedStage:
         """The training stage of 0-based training step `step`; past the plan, the last training stage."""
@@ -528,7 +543,8 @@ class PrivacyPlan:
             raise ValueError(f"step must be a non-negative integer, got {step}.")
         stages = self.training_stages
         for planned in stages:
-            if planned.start_step <= step < planned.end_step:
+            start, end = planned.training_span()
+            if start <= step < end:
                 return planned
         return stages[-1]
 
@@ -575,7 +591,8 @@ class PrivacyPlan:
         stages = self.training_stages
         for index, planned in enumerate(stages):
             last = index == len(stages) - 1
-            remaining = _UNBOUNDED_STEPS if last else max(0, planned.end_step - max(position, planned.start_step))
+            start, end = planned.training_span()
+            remaining = _UNBOUNDED_STEPS if last else max(0, end - max(position, start))
             if remaining == 0:
                 continue
             if planned.noise_multiplier is None:  # a calibrated stage planned with no steps: it never runs
@@ -617,8 +634,11 @@ class PrivacyPlan:
             f"{self.accountant} accountant{target}."
         ]
         for p in self.planned:
-            when = f"steps {p.start_step}-{p.end_step - 1}" if p.training and p.steps else (
-                "training steps" if p.training else "outside training steps")
+            if p.training and p.steps:
+                start, end = p.training_span()
+                when = f"steps {start}-{end - 1}"
+            else:
+                when = "training steps" if p.training else "outside training steps"
             sigma = "σ undefined" if p.noise_multiplier is None else f"σ={p.noise_multiplier:.4g}"
             how = p.stage.calibration
             if how == "share":

@@ -229,23 +229,23 @@ class GaussianSampler:
         self.device = torch.device(device)
         self._block_function = self._device_block_function(keystream)
         self.pairs = pairs_per_chunk or (DEVICE_CHUNK_PAIRS if self._block_function is not None else HOST_CHUNK_PAIRS)
-        on = dict(device=self.device)
         # With the host keystream on CUDA it goes into two pinned host buffers in turn, each copied to the device
         # asynchronously: the next chunk's keystream is drawn while this one's copy runs, and a buffer is refilled only
         # after its copy has finished (its event). Elsewhere one pageable buffer, copied (on CPU, viewed) synchronously.
-        self._pinned = self.device.type == "cuda" and self._block_function is None
-        turns = 2 if self._pinned else 1
+        pinned = self.device.type == "cuda" and self._block_function is None
+        turns = 2 if pinned else 1
         host_bytes = 0 if self._block_function is not None else PAIR_BYTES * self.pairs
-        self._hosts = [torch.empty(host_bytes, dtype=torch.uint8, pin_memory=self._pinned) for _ in range(turns)]
+        self._hosts = [torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(turns)]
         self._copied: list[torch.cuda.Event | None] = [None] * turns
         self._turn = 0
-        self._raw = torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, **on) if self._pinned else None
-        self._bits63 = torch.empty(self.pairs, dtype=torch.int64, **on)
-        self._bits24 = torch.empty(self.pairs, dtype=torch.int32, **on)
-        self._radius64 = torch.empty(self.pairs, dtype=torch.float64, **on)
-        self._radius = torch.empty(self.pairs, dtype=torch.float32, **on)
-        self._angle = torch.empty(self.pairs, dtype=torch.float32, **on)
-        self._values = torch.empty(2 * self.pairs, dtype=torch.float32, **on)
+        # The device buffer the pinned host buffers are copied into; None where the host buffer is pageable.
+        self._raw = torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, device=self.device) if pinned else None
+        self._bits63 = torch.empty(self.pairs, dtype=torch.int64, device=self.device)
+        self._bits24 = torch.empty(self.pairs, dtype=torch.int32, device=self.device)
+        self._radius64 = torch.empty(self.pairs, dtype=torch.float64, device=self.device)
+        self._radius = torch.empty(self.pairs, dtype=torch.float32, device=self.device)
+        self._angle = torch.empty(self.pairs, dtype=torch.float32, device=self.device)
+        self._values = torch.empty(2 * self.pairs, dtype=torch.float32, device=self.device)
 
     def _chunk(self, std: float, pairs: int) -> torch.Tensor:
         """2·pairs fresh N(0, std²) values, pairs ≤ self.pairs (a view of a reused buffer).
@@ -291,19 +291,20 @@ class GaussianSampler:
         """`size` fresh keystream bytes (one request) as a uint8 tensor on the device."""
         if self._block_function is not None:
             return self.random.device_keystream(size, self._block_function, self.device)
-        if not self._pinned:
+        if self._raw is None:  # one pageable host buffer
             host = self._hosts[0][:size]
-            self.random.fill_(memoryview(host.numpy()))
+            self.random.fill_(host.numpy().data)
             return host.to(self.device, non_blocking=True)  # a view on CPU; from pageable memory a synchronous copy
         turn, self._turn = self._turn, 1 - self._turn
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # this buffer's previous copy has left it
+        previous_copy = self._copied[turn]
+        if previous_copy is not None:
+            previous_copy.synchronize()  # this buffer's previous copy has left it
         host = self._hosts[turn][:size]
-        self.random.fill_(memoryview(host.numpy()))
+        self.random.fill_(host.numpy().data)
         raw = self._raw[:size]
         raw.copy_(host, non_blocking=True)  # queued on the current stream, before this chunk's transform
-        self._copied[turn] = torch.cuda.Event()
-        self._copied[turn].record()
+        copied = self._copied[turn] = torch.cuda.Event()
+        copied.record()
         return raw
 
     def add_(self, tensor: torch.Tensor, std: float) -> None:

@@ -103,7 +103,7 @@ class MethodView:
         if not (sensitivity > 0 and math.isfinite(sensitivity)):
             raise ValueError(f"The sensitivity of a release must be finite and > 0, got {sensitivity}.")
         noisy = values.detach().to(dtype=torch.promote_types(values.dtype, torch.float32), copy=True)
-        std = self.plan[stage].noise_multiplier * float(sensitivity)
+        std = self.plan[stage].release_noise_multiplier() * float(sensitivity)
         noise_once_then_sum([noisy], lambda tensors: self._noise.add_(tensors, std))
         self._record_release(stage)
         return noisy

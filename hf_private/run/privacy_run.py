@@ -139,10 +139,9 @@ class PrivacyRun:
     def noise_multiplier(self) -> float:
         """σ of the current training stage; 0 for a stage that claims no guarantee and adds no gradient noise (DP-FP in
         paper mode)."""
-        sigma = self.stage.noise_multiplier
-        if sigma is None and self.stage.stage.no_guarantee is not None:
+        if self.stage.noise_multiplier is None and self.stage.stage.no_guarantee is not None:
             return 0.0
-        return sigma
+        return self.stage.release_noise_multiplier()
 
     @property
     def mechanism_name(self) -> str:
@@ -440,6 +439,8 @@ class PrivacyRun:
         process, so every process trains on the same ones."""
         if self.kept_examples is None:
             k = self._config.max_examples_per_user
+            if k is None:  # check_privacy_unit: never under ELS
+                raise ValueError("kept_by_users is for ELS runs, which cap every user at max_examples_per_user.")
             examples = UserExamples.of(dataset, index)
             kept = (examples.kept_from(self._resumed_cap, k) if self._resumed_cap is not None
                     else cap_examples(index, k, self.sampling_random("user cap")))

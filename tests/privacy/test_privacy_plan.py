@@ -239,6 +239,20 @@ def test_a_stage_without_guarantee_makes_the_plan_and_the_ledger_say_none():
     assert mixed["forward"].noise_multiplier is None and mixed.guarantee[0] == "none"
 
 
+def test_planned_stages_give_their_training_span_and_release_sigma():
+    """[start, end) of a training stage's steps (none outside training); σ of a release, refused where undefined."""
+    stages = [Stage("psel", sample_rate=0.02, steps=5, training=False, noise_multiplier=2.0), Stage("a", epochs=1.0),
+              Stage("b")]
+    plan = _plan(noise_multiplier=1.0, target_epsilon=None, stages=stages)
+    assert plan["a"].training_span() == (0, 50) and plan["b"].training_span() == (50, 150)
+    with pytest.raises(ValueError, match="outside the training steps"):
+        plan["psel"].training_span()
+    assert plan["psel"].release_noise_multiplier() == 2.0 and plan["b"].release_noise_multiplier() == 1.0
+    mixed = _plan(accountant="rdp", stages=[Stage("forward", steps=10, no_guarantee="paper mode"), Stage("dp-sgd")])
+    with pytest.raises(ValueError, match="has no σ"):
+        mixed["forward"].release_noise_multiplier()
+
+
 # ---------------------------------------------------------------------- inputs
 def test_delta_is_resolved_like_dp_config():
     assert resolve_delta(N) == 1 / (2 * N) and _plan(noise_multiplier=1.0, target_epsilon=None).delta == 1 / (2 * N)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_private.methods.base import MethodRun
-from hf_private.privacy import MechanismGroup
+from hf_private.privacy import MechanismGroup, PlannedStage, Stage
 from hf_private.run.method_view import MethodView
 
 METHODS = pathlib.Path(__file__).resolve().parents[2] / "hf_private" / "methods"
@@ -34,7 +34,8 @@ def _view(sigma: float = 2.0, ledger_groups: list | None = None) -> tuple[Method
     def suspend() -> None:
         seen["suspended"] += 1
 
-    plan = {"selection": SimpleNamespace(noise_multiplier=sigma, sample_rate=0.5)}
+    selection = Stage("selection", steps=3, training=False)
+    plan = {"selection": PlannedStage(selection, sample_rate=0.5, steps=3, start_step=None, noise_multiplier=sigma)}
     ledger = SimpleNamespace(mechanisms=ledger_groups or [])
     view = MethodView(nn.Linear(2, 1), plan, SimpleNamespace(), max_grad_norm=1.0, noise=Noise(), random=None,
                       ledger=lambda: ledger, record_release=seen["recorded"].append, suspend_training_engine=suspend)

@@ -87,10 +87,9 @@ def pld_epsilon(releases: Sequence[Releases], delta: float) -> tuple[float, str]
     try:
         with quiet_numerics():
             interval = _pld_interval(releases)
-            composed = None
-            for sigma, q, k, steps in releases:
-                step = _pld_per_step(sigma, q, k, interval).self_compose(steps)
-                composed = step if composed is None else composed.compose(step)
+            composed = functools.reduce(  # releases are never empty: "prv" sends the histories with an ELS release
+                lambda history, step: history.compose(step),
+                (_pld_per_step(sigma, q, k, interval).self_compose(steps) for sigma, q, k, steps in releases))
             epsilon = float(composed.get_epsilon_for_delta(delta))
         if not math.isnan(epsilon):
             return epsilon, PLD_LABEL
