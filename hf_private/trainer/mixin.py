@@ -21,7 +21,6 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
 from ..data import chunks
@@ -50,6 +49,7 @@ from .preflight import (
 )
 from .publish import ReleaseHooks
 from .run_attributes import RunAttributes
+from .step_boundaries import LogicalBatchBoundaries
 
 logger = get_logger(__name__)
 
@@ -99,7 +99,7 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
                                       expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
         # the logged loss is a mean per example: under ULS a sampled user brings up to k examples
         self._examples_per_batch = self.units.examples_per_batch(self.sample_rate, expected)
-        self.add_callback(_LogicalBatchBoundaries(self))
+        self.add_callback(LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()  # a list: Trainer leaves it unannotated, set to None in its __init__
         training_rows = TrainingRows(self.train_dataset, self._signature_columns,  # type: ignore[arg-type]
                                      [*self.label_names, *checked.family.derived_columns],
@@ -285,23 +285,3 @@ def _positional_names(cls: type) -> list[str]:
         if not any(p.kind is p.VAR_POSITIONAL for p in parameters):
             return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return []
-
-
-class _LogicalBatchBoundaries(TrainerCallback):
-    """Trainer's hooks around every optimizer step.
-
-    Begin: refuse a private-path method patched since the trainer was built (`preflight.check_private_path_unchanged`),
-    and reset the engine, so an interrupted batch never joins the next. End: stop once the budget allows no
-    further step, so the loop ends with global_step equal to the ledger's steps (not one empty step later).
-    """
-
-    def __init__(self, trainer: PrivateTrainingMixin) -> None:
-        self.trainer = trainer
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        check_private_path_unchanged(self.trainer, self.trainer._private_path)  # e.g. patched by a callback
-        self.trainer.privacy_run.before_step()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self.trainer.privacy_run.may_step():
-            self.trainer._stop_for_budget()

@@ -31,6 +31,7 @@ from transformers import (
 
 import hf_private.data.chunks
 import hf_private.trainer.mixin as trainer_module
+import hf_private.trainer.step_boundaries as step_boundaries
 from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, privatize
 from hf_private.data.sampling import PoissonBatchSampler
 from hf_private.integrations.trl_dpo import PAIR_LOSSES
@@ -580,7 +581,8 @@ def test_a_private_path_method_patched_after_construction_is_refused_before_the_
 
 @pytest.mark.parametrize("how", sorted(PATCHES))
 def test_mutation_without_the_comparison_the_patched_method_runs(tmp_path, monkeypatch, how):
-    monkeypatch.setattr(trainer_module, "check_private_path_unchanged", lambda trainer, functions: None)
+    for module in (trainer_module, step_boundaries):  # before training, and before every step
+        monkeypatch.setattr(module, "check_private_path_unchanged", lambda trainer, functions: None)
     trainer = _build(tmp_path, type("UserTrainer", (PrivateTrainer,), {}), args=dict(max_steps=2))
     PATCHES[how][0](trainer, monkeypatch)
     with pytest.raises(_Ran):
