@@ -98,8 +98,10 @@ class DPFPMethod(DPMethod):
         steps = plan[self.name].steps
         if self.config.target_epsilon is not None:
             sigma = clt_noise_multiplier(self.config.target_epsilon, plan.delta, plan.sample_rate, steps)
-        else:
+        elif self.config.noise_multiplier is not None:
             sigma = self.config.noise_multiplier
+        else:  # unreachable: MethodConfig holds exactly one of target_epsilon and noise_multiplier
+            raise ValueError("DP-FP's representation noise needs target_epsilon or noise_multiplier.")
         self.representation_noise_multiplier = sigma
         mechanism = ClippedNoisyOutput(self.config.representation_clip, sigma, noise)
         module = model.get_submodule(self.noise_point.removeprefix(_INPUT))

@@ -107,6 +107,8 @@ class FrostMethod(DPMethod):
         total = int(sizes.sum())  # |Θ|, the head included (methods_spec §2.13)
         rounds = config.rounds_per_selection
         sigma = run.plan[SELECTION_STAGE].noise_multiplier
+        if sigma is None:  # unreachable: a selection runs only in a planned round, and a stage with steps has its σ
+            raise RuntimeError(f"Stage {SELECTION_STAGE!r} has no σ: it was planned with no selection rounds.")
         remaining = list(self.candidates)
         selected: list[int] = []
         observations, deltas, log = [], [], []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from . import rgp
 from .config import SparseLowRankConfig
 from .masks import MaskedFactor, unit_masks
 
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+
 # Seed 003 §4.8: B 2000, 20 epochs, lr 1e-3, C = 10 (δ = 1e-5 in the paper; the recipe keeps 1/(2N), smaller here).
 _PAPER_TASKS = ("sst2", "qnli")
 _PAPER = "seed 003 §4.8 and Table 1 (methods_spec §4.8)"
@@ -46,11 +49,11 @@ class SparseLowRankMethod(DPMethod):
     def __init__(self, config: SparseLowRankConfig) -> None:
         super().__init__(config)
         self.factors: list[MaskedFactor] = []
-        self.lora_layers: list[tuple[nn.Module, str]] = []  # (PEFT LoRA layer, adapter name)
+        self.lora_layers: list[tuple[LoraLayer, str]] = []  # (PEFT LoRA layer, adapter name)
         self.rgp_layers: dict[str, rgp.RGPLinear] = {}
         self.head: set[str] = set()
         self.other_trainable = 0  # noised coordinates outside the factors (the head)
-        self._generator: torch.Generator | None = None
+        self._generator: torch.Generator  # the carriers' start vectors (RGP): seeded in prepare_model, before any step
 
     # ------------------------------------------------------------------ model
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -76,10 +79,10 @@ class SparseLowRankMethod(DPMethod):
             from peft.tuners.lora import LoraLayer
 
             self.lora_layers = [(m, m.active_adapters[0]) for m in model.modules() if isinstance(m, LoraLayer)]
-            for layer, adapter in self.lora_layers:
-                rows, cols = unit_masks(_lora_weight(layer, adapter), sparsity)
-                self.factors += [MaskedFactor(layer.lora_B[adapter].weight, 0, rows),
-                                 MaskedFactor(layer.lora_A[adapter].weight, 1, cols)]
+            for lora_layer, adapter in self.lora_layers:
+                rows, cols = unit_masks(_lora_weight(lora_layer, adapter), sparsity)
+                self.factors += [MaskedFactor(_weight(lora_layer.lora_B[adapter]), 0, rows),
+                                 MaskedFactor(_weight(lora_layer.lora_A[adapter]), 1, cols)]
             self._count_other_trainable(model)
             return
         train_only(model, self.head)
@@ -89,8 +92,8 @@ class SparseLowRankMethod(DPMethod):
             layer.left.weight.requires_grad_(True)
             layer.right.weight.requires_grad_(True)
             rows, cols = unit_masks(layer.weight_out_in(), sparsity)
-            self.factors += [MaskedFactor(layer.left.weight, 0, rows, keep_values=False),
-                             MaskedFactor(layer.right.weight, 1, cols, keep_values=False)]
+            self.factors += [MaskedFactor(_weight(layer.left), 0, rows, keep_values=False),
+                             MaskedFactor(_weight(layer.right), 1, cols, keep_values=False)]
         self._count_other_trainable(model)
 
     def _count_other_trainable(self, model: nn.Module) -> None:
@@ -119,7 +122,7 @@ class SparseLowRankMethod(DPMethod):
         if self.config.resolved_mask_source == "current":
             for (layer, adapter), index in zip(self.lora_layers, range(0, len(self.factors), 2)):
                 current = _lora_weight(layer, adapter) + layer.scaling[adapter] * (
-                    layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight)
+                    _weight(layer.lora_B[adapter]) @ _weight(layer.lora_A[adapter]))
                 self.factors[index].mask, self.factors[index + 1].mask = unit_masks(current,
                                                                                     self.config.resolved_sparsity)
 
@@ -174,10 +177,23 @@ class SparseLowRankMethod(DPMethod):
         return RecipeDefaults(2000, 20, 1e-3, 10.0, 256, _PAPER, from_paper=task in _PAPER_TASKS)
 
 
-def _lora_weight(layer: nn.Module, adapter: str) -> torch.Tensor:
+def _lora_weight(layer: LoraLayer, adapter: str) -> torch.Tensor:
     """The frozen base weight of a PEFT LoRA layer laid out [out, in] (GPT-2's Conv1D stores [in, out])."""
+    if not isinstance(layer, nn.Module):  # peft's LoRA layers are modules; `fan_in_fan_out` is an undeclared attribute
+        raise TypeError(f"{type(layer).__name__} is not a torch module: not one of peft's LoRA layers.")
     weight = layer.get_base_layer().weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"The base layer of {type(layer).__name__} has no weight tensor.")
     return weight.T if layer.fan_in_fan_out else weight
+
+
+def _weight(module: nn.Module) -> nn.Parameter:
+    """`module.weight` as the Parameter it is: torch types a submodule's attributes as Tensor or Module, and peft
+    keeps its LoRA factors in plain Module containers, so the type checker cannot see it by itself."""
+    weight = module.weight
+    if not isinstance(weight, nn.Parameter):
+        raise TypeError(f"{type(module).__name__}.weight is a {type(weight).__name__}, not a Parameter.")
+    return weight
 
 
 def _rgp_targets(model: nn.Module, target_modules: str | None) -> list[str]:

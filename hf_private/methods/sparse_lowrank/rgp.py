@@ -202,11 +202,12 @@ def set_carriers(module: RGPLinear, generator: torch.Generator) -> None:
 
 
 # ---------------------------------------------------------------------- reconstruction
-def full_weight_gradient(grad_left: Tensor, grad_right: Tensor, left: Tensor, right: Tensor) -> Tensor:
+def full_weight_gradient(grad_left: Tensor | None, grad_right: Tensor | None, left: Tensor, right: Tensor) -> Tensor:
     """∂W ≈ (∂L)R + L(∂R) − LLᵀ(∂L)R, laid out [out, in] (the paper's reconstruction, Yu et al. 2021).
 
     Shapes: grad_left and left [out, k], grad_right and right [k, in]; L has orthonormal columns, R orthonormal rows.
     The result is in float32, or wider if an input is. `RGPLinear.to_weight_layout` gives a Conv1D's [in, out].
+    The gradients are the carriers' `.grad`, typed optional as torch types it: a missing one is a ValueError.
 
     Why the minus sign: when the factor gradients come from a true ∂W (∂L = ∂W Rᵀ, ∂R = Lᵀ ∂W), the formula gives
     ∂W RᵀR + LLᵀ ∂W − LLᵀ ∂W RᵀR = ∂W − (I − LLᵀ) ∂W (I − RᵀR). That is the orthogonal projection of ∂W onto
@@ -217,7 +218,7 @@ def full_weight_gradient(grad_left: Tensor, grad_right: Tensor, left: Tensor, ri
     its norm can exceed ‖∂W‖. That changes the update, not the privacy (it is post-processing). We follow the paper.
     Computed as [∂L, L] @ [R; ∂R − (Lᵀ∂L)R], a single [out, in] product.
     """
-    if any(t is None for t in (grad_left, grad_right, left, right)):
+    if grad_left is None or grad_right is None or left is None or right is None:
         raise ValueError("full_weight_gradient needs the two carrier gradients and the two carriers (got None).")
     out_features, rank = left.shape
     if tuple(grad_left.shape) != (out_features, rank) or right.shape[0] != rank or (
