@@ -49,9 +49,16 @@ class PrivateArm:
         self.engine.attach()
         method.attach_engine(self.engine)
         inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
-        self.optimizer = NoisyOptimizer(inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                        expected_batch_size=batch_size, noise=GaussianNoise(device),
-                                        may_step=lambda: True, on_step=lambda: None)
+        self.optimizer = NoisyOptimizer(
+            inner,
+            self.engine,
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            expected_batch_size=batch_size,
+            noise=GaussianNoise(device),
+            may_step=lambda: True,
+            on_step=lambda: None,
+        )
         method.attach_optimizer(self.optimizer)
 
     def step(self, chunks) -> None:
@@ -68,8 +75,9 @@ def write_result(path: str, result: dict[str, Any]) -> None:
         json.dump(result, f, indent=2)
 
 
-def compare(arms: dict[str, Arm], chunks: list[dict[str, torch.Tensor]], reference: str, steps: int,
-            rounds: int) -> dict[str, dict[str, Any]]:
+def compare(
+    arms: dict[str, Arm], chunks: list[dict[str, torch.Tensor]], reference: str, steps: int, rounds: int
+) -> dict[str, dict[str, Any]]:
     """Per arm: median step time, peak memory (VmHWM after a reset, in this process), and both as ratios to
     `reference`. Every arm first takes one warm-up step (optimizer state)."""
     device = torch.device("cpu")
@@ -87,12 +95,20 @@ def compare(arms: dict[str, Arm], chunks: list[dict[str, torch.Tensor]], referen
                 arm.step(chunks)
                 times[label].append(time.perf_counter() - start)
     base = statistics.median(times[reference])
-    return {label: {"median_step_s": statistics.median(t), "time_ratio": statistics.median(t) / base,
-                    "peak_bytes": peaks[label], "memory_ratio": peaks[label] / peaks[reference]}
-            for label, t in times.items()}
+    return {
+        label: {
+            "median_step_s": statistics.median(t),
+            "time_ratio": statistics.median(t) / base,
+            "peak_bytes": peaks[label],
+            "memory_ratio": peaks[label] / peaks[reference],
+        }
+        for label, t in times.items()
+    }
 
 
 def print_arms(arms: dict[str, dict[str, Any]]) -> None:
     for label, arm in arms.items():
-        print(f"  {label:<24} {arm['median_step_s']:.3f} s/step  {arm['time_ratio']:.3f}x time  "
-              f"{arm['memory_ratio']:.3f}x memory")
+        print(
+            f"  {label:<24} {arm['median_step_s']:.3f} s/step  {arm['time_ratio']:.3f}x time  "
+            f"{arm['memory_ratio']:.3f}x memory"
+        )

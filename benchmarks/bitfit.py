@@ -15,8 +15,12 @@ import torch
 
 from benchmarks.speed import HfPrivate, NonPrivate, OpacusHooks, bench_config, print_table, write_results
 
-ARMS = [("non-private bitfit", NonPrivate, "bitfit"), ("hf_private bitfit", HfPrivate, "bitfit"),
-        ("non-private full", NonPrivate, "full"), ("opacus-hooks bitfit", OpacusHooks, "bitfit")]
+ARMS = [
+    ("non-private bitfit", NonPrivate, "bitfit"),
+    ("hf_private bitfit", HfPrivate, "bitfit"),
+    ("non-private full", NonPrivate, "full"),
+    ("opacus-hooks bitfit", OpacusHooks, "bitfit"),
+]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -34,15 +38,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     results = []
     for seq_len in args.seq_lens:
-        results.append(bench_config(args.model, ARMS, seq_len, args.batch_size, args.grad_accum, args.steps,
-                                    args.rounds, device))
+        results.append(
+            bench_config(args.model, ARMS, seq_len, args.batch_size, args.grad_accum, args.steps, args.rounds, device)
+        )
         write_results(args.out, device, results)  # after every configuration: a crash loses one
     print_table(results, [label for label, _, _ in ARMS])
     for r in results:
         dp, full = r["arms"]["hf_private bitfit"], r["arms"]["non-private full"]
-        print(f"T={r['seq_len']}: DP-BiTFiT vs non-private full fine-tuning: "
-              f"{dp['median_step_s'] / full['median_step_s']:.2f}x time, {dp['peak_bytes'] / full['peak_bytes']:.2f}x "
-              "peak memory")
+        print(
+            f"T={r['seq_len']}: DP-BiTFiT vs non-private full fine-tuning: "
+            f"{dp['median_step_s'] / full['median_step_s']:.2f}x time, {dp['peak_bytes'] / full['peak_bytes']:.2f}x "
+            "peak memory"
+        )
     return results
 
 

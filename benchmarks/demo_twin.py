@@ -34,21 +34,36 @@ def _accuracy(prediction) -> dict[str, float]:
 def main() -> dict[str, float]:
     torch.set_num_threads(1)  # as the demo: its matrices are tiny (recipes/glue.py)
     tokenizer = demo_tokenizer()
-    data = sentiment_splits().map(lambda b: tokenizer(b["sentence"], truncation=True, max_length=MAX_LENGTH),
-                              batched=True, remove_columns=["sentence"])
+    data = sentiment_splits().map(
+        lambda b: tokenizer(b["sentence"], truncation=True, max_length=MAX_LENGTH),
+        batched=True,
+        remove_columns=["sentence"],
+    )
     with tempfile.TemporaryDirectory(prefix="demo-twin-") as scratch:
         args = TrainingArguments(
-            output_dir=scratch, per_device_train_batch_size=DEMO.expected_batch_size,
-            per_device_eval_batch_size=256, num_train_epochs=DEMO.num_train_epochs,
-            learning_rate=LEARNING_RATE, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+            output_dir=scratch,
+            per_device_train_batch_size=DEMO.expected_batch_size,
+            per_device_eval_batch_size=256,
+            num_train_epochs=DEMO.num_train_epochs,
+            learning_rate=LEARNING_RATE,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
         )
-        trainer = Trainer(model=demo_model(), args=args, train_dataset=data["train"],
-                          eval_dataset=data["validation"], data_collator=DataCollatorWithPadding(tokenizer),
-                          compute_metrics=_accuracy)
+        trainer = Trainer(
+            model=demo_model(),
+            args=args,
+            train_dataset=data["train"],
+            eval_dataset=data["validation"],
+            data_collator=DataCollatorWithPadding(tokenizer),
+            compute_metrics=_accuracy,
+        )
         trainer.train()
         metrics = trainer.evaluate()
-    print(f"non-private demo twin: held-out accuracy = {metrics['eval_accuracy']:.4f}, "
-          f"loss = {metrics['eval_loss']:.4f}")
+    print(
+        f"non-private demo twin: held-out accuracy = {metrics['eval_accuracy']:.4f}, loss = {metrics['eval_loss']:.4f}"
+    )
     return metrics
 
 

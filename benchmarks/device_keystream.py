@@ -49,8 +49,9 @@ def _check_stream(function: device_chacha.BlockFunction, device: torch.device) -
         raise SystemExit("The device keystream differs from the host stream: no timing reported.")
 
 
-def _device_keystream_seconds(function: device_chacha.BlockFunction, device: torch.device, size: int,
-                              repeats: int) -> float:
+def _device_keystream_seconds(
+    function: device_chacha.BlockFunction, device: torch.device, size: int, repeats: int
+) -> float:
     random, chunk = SecretRandom(key=KEY), PAIR_BYTES * DEVICE_CHUNK_PAIRS  # the sampler's requests
 
     def device_keystream():
@@ -70,8 +71,12 @@ def measure(device: torch.device, values: int, compile: bool, repeats: int) -> d
         for start in range(0, bytes_needed, len(host_buffer)):
             host_random.fill_(memoryview(host_buffer)[: min(len(host_buffer), bytes_needed - start)])
 
-    result = {"device": str(device), "values": values, "keystream_bytes": bytes_needed,
-              "host_keystream_s": _seconds(host_keystream, device, repeats)}
+    result = {
+        "device": str(device),
+        "values": values,
+        "keystream_bytes": bytes_needed,
+        "host_keystream_s": _seconds(host_keystream, device, repeats),
+    }
     target = torch.zeros(values, device=device)
     host_sampler = GaussianSampler(SecretRandom(key=KEY), device=device, keystream="host")
     result["host_noise_s"] = _seconds(lambda: host_sampler.add_(target, 1.0), device, repeats)
@@ -87,7 +92,8 @@ def measure(device: torch.device, values: int, compile: bool, repeats: int) -> d
         result[f"{name}_keystream_s"] = _device_keystream_seconds(function, device, bytes_needed, repeats)
     device_sampler = GaussianSampler(SecretRandom(key=KEY), device=device, keystream="device")
     result[f"device_noise_s ({'compiled' if device.type == 'cuda' else 'op_by_op'})"] = _seconds(
-        lambda: device_sampler.add_(target, 1.0), device, repeats)
+        lambda: device_sampler.add_(target, 1.0), device, repeats
+    )
     return result
 
 

@@ -36,20 +36,27 @@ def main(argv: list[str] | None = None) -> dict:
     model, _ = build_with_method(args.model, sound)
     arms = {"non-private head": NonPrivate(model, args.batch_size)}
     model, method = build_with_method(args.model, sound)
-    plan = PrivacyPlan(100_000, args.batch_size, steps=1000, noise_multiplier=SIGMA, name=method.name,
-                       stages=method.stages())
+    plan = PrivacyPlan(
+        100_000, args.batch_size, steps=1000, noise_multiplier=SIGMA, name=method.name, stages=method.stages()
+    )
     arms["hf_private dp-fp sound"] = PrivateArm(model, method, args.batch_size, plan)
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
     results = compare(arms, chunks, "non-private head", args.steps, args.rounds)
     result = {
-        "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
-        "seq_len": args.seq_len, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "device": "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
         "arms": results,
     }
     write_result(args.out, result)
-    print(f"{args.model} T={args.seq_len}, {args.batch_size}x{args.grad_accum} per step, trainable "
-          f"{result['trainable']}")
+    print(
+        f"{args.model} T={args.seq_len}, {args.batch_size}x{args.grad_accum} per step, trainable {result['trainable']}"
+    )
     print_arms(results)
     return result
 

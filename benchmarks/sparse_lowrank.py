@@ -46,16 +46,24 @@ def main(argv: list[str] | None = None) -> dict:
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, torch.device("cpu"))
     results = compare(arms, chunks, "non-private lora", args.steps, args.rounds)
     result = {
-        "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
-        "seq_len": args.seq_len, "rank": args.rank, "sparsity": args.sparsity, "batch_size": args.batch_size,
+        "device": "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "rank": args.rank,
+        "sparsity": args.sparsity,
+        "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
         "noised_coordinates": reports["noised_coordinates"],
         "noised_coordinates_without_masks": reports["noised_coordinates_without_masks"],
         "arms": results,
     }
     write_result(args.out, result)
-    print(f"{args.model} T={args.seq_len} rank {args.rank} p={args.sparsity}: noised coordinates "
-          f"{result['noised_coordinates']:,} (unmasked LoRA {result['noised_coordinates_without_masks']:,})")
+    print(
+        f"{args.model} T={args.seq_len} rank {args.rank} p={args.sparsity}: noised coordinates "
+        f"{result['noised_coordinates']:,} (unmasked LoRA {result['noised_coordinates_without_masks']:,})"
+    )
     print_arms(results)
     return result
 

@@ -60,9 +60,12 @@ def make_chunks(model: torch.nn.Module, batch_size: int, seq_len: int, grad_accu
     chunks = []
     for _ in range(grad_accum):
         ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                 "position_ids": torch.arange(seq_len).expand(batch_size, -1).contiguous(),
-                 "labels": ids.clone() if is_lm else torch.randint(0, 2, (batch_size,), generator=gen)}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(seq_len).expand(batch_size, -1).contiguous(),
+            "labels": ids.clone() if is_lm else torch.randint(0, 2, (batch_size,), generator=gen),
+        }
         if not is_lm:
             batch["token_type_ids"] = torch.zeros_like(ids)
         chunks.append({k: v.to(device) for k, v in batch.items()})
@@ -98,8 +101,14 @@ class HfPrivate:
         device = next(model.parameters()).device
         inner = torch.optim.AdamW([p for _, p in self.engine.parameters], lr=1e-5)
         self.optimizer = NoisyOptimizer(
-            inner, self.engine, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size,
-            noise=GaussianNoise(device), may_step=lambda: True, on_step=lambda: None,
+            inner,
+            self.engine,
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            expected_batch_size=batch_size,
+            noise=GaussianNoise(device),
+            may_step=lambda: True,
+            on_step=lambda: None,
         )
         self.batch_size = batch_size
 
@@ -121,8 +130,9 @@ class OpacusHooks:
 
         self.module = GradSampleModule(model, loss_reduction="sum")
         inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        self.optimizer = DPOptimizer(inner, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                     expected_batch_size=batch_size, loss_reduction="sum")
+        self.optimizer = DPOptimizer(
+            inner, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size, loss_reduction="sum"
+        )
         self.model = model
 
     def step(self, chunks):
@@ -145,11 +155,13 @@ class OpacusGhost:
         from opacus.optimizers import DPOptimizerFastGradientClipping
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-        self.module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True,
-                                                           loss_reduction="sum")
+        self.module = GradSampleModuleFastGradientClipping(
+            model, max_grad_norm=CLIP, use_ghost_clipping=True, loss_reduction="sum"
+        )
         inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        self.optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                                         expected_batch_size=batch_size, loss_reduction="sum")
+        self.optimizer = DPOptimizerFastGradientClipping(
+            inner, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size, loss_reduction="sum"
+        )
         criterion = torch.nn.CrossEntropyLoss(reduction="sum")
         self.criterion = DPLossFastGradientClipping(self.module, self.optimizer, criterion, loss_reduction="sum")
         self.is_lm = isinstance(getattr(model, "get_base_model", lambda: model)(), GPT2LMHeadModel)
@@ -207,8 +219,9 @@ def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
             module.p = 0.0
     if mode == "lora":
         task = "CAUSAL_LM" if model_name.startswith("gpt2") else "SEQ_CLS"
-        model = get_peft_model(model, LoraConfig(task_type=task, r=8, lora_alpha=16,
-                                                 target_modules=LORA_TARGETS[model_name]))
+        model = get_peft_model(
+            model, LoraConfig(task_type=task, r=8, lora_alpha=16, target_modules=LORA_TARGETS[model_name])
+        )
     elif mode == "bitfit":
         BitFitConfig(noise_multiplier=SIGMA).build_method().prepare_model(model)
     return model.to(device).train()
@@ -255,8 +268,9 @@ def peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, dev
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     names = (spec[0], spec[1].__name__, spec[2])
-    process = context.Process(target=_peak_worker,
-                              args=(model_name, names, seq_len, batch_size, grad_accum, str(device), queue))
+    process = context.Process(
+        target=_peak_worker, args=(model_name, names, seq_len, batch_size, grad_accum, str(device), queue)
+    )
     process.start()
     peak = queue.get()
     process.join()
@@ -279,16 +293,28 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
                     torch.cuda.synchronize(device)
                 times[label].append(time.perf_counter() - start)
     arms.clear()
-    peaks = {label: peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, device)
-             for spec in specs if (label := spec[0]) in times}
+    peaks = {
+        label: peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, device)
+        for spec in specs
+        if (label := spec[0]) in times
+    }
     reference = specs[0][0]
-    result = {"model": model_name, "mode": specs[1][2], "seq_len": seq_len, "batch_size": batch_size,
-              "grad_accum": grad_accum, "reference": reference, "arms": {}, "errors": errors,
-              "noise_s_per_step": noise_seconds(build(model_name, specs[1][2], device), device)}
+    result = {
+        "model": model_name,
+        "mode": specs[1][2],
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "grad_accum": grad_accum,
+        "reference": reference,
+        "arms": {},
+        "errors": errors,
+        "noise_s_per_step": noise_seconds(build(model_name, specs[1][2], device), device),
+    }
     for label in times:
         median = statistics.median(times[label])
         result["arms"][label] = {
-            "median_step_s": median, "peak_bytes": peaks[label],
+            "median_step_s": median,
+            "peak_bytes": peaks[label],
             "time_ratio": median / statistics.median(times[reference]),
             "memory_ratio": peaks[label] / peaks[reference],
         }
@@ -305,16 +331,22 @@ def print_table(results: list[dict], labels: list[str]) -> None:
             cells.append(f"{a['time_ratio']:>13.2f}x t {a['memory_ratio']:>7.2f}x mem" if a else f"{'n/a':>30}")
         ref = r["arms"][r["reference"]]
         row = f"{r['model']:<13}{r['mode']:<7}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
-        print(row + "".join(cells)
-              + f"   ({r['reference']} {ref['median_step_s'] * 1e3:.0f} ms, {ref['peak_bytes'] / 2**20:.0f} MiB;"
-              + f" noise {r['noise_s_per_step'] * 1e3:.0f} ms/step)")
+        print(
+            row
+            + "".join(cells)
+            + f"   ({r['reference']} {ref['median_step_s'] * 1e3:.0f} ms, {ref['peak_bytes'] / 2**20:.0f} MiB;"
+            + f" noise {r['noise_s_per_step'] * 1e3:.0f} ms/step)"
+        )
 
 
 def write_results(path: str, device: torch.device, results: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                   "results": results}, f, indent=2)
+        json.dump(
+            {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(), "results": results},
+            f,
+            indent=2,
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -326,8 +358,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--grad-accum", type=int, default=4, help="physical chunks per logical batch (one step)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per arm per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the arms")
-    parser.add_argument("--arms", nargs="+", default=list(COMPARED_ARMS), choices=list(COMPARED_ARMS),
-                        help="arms compared with the non-private reference")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(COMPARED_ARMS),
+        choices=list(COMPARED_ARMS),
+        help="arms compared with the non-private reference",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results/speed.json")
     args = parser.parse_args(argv)
@@ -338,8 +375,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seq_len in args.seq_lens:
             for mode in args.modes:
                 logger.info("benchmarking %s %s T=%d", model_name, mode, seq_len)
-                results.append(bench_config(model_name, arms_for(mode, args.arms), seq_len, args.batch_size,
-                                            args.grad_accum, args.steps, args.rounds, device))
+                results.append(
+                    bench_config(
+                        model_name,
+                        arms_for(mode, args.arms),
+                        seq_len,
+                        args.batch_size,
+                        args.grad_accum,
+                        args.steps,
+                        args.rounds,
+                        device,
+                    )
+                )
                 write_results(args.out, device, results)  # after every configuration: a crash loses one
     print_table(results, [label for label, _, _ in arms_for("full", args.arms)])
     return results

@@ -94,10 +94,20 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="
 def llama_config(vocab_size: int, layers: int, hidden: int, heads: int, intermediate: int, seq_len: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=seq_len, tie_word_embeddings=False, pad_token_id=0, bos_token_id=2,
-                       eos_token_id=3, use_cache=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        use_cache=False,
+    )
 
 
 def build_model(spec: dict):
@@ -105,8 +115,11 @@ def build_model(spec: dict):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(spec["seed"])
-    return LlamaForCausalLM(llama_config(spec["vocab_size"], spec["layers"], spec["hidden"], spec["heads"],
-                                         spec["intermediate"], spec["seq_len"])).train()
+    return LlamaForCausalLM(
+        llama_config(
+            spec["vocab_size"], spec["layers"], spec["hidden"], spec["heads"], spec["intermediate"], spec["seq_len"]
+        )
+    ).train()
 
 
 def word_tokenizer(vocab_size: int):
@@ -118,8 +131,9 @@ def word_tokenizer(vocab_size: int):
     vocab.update({f"w{i}": i for i in range(len(SPECIAL), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-                                   eos_token="<eos>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
 
 
 def random_ids(rows: int, length: int, vocab_size: int, generator: torch.Generator) -> list[list[int]]:
@@ -145,9 +159,13 @@ def dpo_dataset(n: int, seq_len: int, vocab_size: int, seed: int):
     def text(rows: list[list[int]], lead: str = "") -> list[str]:
         return [lead + " ".join(f"w{i}" for i in row) for row in rows]
 
-    return Dataset.from_dict({"prompt": text(random_ids(n, half, vocab_size, generator)),
-                              "chosen": text(random_ids(n, half - 1, vocab_size, generator), " "),
-                              "rejected": text(random_ids(n, half - 1, vocab_size, generator), " ")})
+    return Dataset.from_dict(
+        {
+            "prompt": text(random_ids(n, half, vocab_size, generator)),
+            "chosen": text(random_ids(n, half - 1, vocab_size, generator), " "),
+            "rejected": text(random_ids(n, half - 1, vocab_size, generator), " "),
+        }
+    )
 
 
 def check_row_lengths(trainer_kind: str, dataset, seq_len: int) -> None:
@@ -172,10 +190,22 @@ def planned_steps(spec: dict) -> int:
 def training_args(spec: dict, output_dir: str):
     from trl import DPOConfig, SFTConfig
 
-    common = dict(per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=spec["grad_accum"],
-                  max_steps=planned_steps(spec), logging_steps=1,
-                  use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-                  max_length=spec["seq_len"], bf16=False, fp16=False, gradient_checkpointing=False, seed=spec["seed"])
+    common = dict(
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        max_steps=planned_steps(spec),
+        logging_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_length=spec["seq_len"],
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        seed=spec["seed"],
+    )
     if spec["trainer"] == "sft":
         return SFTConfig(output_dir, packing=False, **common)
     return DPOConfig(output_dir, **common)
@@ -192,9 +222,12 @@ def build_trainer(spec: dict, output_dir: str):
     model = build_model(spec)
     size = spec["batch_size"] * spec["grad_accum"] * planned_steps(spec)  # one epoch: q = 1 / planned steps
     make_data = sft_dataset if spec["trainer"] == "sft" else dpo_dataset
-    kwargs: dict[str, Any] = dict(model=model, args=training_args(spec, output_dir),
-                                  train_dataset=make_data(size, spec["seq_len"], spec["vocab_size"], spec["seed"]),
-                                  processing_class=word_tokenizer(spec["vocab_size"]))
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        args=training_args(spec, output_dir),
+        train_dataset=make_data(size, spec["seq_len"], spec["vocab_size"], spec["seed"]),
+        processing_class=word_tokenizer(spec["vocab_size"]),
+    )
     if spec["mode"] == "lora":
         kwargs["peft_config"] = LoraConfig(**LORA)
     elif spec["trainer"] == "dpo":
@@ -213,7 +246,8 @@ def build_trainer(spec: dict, output_dir: str):
     except Exception as err:
         raise PrivateArmUnavailable(
             f"the private DPO arm cannot run in this checkout: privatize(trl.DPOTrainer)(...) raised "
-            f"{type(err).__name__}: {err} (`--arms non-private` runs the non-private arm alone)") from err
+            f"{type(err).__name__}: {err} (`--arms non-private` runs the non-private arm alone)"
+        ) from err
 
 
 def plain_loss_class(trainer_class: type) -> type:
@@ -347,8 +381,11 @@ def run_arm(spec: dict) -> dict:
         trainer = build_trainer(spec, output_dir)
         check_row_lengths(spec["trainer"], trainer.train_dataset, spec["seq_len"])
         private = spec["arm"] == "private"
-        meter = StepMeter(spec["warmup"], spec["steps"],
-                          (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True))
+        meter = StepMeter(
+            spec["warmup"],
+            spec["steps"],
+            (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True),
+        )
         trainer.get_batch_samples = meter.counting(trainer.get_batch_samples, spec["trainer"])
         trainer.add_callback(meter)
         built = time.perf_counter()
@@ -357,22 +394,44 @@ def run_arm(spec: dict) -> dict:
         report = trainer.privacy_report() if private else None
     seconds, examples = meter.seconds[meter.measured], meter.examples[meter.measured]
     if len(seconds) != spec["steps"]:
-        raise RuntimeError(f"{spec['arm']} arm measured {len(seconds)} steps of {spec['steps']} (it ran "
-                           f"{len(meter.seconds)} in all, {meter.first_measured} before measuring): raise --spare")
+        raise RuntimeError(
+            f"{spec['arm']} arm measured {len(seconds)} steps of {spec['steps']} (it ran "
+            f"{len(meter.seconds)} in all, {meter.first_measured} before measuring): raise --spare"
+        )
     if spec["arm"] != "private" and set(meter.examples) != {spec["batch_size"] * spec["grad_accum"]}:
         raise RuntimeError(f"{spec['arm']} steps trained {meter.examples} examples, expected B·GA each")
     result = {
-        "arm": spec["arm"], "s_per_example": sum(seconds) / max(1, sum(examples)),
-        "peak_bytes": meter.peak, "rss_at_reset_bytes": meter.rss_at_reset,
-        "warmup_steps_run": meter.first_measured, "step_seconds": meter.seconds, "step_examples": meter.examples,
-        "build_seconds": built - started, "train_seconds": trained - built, "threads": torch.get_num_threads(),
+        "arm": spec["arm"],
+        "s_per_example": sum(seconds) / max(1, sum(examples)),
+        "peak_bytes": meter.peak,
+        "rss_at_reset_bytes": meter.rss_at_reset,
+        "warmup_steps_run": meter.first_measured,
+        "step_seconds": meter.seconds,
+        "step_examples": meter.examples,
+        "build_seconds": built - started,
+        "train_seconds": trained - built,
+        "threads": torch.get_num_threads(),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-        "log_history": trainer.state.log_history, "warnings": list(notes.seen),
+        "log_history": trainer.state.log_history,
+        "warnings": list(notes.seen),
     }
     if report is not None:
-        result["privacy"] = {key: report.get(key) for key in (
-            "epsilon", "delta", "steps", "planned_steps", "noise_multiplier", "sample_rate", "expected_batch_size",
-            "max_grad_norm", "unit", "trainer", "trainable_fraction")}
+        result["privacy"] = {
+            key: report.get(key)
+            for key in (
+                "epsilon",
+                "delta",
+                "steps",
+                "planned_steps",
+                "noise_multiplier",
+                "sample_rate",
+                "expected_batch_size",
+                "max_grad_norm",
+                "unit",
+                "trainer",
+                "trainable_fraction",
+            )
+        }
     return result
 
 
@@ -385,8 +444,21 @@ def run_in_fresh_process(spec: dict) -> dict:
 def check_private_arm(spec: dict) -> None:
     """Build the private arm on a tiny model (2 layers, width 32, T = 8) in this process: a trainer class that cannot
     be privatized fails here, in seconds, before any round runs."""
-    tiny = {**spec, "arm": "private", "vocab_size": 64, "layers": 2, "hidden": 32, "heads": 2, "intermediate": 64,
-            "seq_len": 8, "batch_size": 2, "grad_accum": 1, "warmup": 0, "steps": 1, "spare": 0}
+    tiny = {
+        **spec,
+        "arm": "private",
+        "vocab_size": 64,
+        "layers": 2,
+        "hidden": 32,
+        "heads": 2,
+        "intermediate": 64,
+        "seq_len": 8,
+        "batch_size": 2,
+        "grad_accum": 1,
+        "warmup": 0,
+        "steps": 1,
+        "spare": 0,
+    }
     with tempfile.TemporaryDirectory() as output_dir, collected_warnings():
         build_trainer(tiny, output_dir)
 
@@ -402,30 +474,64 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
         for arm in arms:
             run = run_arm_with({**spec, "arm": arm})
             runs[arm].append(run)
-            logger.info("%s %s round %d %s: %.3f s/example (%d examples in %d steps), peak %.0f MiB",
-                        spec["trainer"], spec["mode"], round_index + 1, arm, run["s_per_example"],
-                        sum(run["step_examples"][run["warmup_steps_run"]:]), spec["steps"], run["peak_bytes"] / 2**20)
-    row = {key: spec[key] for key in ("trainer", "mode", "seq_len", "batch_size", "grad_accum", "warmup", "steps",
-                                      "spare", "seed", "vocab_size", "layers", "hidden", "heads", "intermediate")}
+            logger.info(
+                "%s %s round %d %s: %.3f s/example (%d examples in %d steps), peak %.0f MiB",
+                spec["trainer"],
+                spec["mode"],
+                round_index + 1,
+                arm,
+                run["s_per_example"],
+                sum(run["step_examples"][run["warmup_steps_run"] :]),
+                spec["steps"],
+                run["peak_bytes"] / 2**20,
+            )
+    row = {
+        key: spec[key]
+        for key in (
+            "trainer",
+            "mode",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "warmup",
+            "steps",
+            "spare",
+            "seed",
+            "vocab_size",
+            "layers",
+            "hidden",
+            "heads",
+            "intermediate",
+        )
+    }
     expected = spec["batch_size"] * spec["grad_accum"]
-    row.update(threads=next(iter(runs.values()))[0]["threads"], rounds=rounds, expected_batch=expected,
-               dataset_size=expected * planned_steps(spec), arms={})
+    row.update(
+        threads=next(iter(runs.values()))[0]["threads"],
+        rounds=rounds,
+        expected_batch=expected,
+        dataset_size=expected * planned_steps(spec),
+        arms={},
+    )
     for arm, arm_runs in runs.items():
-        row["arms"][arm] = {"median_s_per_example": statistics.median(r["s_per_example"] for r in arm_runs),
-                            "median_peak_bytes": int(statistics.median(r["peak_bytes"] for r in arm_runs)),
-                            "runs": arm_runs}
+        row["arms"][arm] = {
+            "median_s_per_example": statistics.median(r["s_per_example"] for r in arm_runs),
+            "median_peak_bytes": int(statistics.median(r["peak_bytes"] for r in arm_runs)),
+            "runs": arm_runs,
+        }
     if set(ARMS) <= set(runs):
         private, public = row["arms"]["private"], row["arms"]["non-private"]
         row["time_ratio"] = private["median_s_per_example"] / public["median_s_per_example"]
         row["memory_ratio"] = private["median_peak_bytes"] / public["median_peak_bytes"]
-        row["round_time_ratios"] = [p["s_per_example"] / n["s_per_example"]
-                                    for p, n in zip(runs["private"], runs["non-private"])]
+        row["round_time_ratios"] = [
+            p["s_per_example"] / n["s_per_example"] for p, n in zip(runs["private"], runs["non-private"])
+        ]
     if {"private", PLAIN} <= set(runs):
         private, plain = row["arms"]["private"], row["arms"][PLAIN]
         row["plain_time_ratio"] = private["median_s_per_example"] / plain["median_s_per_example"]
         row["plain_memory_ratio"] = private["median_peak_bytes"] / plain["median_peak_bytes"]
-        row["plain_round_time_ratios"] = [p["s_per_example"] / n["s_per_example"]
-                                          for p, n in zip(runs["private"], runs[PLAIN])]
+        row["plain_round_time_ratios"] = [
+            p["s_per_example"] / n["s_per_example"] for p, n in zip(runs["private"], runs[PLAIN])
+        ]
     return row
 
 
@@ -445,10 +551,18 @@ def write_results(path: str, saved: dict) -> None:
     import transformers
     import trl
 
-    saved.update(environment={"device": "cpu", "cpu": platform.processor() or platform.machine(),
-                              "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-                              "torch": torch.__version__, "transformers": transformers.__version__,
-                              "trl": trl.__version__, "peft": peft.__version__})
+    saved.update(
+        environment={
+            "device": "cpu",
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "peft": peft.__version__,
+        }
+    )
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -467,10 +581,18 @@ def table_cells(row: dict, reference: str = "non-private", prefix: str = "") -> 
     def ratio(key: str) -> str:
         return f"{row[prefix + key]:.2f}x" if prefix + key in row else "-"
 
-    return [row["trainer"], row["mode"], str(row["seq_len"]), f"{row['batch_size']}x{row['grad_accum']}",
-            value(reference, "median_s_per_example", 1, ".3f"), value("private", "median_s_per_example", 1, ".3f"),
-            ratio("time_ratio"), value(reference, "median_peak_bytes", 2**20, ".0f"),
-            value("private", "median_peak_bytes", 2**20, ".0f"), ratio("memory_ratio")]
+    return [
+        row["trainer"],
+        row["mode"],
+        str(row["seq_len"]),
+        f"{row['batch_size']}x{row['grad_accum']}",
+        value(reference, "median_s_per_example", 1, ".3f"),
+        value("private", "median_s_per_example", 1, ".3f"),
+        ratio("time_ratio"),
+        value(reference, "median_peak_bytes", 2**20, ".0f"),
+        value("private", "median_peak_bytes", 2**20, ".0f"),
+        ratio("memory_ratio"),
+    ]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -479,52 +601,97 @@ def print_table(rows: list[dict]) -> None:
     if plain_rows:
         tables.append((PLAIN, "plain_", plain_rows))
     for reference, prefix, table_rows in tables:
-        lines = [["trainer", "mode", "T", "B x GA", f"{reference} s/ex", "private s/ex", "ratio", f"{reference} MiB",
-                  "private MiB", "ratio"], *(table_cells(row, reference, prefix) for row in table_rows)]
+        lines = [
+            [
+                "trainer",
+                "mode",
+                "T",
+                "B x GA",
+                f"{reference} s/ex",
+                "private s/ex",
+                "ratio",
+                f"{reference} MiB",
+                "private MiB",
+                "ratio",
+            ],
+            *(table_cells(row, reference, prefix) for row in table_rows),
+        ]
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
         print()
         for i, line in enumerate(lines):
-            print("  ".join(cell.rjust(w) if j > 1 else cell.ljust(w)
-                            for j, (cell, w) in enumerate(zip(line, widths))))
+            print("  ".join(cell.rjust(w) if j > 1 else cell.ljust(w) for j, (cell, w) in enumerate(zip(line, widths))))
             if i == 0:
                 print("  ".join("-" * w for w in widths))
 
 
 def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.trl_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.trl_speed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trainer", nargs="+", default=["sft"], choices=TRAINERS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, PLAIN],
-                        help=f"arms to run, alternated in this order (non-private and private for the ratios; "
-                             f"non-private alone checks that arm runs; {PLAIN}: SFT only, the informational "
-                             f"reference of the module docstring)")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(ARMS),
+        choices=[*ARMS, PLAIN],
+        help=f"arms to run, alternated in this order (non-private and private for the ratios; "
+        f"non-private alone checks that arm runs; {PLAIN}: SFT only, the informational "
+        f"reference of the module docstring)",
+    )
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per row (per sequence of a DPO pair)")
     parser.add_argument("--batch-size", type=int, default=4, help="per_device_train_batch_size, both arms")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps, both arms")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps per run before the measured ones")
-    parser.add_argument("--spare", type=int, default=2,
-                        help="extra planned steps, for a private warm-up that waits for its first batch of >= 2 "
-                             "(planned steps = warmup + steps + spare, dataset size = B x GA x planned steps)")
+    parser.add_argument(
+        "--spare",
+        type=int,
+        default=2,
+        help="extra planned steps, for a private warm-up that waits for its first batch of >= 2 "
+        "(planned steps = warmup + steps + spare, dataset size = B x GA x planned steps)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (non-private, private) per row")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=1376)
-    parser.add_argument("--threads", type=int, default=1, help=(
-        "torch threads per run, 0 for torch's default (1: on the shared 2-core machine the noise of one full step, "
-        "58M coordinates, took 0.4 s with 1 thread and 1.7-2.6 s with 2, 7-26 s with 2 beside one other busy process"
-        ", as every small op waits for both threads)"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help=(
+            "torch threads per run, 0 for torch's default (1: on the shared 2-core machine the noise of one full step, "
+            "58M coordinates, took 0.4 s with 1 thread and 1.7-2.6 s with 2, 7-26 s with 2 beside one other busy "
+            "process, as every small op waits for both threads)"
+        ),
+    )
     parser.add_argument("--seed", type=int, default=0, help="model init and data (the DP noise is never seeded)")
     parser.add_argument("--out", default="benchmarks/results/trl_speed_cpu_t512.json")
     parser.add_argument("--resume", action="store_true", help="skip the rows already in --out")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = {key: getattr(args, key) for key in ("seq_len", "batch_size", "grad_accum", "steps", "warmup",
-                                                     "spare", "rounds", "vocab_size", "layers", "hidden", "heads",
-                                                     "intermediate", "threads", "seed", "arms")}
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "steps",
+            "warmup",
+            "spare",
+            "rounds",
+            "vocab_size",
+            "layers",
+            "hidden",
+            "heads",
+            "intermediate",
+            "threads",
+            "seed",
+            "arms",
+        )
+    }
     saved = load_results(args.out)
     done = {row_key(row) for row in saved["results"]}
     rows, failures = [], []
@@ -534,8 +701,11 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
                 logger.info("%s %s: already in %s, skipped (--resume)", trainer_kind, mode, args.out)
                 rows.append(next(row for row in saved["results"] if row_key(row) == (trainer_kind, mode)))
                 continue
-            spec = {**{k: v for k, v in settings.items() if k not in ("rounds", "arms")},
-                    "trainer": trainer_kind, "mode": mode}
+            spec = {
+                **{k: v for k, v in settings.items() if k not in ("rounds", "arms")},
+                "trainer": trainer_kind,
+                "mode": mode,
+            }
             logger.info("benchmarking %s %s at T = %d", trainer_kind, mode, args.seq_len)
             try:
                 row = bench_row(spec, args.rounds, args.arms, run_arm_with)

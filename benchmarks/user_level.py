@@ -49,8 +49,15 @@ LORA = utility.METHODS["lora"]
 DESIGNS: dict[str, dict[str, Any]] = {
     "record-level": {"options": {}, "batch": 128},
     "ULS": {"options": {"privacy_unit": "user", "user_column": "user_id", "examples_per_user": K}, "batch": 64},
-    "ELS": {"options": {"privacy_unit": "user", "user_column": "user_id", "user_sampling": "example",
-                        "max_examples_per_user": K}, "batch": 128},
+    "ELS": {
+        "options": {
+            "privacy_unit": "user",
+            "user_column": "user_id",
+            "user_sampling": "example",
+            "max_examples_per_user": K,
+        },
+        "batch": 128,
+    },
 }
 
 
@@ -71,9 +78,18 @@ def spec(design: str | None, epsilon: float | None, data_dir: Path, model_dir: P
     if design is not None:
         hyper = dataclasses.replace(hyper, batch=DESIGNS[design]["batch"], chunk=64)
         options.update(DESIGNS[design]["options"])
-    return utility.RunSpec(method="lora", epsilon=epsilon, hyper=dataclasses.asdict(hyper), config=LORA.config,
-                           options=options, train_size=TRAIN_SIZE, data_dir=str(data_dir), model_dir=str(model_dir),
-                           model_name=utility.MODEL_NAME, sampling="random")
+    return utility.RunSpec(
+        method="lora",
+        epsilon=epsilon,
+        hyper=dataclasses.asdict(hyper),
+        config=LORA.config,
+        options=options,
+        train_size=TRAIN_SIZE,
+        data_dir=str(data_dir),
+        model_dir=str(model_dir),
+        model_name=utility.MODEL_NAME,
+        sampling="random",
+    )
 
 
 def run_with_users(spec_json: str) -> dict[str, Any]:
@@ -92,15 +108,23 @@ def run_with_users(spec_json: str) -> dict[str, Any]:
     record = utility.run_one(run_spec)
     users = assign_users(record["train_size"])
     counts = np.bincount(users)
-    record.update(design=design, users=int(counts.size), max_per_user=int(counts.max()),
-                  median_per_user=float(np.median(counts)), kept_examples=int(np.minimum(counts, K).sum()))
+    record.update(
+        design=design,
+        users=int(counts.size),
+        max_per_user=int(counts.max()),
+        median_per_user=float(np.median(counts)),
+        kept_examples=int(np.minimum(counts, K).sum()),
+    )
     return record
 
 
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| design | guarantee | ε = 1 | ε = 3 | ε = 8 |", "|---|---|---|---|---|"]
-    for design, unit in (("ULS", "one user"), ("ELS", "one user (≤ 4 sentences)"),
-                         ("record-level", "one sentence (weaker)")):
+    for design, unit in (
+        ("ULS", "one user"),
+        ("ELS", "one user (≤ 4 sentences)"),
+        ("record-level", "one sentence (weaker)"),
+    ):
         cells = []
         for epsilon in EPSILONS:
             found = [r for r in records if r.get("design") == design and r["epsilon_target"] == epsilon]
@@ -128,8 +152,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
     public = [r["accuracy"] for r in records if r.get("design") is None and not r["private"]]
     if public:
         ax.axhline(public[-1], color="grey", linestyle=":", label="non-private")
-    ax.set(xscale="log", xticks=EPSILONS, xticklabels=[f"{e:g}" for e in EPSILONS], xlabel="ε (δ = 1/(2N))",
-           ylabel="SST-2 dev accuracy", title=f"DP-LoRA, MiniLM-L6, {TRAIN_SIZE} sentences dealt to users")
+    ax.set(
+        xscale="log",
+        xticks=EPSILONS,
+        xticklabels=[f"{e:g}" for e in EPSILONS],
+        xlabel="ε (δ = 1/(2N))",
+        ylabel="SST-2 dev accuracy",
+        title=f"DP-LoRA, MiniLM-L6, {TRAIN_SIZE} sentences dealt to users",
+    )
     ax.minorticks_off()
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -159,8 +189,13 @@ def main(argv: list[str] | None = None) -> None:
             if (design, epsilon) in done:
                 continue
             payload = {**dataclasses.asdict(spec(design, epsilon, options.data_dir, model_dir)), "_design": design}
-            run = subprocess.run([sys.executable, "-m", "benchmarks.user_level", "--one", json.dumps(payload)],
-                                 cwd=utility.REPO, capture_output=True, text=True, check=True)
+            run = subprocess.run(
+                [sys.executable, "-m", "benchmarks.user_level", "--one", json.dumps(payload)],
+                cwd=utility.REPO,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             record = json.loads(run.stdout.split("RECORD ", 1)[1].splitlines()[0])
             utility.append_record(RESULTS, record)
             print(utility.summary_line(record), flush=True)

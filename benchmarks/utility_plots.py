@@ -77,12 +77,27 @@ def _accuracy(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
         shift, marker = _spread(i, len(methods)), MARKERS[i % len(MARKERS)]
         points = sorted((eps, r["dev_accuracy"]) for (m, eps), r in chosen.items() if m == method and eps is not None)
         if points:
-            ax.plot([eps * shift for eps, _ in points], [a for _, a in points], marker=marker, color=colors[method],
-                    linestyle=LINESTYLES[i % len(LINESTYLES)], alpha=0.85, label=label)
+            ax.plot(
+                [eps * shift for eps, _ in points],
+                [a for _, a in points],
+                marker=marker,
+                color=colors[method],
+                linestyle=LINESTYLES[i % len(LINESTYLES)],
+                alpha=0.85,
+                label=label,
+            )
         twin = chosen.get((method, None))
         if twin is not None:
-            ax.plot([twin_x * shift], [twin["dev_accuracy"]], marker=marker, color=colors[method],
-                    markerfacecolor="white", markeredgewidth=1.5, linestyle="none", label=f"{label}: non-private")
+            ax.plot(
+                [twin_x * shift],
+                [twin["dev_accuracy"]],
+                marker=marker,
+                color=colors[method],
+                markerfacecolor="white",
+                markeredgewidth=1.5,
+                linestyle="none",
+                label=f"{label}: non-private",
+            )
     ticks = {eps: f"{eps:g}" for eps in epsilons}
     if any(eps is None for (_, eps) in chosen):
         ticks[twin_x] = "non-private"
@@ -120,9 +135,16 @@ def _epsilon(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path | 
         for g, (curve, group) in enumerate(curves.items()):
             steps, values = zip(*([(0, 0.0), *curve]))
             names = textwrap.fill(", ".join(labels[m] for m in group), 45, break_on_hyphens=False)
-            ax.plot(steps, values, color=colors[group[0]] if len(group) == 1 else "black",
-                    linestyle=LINESTYLES[t % len(LINESTYLES)], marker=MARKERS[g % len(MARKERS)], markersize=4,
-                    alpha=0.85, label=f"target ε={eps:g}: {names}")
+            ax.plot(
+                steps,
+                values,
+                color=colors[group[0]] if len(group) == 1 else "black",
+                linestyle=LINESTYLES[t % len(LINESTYLES)],
+                marker=MARKERS[g % len(MARKERS)],
+                markersize=4,
+                alpha=0.85,
+                label=f"target ε={eps:g}: {names}",
+            )
     ax.set_xlabel("training step (logical batch)")
     ax.set_ylabel("ε spent (PRV accountant, exact per step)")
     ax.set_title(f"ε vs training step\n{subtitle.replace(', dev accuracy', '')}", fontsize=10)
@@ -158,8 +180,10 @@ def _cost(plt, chosen, methods, colors, path: Path, subtitle: str) -> Path:
     kinds = sorted({r["memory_kind"] for r in chosen.values()})
     memory_ax.set_title(", ".join(kinds), fontsize=9)
     time_ax.set_title("bars per method, left to right: " + ", ".join(names), fontsize=9)
-    handles = [Patch(facecolor="grey", alpha=shades[j], hatch="//" if eps is None else None, label=name)
-               for j, (eps, name) in enumerate(zip(settings, names))]
+    handles = [
+        Patch(facecolor="grey", alpha=shades[j], hatch="//" if eps is None else None, label=name)
+        for j, (eps, name) in enumerate(zip(settings, names))
+    ]
     _legend_outside(memory_ax, handles=handles)
     fig.suptitle(f"Time and peak memory per method\n{subtitle.replace(', dev accuracy', '')}", fontsize=10)
     fig.tight_layout()
@@ -175,8 +199,14 @@ def markdown_table(records: list[dict[str, Any]], order: list[str] | None = None
     chosen = latest(records)
     rank = {name: i for i, name in enumerate(order or [])}
     epsilons = sorted({eps for _, eps in chosen if eps is not None}, reverse=True)
-    head = ["method", "non-private", *(f"ε = {eps:g}" for eps in epsilons), "loss start → end (ε = 8)",
-            "CPU-min (ε = 8 / non-private)", "peak MiB (ε = 8 / non-private)"]
+    head = [
+        "method",
+        "non-private",
+        *(f"ε = {eps:g}" for eps in epsilons),
+        "loss start → end (ε = 8)",
+        "CPU-min (ε = 8 / non-private)",
+        "peak MiB (ε = 8 / non-private)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, label in sorted(_methods(chosen), key=lambda m: rank.get(m[0], len(rank))):
         twin = chosen.get((method, None))

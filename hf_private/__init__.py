@@ -20,9 +20,22 @@ from .trainer import PrivateTrainer, privatize
 from .version import __version__ as __version__  # re-exported: hf_private.__version__
 
 __all__ = [
-    "BitFitConfig", "BudgetError", "DPConfig", "DPFPConfig", "DPLoRAConfig", "FrostConfig",
-    "MeanPooledBertForSequenceClassification", "MeanPooledRobertaForSequenceClassification",
-    "PackedClassificationCollator", "PrivateTrainer",
-    "SparseLowRankConfig", "UnsupportedLayerError", "load_private_adapter", "median_gradient_norm",
-    "privatize", "public_calibration_texts", "registered_methods", "sentence_classifier",
+    "BitFitConfig",
+    "BudgetError",
+    "DPConfig",
+    "DPFPConfig",
+    "DPLoRAConfig",
+    "FrostConfig",
+    "MeanPooledBertForSequenceClassification",
+    "MeanPooledRobertaForSequenceClassification",
+    "PackedClassificationCollator",
+    "PrivateTrainer",
+    "SparseLowRankConfig",
+    "UnsupportedLayerError",
+    "load_private_adapter",
+    "median_gradient_norm",
+    "privatize",
+    "public_calibration_texts",
+    "registered_methods",
+    "sentence_classifier",
 ]

@@ -142,6 +142,14 @@ class ClipNormCheck:
                 "training will learn little or nothing. Set C near the median gradient norm, measured at "
                 "initialisation on public inputs with hf_private.median_gradient_norm (never on the private data). "
                 "The median above was measured on the private batch without noise: like the training loss, this "
-                "line is not covered by ε.", c, self.unit, clipped, norms.numel(), self.unit,
-                float(norms.median()), sigma * c, signal, batch,
+                "line is not covered by ε.",
+                c,
+                self.unit,
+                clipped,
+                norms.numel(),
+                self.unit,
+                float(norms.median()),
+                sigma * c,
+                signal,
+                batch,
             )

@@ -54,8 +54,11 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
             size += tensor.numel() * tensor.element_size()
 
 
-def noise_once_then_sum(tensors: list[torch.Tensor], add_noise: Callable[[list[torch.Tensor]], None],
-                        all_reduce: Callable[[list[torch.Tensor]], None] = all_reduce_sum) -> None:
+def noise_once_then_sum(
+    tensors: list[torch.Tensor],
+    add_noise: Callable[[list[torch.Tensor]], None],
+    all_reduce: Callable[[list[torch.Tensor]], None] = all_reduce_sum,
+) -> None:
     """`add_noise` on exactly one process (rank 0, before the reduction), then the sum over processes: the result is
     Σ of every process's part plus one noise draw, never one per process. The DP-SGD step and a method's own releases
     (`MethodRun.release`) both go through here."""
@@ -118,8 +121,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         applies it to the same all-reduced gradient. Several transforms apply in the order added.
         """
         if not any(parameter is p for _, p in self.engine.parameters):
-            raise ValueError(f"add_gradient_transform: a parameter of shape {tuple(parameter.shape)} is not one the "
-                             "engine trains.")
+            raise ValueError(
+                f"add_gradient_transform: a parameter of shape {tuple(parameter.shape)} is not one the engine trains."
+            )
         transforms = self._gradient_transforms.setdefault(parameter, OrderedDict())
         handle = RemovableHandle(transforms)
         transforms[handle.id] = transform
@@ -196,8 +200,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         """This process's clipped sums, popped from the engine; zeros (fp32 or wider) for a parameter with none."""
         sums = self.engine.pop_clipped_sums()
         return [
-            sums[p] if p in sums else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
-                                                  device=p.device)
+            sums[p]
+            if p in sums
+            else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
             for p in params
         ]
 
@@ -211,8 +216,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         """Start drawing this logical batch's noise in the background (`GaussianNoise.prepare`), where `add_noise`
         will add it, so the step does not wait for it. Called once the batch's trainable set and σ are known."""
         if self.noise_multiplier > 0 and adds_noise_here():
-            self.noise.prepare([p.numel() for _, p in self.engine.parameters],
-                               self.noise_multiplier * self.max_grad_norm)
+            self.noise.prepare(
+                [p.numel() for _, p in self.engine.parameters], self.noise_multiplier * self.max_grad_norm
+            )
 
     def all_reduce(self, totals: list[torch.Tensor]) -> None:
         all_reduce_sum(totals)
@@ -226,13 +232,17 @@ class NoisyOptimizer(torch.optim.Optimizer):
         for param in params:
             for transform in self._gradient_transforms.get(param, {}).values():
                 if param.grad is None:  # to_gradients gave every parameter one; a transform may not take it away
-                    raise ValueError(f"A gradient transform of a parameter of shape {tuple(param.shape)} left it "
-                                     "without a gradient: a transform returns a tensor or None (changed in place).")
+                    raise ValueError(
+                        f"A gradient transform of a parameter of shape {tuple(param.shape)} left it "
+                        "without a gradient: a transform returns a tensor or None (changed in place)."
+                    )
                 result = transform(param.grad)
                 if result is not None:
                     if result.shape != param.shape:
-                        raise ValueError(f"A gradient transform returned shape {tuple(result.shape)} for a parameter "
-                                         f"of shape {tuple(param.shape)}.")
+                        raise ValueError(
+                            f"A gradient transform returned shape {tuple(result.shape)} for a parameter "
+                            f"of shape {tuple(param.shape)}."
+                        )
                     param.grad = result.to(param.dtype)
 
     def step_end(self) -> None:

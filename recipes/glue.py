@@ -54,15 +54,34 @@ from hf_private.models.head_choice import HEADS, sentence_classifier  # noqa: E4
 
 logger = logging.getLogger("recipes.glue")
 
-DEMO = RecipeDefaults(expected_batch_size=256, num_train_epochs=3, learning_rate=1e-2, clip_norm=1.0,
-                      max_seq_length=MAX_LENGTH, source="the offline demo's own settings (not a paper's)",
-                      method_fields={"lora_r": 8, "lora_alpha": 16})
+DEMO = RecipeDefaults(
+    expected_batch_size=256,
+    num_train_epochs=3,
+    learning_rate=1e-2,
+    clip_norm=1.0,
+    max_seq_length=MAX_LENGTH,
+    source="the offline demo's own settings (not a paper's)",
+    method_fields={"lora_r": 8, "lora_alpha": 16},
+)
 # LoRA factors start at zero and need larger steps here (one demo run each: accuracy 0.87 vs 0.53 at 1e-2 on
 # today's demo task).
 DEMO_LORA_LEARNING_RATE = 5e-2
-DEMO_ARGS = ["--output_dir", "outputs/demo", "--logging_steps", "20", "--per_device_train_batch_size", "256",
-             "--per_device_eval_batch_size", "256", "--eval_strategy", "no", "--save_strategy", "no", "--use_cpu",
-             "true"]
+DEMO_ARGS = [
+    "--output_dir",
+    "outputs/demo",
+    "--logging_steps",
+    "20",
+    "--per_device_train_batch_size",
+    "256",
+    "--per_device_eval_batch_size",
+    "256",
+    "--eval_strategy",
+    "no",
+    "--save_strategy",
+    "no",
+    "--use_cpu",
+    "true",
+]
 GLUE_ARGS = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "64", "--logging_steps", "10"]
 # --quick: caps on the method's paper defaults for a CPU-sized run (minutes on a few cores for a base-size encoder)
 QUICK_BATCH, QUICK_EPOCHS, QUICK_SEQ_LENGTH, QUICK_TRAIN_SAMPLES = 256, 3, 64, 2000
@@ -71,26 +90,40 @@ QUICK_BATCH, QUICK_EPOCHS, QUICK_SEQ_LENGTH, QUICK_TRAIN_SAMPLES = 256, 3, 64, 2
 @dataclass
 class RecipeArguments:
     task: str = field(default="sst2", metadata={"help": f"GLUE task: {', '.join(TASKS)}."})
-    method: str = field(default="dp-sgd", metadata={
-        "help": f"DP method: one of {', '.join(registered_methods())}, or a short name (frost, bitfit, dpfp, ...)."})
+    method: str = field(
+        default="dp-sgd",
+        metadata={
+            "help": f"DP method: one of {', '.join(registered_methods())}, or a short name (frost, bitfit, dpfp, ...)."
+        },
+    )
     epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Pre-trained model (Hub id or local path), e.g. roberta-base. None: demo."}
     )
-    head: str = field(default="auto", metadata={
-        "choices": HEADS,
-        "help": "Classification head on --model_name_or_path: 'auto' reads the checkpoint's sentence-transformers "
-                "pooling (the mean-pooled head for one that pools by mean, e.g. all-MiniLM-L6-v2; else the CLS "
-                "head), 'cls' or 'mean' choose one (hf_private.sentence_classifier)."})
-    quick: bool = field(default=False, metadata={
-        "help": f"A CPU-sized run: the paper defaults capped at a logical batch of {QUICK_BATCH}, {QUICK_EPOCHS} "
-                f"epochs, {QUICK_SEQ_LENGTH} tokens and the first {QUICK_TRAIN_SAMPLES:,} training rows (flags still "
-                "override): a check of the pipeline, not the paper's accuracy. The paper defaults themselves (e.g. "
-                "dp-lora's batch of 2,000 for 20 epochs) need a GPU."})
-    max_train_samples: int | None = field(default=None, metadata={
-        "help": "Train on the first N training rows only (N then sets the sampling rate and δ)."})
+    head: str = field(
+        default="auto",
+        metadata={
+            "choices": HEADS,
+            "help": "Classification head on --model_name_or_path: 'auto' reads the checkpoint's sentence-transformers "
+            "pooling (the mean-pooled head for one that pools by mean, e.g. all-MiniLM-L6-v2; else the CLS "
+            "head), 'cls' or 'mean' choose one (hf_private.sentence_classifier).",
+        },
+    )
+    quick: bool = field(
+        default=False,
+        metadata={
+            "help": f"A CPU-sized run: the paper defaults capped at a logical batch of {QUICK_BATCH}, {QUICK_EPOCHS} "
+            f"epochs, {QUICK_SEQ_LENGTH} tokens and the first {QUICK_TRAIN_SAMPLES:,} training rows (flags still "
+            "override): a check of the pipeline, not the paper's accuracy. The paper defaults themselves (e.g. "
+            "dp-lora's batch of 2,000 for 20 epochs) need a GPU."
+        },
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={"help": "Train on the first N training rows only (N then sets the sampling rate and δ)."},
+    )
     train_file: str | None = field(default=None, metadata={"help": "Training data: tsv, csv, json(l) or parquet."})
     validation_file: str | None = field(default=None, metadata={"help": "Held-out data in the same layout."})
     data_dir: str | None = field(
@@ -100,12 +133,19 @@ class RecipeArguments:
     text_columns: str | None = field(default=None, metadata={"help": "Comma-separated text columns (task default)."})
     label_column: str = field(default="label", metadata={"help": "Label column of the data files."})
     expected_batch_size: int | None = field(
-        default=None, metadata={"help": "Logical batch B = q·N (paper default, e.g. dp-lora's 2,000 for 20 epochs: "
-                                        "sized for a GPU, see --quick); split into physical chunks."}
+        default=None,
+        metadata={
+            "help": "Logical batch B = q·N (paper default, e.g. dp-lora's 2,000 for 20 epochs: "
+            "sized for a GPU, see --quick); split into physical chunks."
+        },
     )
-    clip_norm: str | None = field(default=None, metadata={
-        "help": "Per-example clip norm C: a number, or 'auto' (the default with a real model): the median per-example "
-                "gradient norm at initialisation of what the method trains, on generated public sentences."})
+    clip_norm: str | None = field(
+        default=None,
+        metadata={
+            "help": "Per-example clip norm C: a number, or 'auto' (the default with a real model): the median "
+            "per-example gradient norm at initialisation of what the method trains, on generated public sentences."
+        },
+    )
     max_seq_length: int | None = field(default=None, metadata={"help": "Truncation length (paper default)."})
     method_fields: dict[str, Any] = field(default_factory=dict, init=False)  # the method's own flags, parsed
 
@@ -139,12 +179,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, started: float) -> dict[str, Any]:
     if demo:
-        logger.warning("DEMO: no --model_name_or_path and no data given, so this trains a small randomly initialised "
-                       "BERT on a generated sentiment task. The numbers show the pipeline works; they say nothing "
-                       "about GLUE.")
+        logger.warning(
+            "DEMO: no --model_name_or_path and no data given, so this trains a small randomly initialised "
+            "BERT on a generated sentiment task. The numbers show the pipeline works; they say nothing "
+            "about GLUE."
+        )
         if recipe.method == "dp-bitfit":
-            logger.warning("DEMO: DP-BiTFiT adapts pre-trained features and the demo model has none (random "
-                           "weights), so expect chance accuracy here; give --model_name_or_path to see it work.")
+            logger.warning(
+                "DEMO: DP-BiTFiT adapts pre-trained features and the demo model has none (random "
+                "weights), so expect chance accuracy here; give --model_name_or_path to see it work."
+            )
         raw, tokenizer, model = sentiment_splits(), demo_tokenizer(), demo_model()
         text_columns, dataset_label = ("sentence",), "generated demo sentiment data (hf_private.demos.sentiment)"
     else:
@@ -165,8 +209,13 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
     clip_norm = _clip_norm(recipe, model, text_columns, tokenize, collator)
     dp_config = _dp_config(recipe, clip_norm)
     trainer = PrivateTrainer(
-        model=model, args=training_args, train_dataset=data["train"], eval_dataset=data.get("validation"),
-        processing_class=tokenizer, data_collator=collator, dp_config=dp_config,
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        eval_dataset=data.get("validation"),
+        processing_class=tokenizer,
+        data_collator=collator,
+        dp_config=dp_config,
         compute_metrics=_metrics(recipe.task),
     )
     trainer.train()
@@ -178,10 +227,15 @@ def _run(recipe: RecipeArguments, training_args: TrainingArguments, demo: bool, 
         trainer.save_model()
         trainer.create_model_card(**card_kwargs)
     report = trainer.privacy_report()
-    result = {"epsilon": report.get("epsilon"), "delta": report["delta"], "steps": report["steps"],
-              "clip_norm": clip_norm,
-              "metrics": {k[len("eval_"):]: v for k, v in metrics.items() if k.startswith("eval_")},
-              "output_dir": os.path.abspath(training_args.output_dir), "seconds": time.time() - started}
+    result = {
+        "epsilon": report.get("epsilon"),
+        "delta": report["delta"],
+        "steps": report["steps"],
+        "clip_norm": clip_norm,
+        "metrics": {k[len("eval_") :]: v for k, v in metrics.items() if k.startswith("eval_")},
+        "output_dir": os.path.abspath(training_args.output_dir),
+        "seconds": time.time() - started,
+    }
     result["accuracy"] = result["metrics"].get("accuracy")
     if trainer.is_world_process_zero():
         _log_result(result, report, recipe, demo, trainer.adapter_format)
@@ -200,12 +254,14 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, TrainingArguments, boo
     if quick:
         defaults = _quick(defaults)
     method_arguments = _method_arguments(method.config_class)
-    parser = HfArgumentParser((RecipeArguments, TrainingArguments, method_arguments), description=__doc__,
-                              formatter_class=_HelpFormatter)
+    parser = HfArgumentParser(
+        (RecipeArguments, TrainingArguments, method_arguments), description=__doc__, formatter_class=_HelpFormatter
+    )
     fixed = DEMO_ARGS if demo else ["--output_dir", f"outputs/{first.task}-{first.method}", *GLUE_ARGS]
     fixed += ["--max_train_samples", str(QUICK_TRAIN_SAMPLES)] if quick else []
     recipe, training_args, method_flags = parser.parse_args_into_dataclasses(
-        args=[*fixed, *_default_args(defaults, method_arguments, demo), *argv])
+        args=[*fixed, *_default_args(defaults, method_arguments, demo), *argv]
+    )
     recipe.method_fields = dataclasses.asdict(method_flags)
     for name in ("recipes", "transformers.hf_private"):  # the main process tells the story; the others only err
         logging.getLogger(name).setLevel(logging.INFO if training_args.should_log else logging.ERROR)
@@ -221,10 +277,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def _quick(paper: RecipeDefaults) -> RecipeDefaults:
     """The paper defaults capped to the CPU-sized profile; the learning rate, C and the method's own fields kept."""
-    return replace(paper, expected_batch_size=min(paper.expected_batch_size, QUICK_BATCH),
-                   num_train_epochs=min(paper.num_train_epochs, QUICK_EPOCHS),
-                   max_seq_length=min(paper.max_seq_length, QUICK_SEQ_LENGTH),
-                   source=f"{paper.source}, capped by --quick to a CPU-sized run")
+    return replace(
+        paper,
+        expected_batch_size=min(paper.expected_batch_size, QUICK_BATCH),
+        num_train_epochs=min(paper.num_train_epochs, QUICK_EPOCHS),
+        max_seq_length=min(paper.max_seq_length, QUICK_SEQ_LENGTH),
+        source=f"{paper.source}, capped by --quick to a CPU-sized run",
+    )
 
 
 def _is_demo(recipe: RecipeArguments) -> bool:
@@ -235,16 +294,17 @@ def _pre_parse(argv: list[str]) -> RecipeArguments:
     """Read --task/--method/--model... first: they choose the defaults the full parse starts from."""
     if any(a in ("-h", "--help") for a in argv):
         return RecipeArguments()
-    (first, _) = HfArgumentParser(RecipeArguments).parse_args_into_dataclasses(args=argv,
-                                                                                return_remaining_strings=True)
+    (first, _) = HfArgumentParser(RecipeArguments).parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if first.method not in registered_methods():
         raise SystemExit(f"--method must be one of {', '.join(registered_methods())}, got {first.method!r}.")
     if first.task not in TASKS:
         raise SystemExit(f"Unknown --task {first.task!r}; choose one of {', '.join(TASKS)}.")
     demo = _is_demo(first)
     if demo and first.task != "sst2":
-        raise SystemExit(f"The offline demo is a sentiment task (sst2); for --task {first.task} give "
-                         "--model_name_or_path (e.g. roberta-base) and data or Hub access.")
+        raise SystemExit(
+            f"The offline demo is a sentiment task (sst2); for --task {first.task} give "
+            "--model_name_or_path (e.g. roberta-base) and data or Hub access."
+        )
     if not demo and first.model_name_or_path is None:
         raise SystemExit("With your own data, give --model_name_or_path (a pre-trained model, e.g. roberta-base).")
     return first
@@ -254,9 +314,18 @@ def _default_args(defaults: RecipeDefaults, method_arguments: type, demo: bool) 
     # The papers' C (0.1) is far below the per-example norms of most models: every example is then clipped alike and
     # a run can drift to the majority class with its loss rising (hf_private/clip_norm.py). The demo keeps its 1.0.
     clip_norm = str(defaults.clip_norm) if demo else "auto"
-    args = ["--num_train_epochs", str(defaults.num_train_epochs), "--learning_rate", str(defaults.learning_rate),
-            "--expected_batch_size", str(defaults.expected_batch_size), "--clip_norm", clip_norm,
-            "--max_seq_length", str(defaults.max_seq_length)]
+    args = [
+        "--num_train_epochs",
+        str(defaults.num_train_epochs),
+        "--learning_rate",
+        str(defaults.learning_rate),
+        "--expected_batch_size",
+        str(defaults.expected_batch_size),
+        "--clip_norm",
+        clip_norm,
+        "--max_seq_length",
+        str(defaults.max_seq_length),
+    ]
     own = {f.name for f in dataclasses.fields(method_arguments)}
     for name, value in defaults.method_fields.items():
         if name in own:
@@ -276,19 +345,30 @@ def _set_batch(args: TrainingArguments, expected: int, accumulation_given: bool)
     if not accumulation_given:
         physical, steps = split_batch(expected, args.per_device_train_batch_size, args.world_size)
         if physical * steps * args.world_size != expected:
-            logger.warning("Expected batch %d does not split evenly over %d process(es); using %d.", expected,
-                           args.world_size, physical * steps * args.world_size)
+            logger.warning(
+                "Expected batch %d does not split evenly over %d process(es); using %d.",
+                expected,
+                args.world_size,
+                physical * steps * args.world_size,
+            )
         args.per_device_train_batch_size, args.gradient_accumulation_steps = physical, steps
-    logger.info("Expected logical batch %d = %d per chunk × %d accumulation steps × %d processes.",
-                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
-                args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size)
+    logger.info(
+        "Expected logical batch %d = %d per chunk × %d accumulation steps × %d processes.",
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.world_size,
+    )
 
 
 def _log_defaults(defaults: RecipeDefaults, recipe: RecipeArguments, demo: bool) -> None:
     if not demo and not defaults.from_paper:
-        logger.warning("The papers give no %s setting for %s: starting from their SST-2 row. Tune on public data, "
-                       "not the private data (tuning on it spends privacy this ε does not count).", recipe.method,
-                       recipe.task)
+        logger.warning(
+            "The papers give no %s setting for %s: starting from their SST-2 row. Tune on public data, "
+            "not the private data (tuning on it spends privacy this ε does not count).",
+            recipe.method,
+            recipe.task,
+        )
     logger.info("Defaults (overridable by flags) from %s.", defaults.source)
 
 
@@ -327,8 +407,12 @@ def _load_model(recipe: RecipeArguments):
 def _dp_config(recipe: RecipeArguments, clip_norm: float) -> MethodConfig:
     """The registered method's config from the shared privacy flags and the method's own flags."""
     return method_class(recipe.method).config_class(
-        target_epsilon=recipe.epsilon, target_delta=recipe.delta, max_grad_norm=clip_norm,
-        accountant=recipe.accountant, **recipe.method_fields)
+        target_epsilon=recipe.epsilon,
+        target_delta=recipe.delta,
+        max_grad_norm=clip_norm,
+        accountant=recipe.accountant,
+        **recipe.method_fields,
+    )
 
 
 CALIBRATION_EXAMPLES = 32
@@ -346,8 +430,12 @@ def _clip_norm(recipe: RecipeArguments, model, text_columns: tuple[str, ...], to
     examples = [{**{k: v[i] for k, v in encoded.items()}, "labels": labels[i]} for i in range(CALIBRATION_EXAMPLES)]
     probe = method_class(recipe.method).config_class(noise_multiplier=1.0, **recipe.method_fields)
     clip_norm = median_gradient_norm(model, probe, examples, collator)
-    logger.info("C = %.4g: the median per-example gradient norm at initialisation over %d generated sentences "
-                "(--clip_norm auto; give a number to set it).", clip_norm, CALIBRATION_EXAMPLES)
+    logger.info(
+        "C = %.4g: the median per-example gradient norm at initialisation over %d generated sentences "
+        "(--clip_norm auto; give a number to set it).",
+        clip_norm,
+        CALIBRATION_EXAMPLES,
+    )
     return clip_norm
 
 
@@ -364,21 +452,39 @@ def _metrics(task: str):
     return compute
 
 
-SAVED_AS = {"peft": "PEFT adapter", "private_adapter": "Private adapter (only the trained tensors)",
-            "full": "Full model"}
+SAVED_AS = {
+    "peft": "PEFT adapter",
+    "private_adapter": "Private adapter (only the trained tensors)",
+    "full": "Full model",
+}
 
 
-def _log_result(result: dict[str, Any], report: dict[str, Any], recipe: RecipeArguments, demo: bool,
-                adapter_format: str) -> None:
-    held_out = ", ".join(f"{k} = {v:.4f}" for k, v in result["metrics"].items()
-                         if k not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epsilon"))
-    privacy = (f"ε = {report['epsilon']:.3f}, δ = {report['delta']:.2e} ({report['accountant']} accountant"
-               if "epsilon" in report else "NO formal guarantee (")
+def _log_result(
+    result: dict[str, Any], report: dict[str, Any], recipe: RecipeArguments, demo: bool, adapter_format: str
+) -> None:
+    held_out = ", ".join(
+        f"{k} = {v:.4f}"
+        for k, v in result["metrics"].items()
+        if k not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epsilon")
+    )
+    privacy = (
+        f"ε = {report['epsilon']:.3f}, δ = {report['delta']:.2e} ({report['accountant']} accountant"
+        if "epsilon" in report
+        else "NO formal guarantee ("
+    )
     logger.info(
         "%s%s with %s: %s, %d steps, σ = %.3f, guarantee: %s); held-out %s; %.0f s. %s, privacy ledger and card in %s.",
-        "DEMO (generated data, not GLUE) " if demo else "", recipe.task, recipe.method, privacy, report["steps"],
-        report["noise_multiplier"], report["guarantee"], held_out or "evaluation not run", result["seconds"],
-        SAVED_AS[adapter_format], result["output_dir"],
+        "DEMO (generated data, not GLUE) " if demo else "",
+        recipe.task,
+        recipe.method,
+        privacy,
+        report["steps"],
+        report["noise_multiplier"],
+        report["guarantee"],
+        held_out or "evaluation not run",
+        result["seconds"],
+        SAVED_AS[adapter_format],
+        result["output_dir"],
     )
 
 

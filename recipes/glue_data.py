@@ -17,6 +17,7 @@ from hf_private.data.files import FORMATS, DataFileError, read_data_file
 
 logger = logging.getLogger("recipes.glue")
 
+
 class DataError(ValueError):
     """Bad recipe input; the message says what to change."""
 
@@ -62,8 +63,10 @@ def find_data_files(data_dir: str) -> tuple[str, str | None]:
 
     train = first(("train",))
     if train is None:
-        raise DataError(f"--data_dir {data_dir} has no train file (train{{{','.join(FORMATS)}}}); found "
-                        f"{sorted(os.listdir(data_dir))}.")
+        raise DataError(
+            f"--data_dir {data_dir} has no train file (train{{{','.join(FORMATS)}}}); found "
+            f"{sorted(os.listdir(data_dir))}."
+        )
     return train, first(("validation", "dev", "validation_matched", "dev_matched"))
 
 
@@ -83,8 +86,10 @@ def load_hub(dataset_name: str, task: str) -> DatasetDict:
     """`load_dataset(dataset_name, task)`, failing fast offline with a pointer to local files."""
     from huggingface_hub import constants
 
-    hint = (f"pass --train_file/--validation_file (tsv, csv, json or parquet) or --data_dir with the {task} data, "
-            "or run without --model_name_or_path for the offline demo.")
+    hint = (
+        f"pass --train_file/--validation_file (tsv, csv, json or parquet) or --data_dir with the {task} data, "
+        "or run without --model_name_or_path for the offline demo."
+    )
     if constants.HF_HUB_OFFLINE:
         raise DataError(f"Offline (HF_HUB_OFFLINE is set), so {dataset_name}/{task} cannot be downloaded: {hint}")
     try:
@@ -95,8 +100,9 @@ def load_hub(dataset_name: str, task: str) -> DatasetDict:
     return DatasetDict({"train": raw["train"], **({"validation": raw[validation]} if validation in raw else {})})
 
 
-def prepare(raw: DatasetDict, task: str, text_columns: tuple[str, ...], label_column: str,
-            sources: dict[str, str]) -> DatasetDict:
+def prepare(
+    raw: DatasetDict, task: str, text_columns: tuple[str, ...], label_column: str, sources: dict[str, str]
+) -> DatasetDict:
     """Check columns, turn spelled-out labels into ids, and keep only the text columns and `label`."""
     spec = task_spec(task)
     prepared = {}

@@ -50,36 +50,75 @@ logger = logging.getLogger("recipes.sft")
 # 0.38 private and 0.74 non-private (trivial 0.26); at 2e-2 the private run reaches 0.62 but the non-private one
 # diverges (0.23). Measured on 2 CPU cores: 34 s wall under a 2-process accelerate launch on an idle machine (67 s
 # while a test suite ran beside it), 42 s in one process on a busy one.
-DEMO_ARGS = ["--output_dir", "outputs/sft-demo", "--num_train_epochs", "5", "--learning_rate", "5e-3",
-             "--per_device_train_batch_size", "256", "--per_device_eval_batch_size", "256", "--logging_steps", "20",
-             "--max_length", str(MAX_LENGTH), "--use_cpu", "true"]
-FIXED_ARGS = ["--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--gradient_checkpointing",
-              "false", "--bf16", "false", "--dataloader_num_workers", "0"]
+DEMO_ARGS = [
+    "--output_dir",
+    "outputs/sft-demo",
+    "--num_train_epochs",
+    "5",
+    "--learning_rate",
+    "5e-3",
+    "--per_device_train_batch_size",
+    "256",
+    "--per_device_eval_batch_size",
+    "256",
+    "--logging_steps",
+    "20",
+    "--max_length",
+    str(MAX_LENGTH),
+    "--use_cpu",
+    "true",
+]
+FIXED_ARGS = [
+    "--eval_strategy",
+    "no",
+    "--save_strategy",
+    "no",
+    "--report_to",
+    "none",
+    "--gradient_checkpointing",
+    "false",
+    "--bf16",
+    "false",
+    "--dataloader_num_workers",
+    "0",
+]
 # DPO's demo: 3 epochs (117 steps, σ = 0.55 at ε = 8), to stay under a minute with its two rows per pair and the
 # reference forward: held-out preference accuracy 0.60 private, 0.71 non-private (chance 0.5), 50 s in one process on
 # 2 CPU cores. Exact match stays near or below the trivial 0.26 for both runs: DPO from a random initialisation raises
 # the chosen completion against the rejected one, not above every other word.
-TRAINERS = {"sft": (SFTTrainer, SFTConfig, ["--packing", "false"]),
-            "dpo": (DPOTrainer, DPOConfig, ["--num_train_epochs", "3"])}
+TRAINERS = {
+    "sft": (SFTTrainer, SFTConfig, ["--packing", "false"]),
+    "dpo": (DPOTrainer, DPOConfig, ["--num_train_epochs", "3"]),
+}
 
 
 @dataclass
 class RecipeArguments:
     trainer: str = field(default="sft", metadata={"help": "sft (DP SFT) or dpo (DP DPO, one preference pair a unit)."})
-    method: str = field(default="dp-sgd", metadata={
-        "help": "DP method: one of hf_private.registered_methods(), or a short name (lora, bitfit, ...)."})
+    method: str = field(
+        default="dp-sgd",
+        metadata={"help": "DP method: one of hf_private.registered_methods(), or a short name (lora, bitfit, ...)."},
+    )
     target_epsilon: float = field(default=8.0, metadata={"help": "Target ε for the whole run."})
     target_delta: float | None = field(default=None, metadata={"help": "Target δ (default 1/(2N))."})
     accountant: str = field(default="prv", metadata={"help": "prv or rdp."})
     clip_norm: float = field(default=1.0, metadata={"help": "Per-example (per-sequence) clip norm C."})
-    expected_batch_size: int = field(default=256, metadata={
-        "help": "Logical batch B = q·N; split into physical chunks over processes and accumulation steps."})
-    lora: bool = field(default=False, metadata={
-        "help": "Train a PEFT LoRA adapter (peft_config, with --method dp-sgd) instead of the full model."})
+    expected_batch_size: int = field(
+        default=256,
+        metadata={"help": "Logical batch B = q·N; split into physical chunks over processes and accumulation steps."},
+    )
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Train a PEFT LoRA adapter (peft_config, with --method dp-sgd) instead of the full model."},
+    )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank with --lora."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha with --lora."})
-    model_name_or_path: str | None = field(default=None, metadata={
-        "help": "A pre-trained causal LM (Hub id or local path). None: the offline demo's small Llama from config."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A pre-trained causal LM (Hub id or local path). None: the offline demo's small Llama from config."
+        },
+    )
     train_size: int = field(default=10000, metadata={"help": "Generated training pairs (offline demo)."})
     eval_size: int = field(default=200, metadata={"help": "Generated held-out pairs (offline demo)."})
     seed_data: int = field(default=1234, metadata={"help": "Seed of the generated task."})
@@ -106,7 +145,8 @@ def parse_args(argv: list[str]) -> tuple[RecipeArguments, SFTConfig | DPOConfig]
         raise SystemExit(f"--method must be one of {', '.join(registered_methods())}, got {recipe.method!r}.")
     if not any(a.split("=")[0] == "--gradient_accumulation_steps" for a in argv):
         args.per_device_train_batch_size, args.gradient_accumulation_steps = split_batch(
-            recipe.expected_batch_size, args.per_device_train_batch_size, args.world_size)
+            recipe.expected_batch_size, args.per_device_train_batch_size, args.world_size
+        )
     logging.getLogger("recipes").setLevel(logging.INFO if args.should_log else logging.ERROR)
     return recipe, args
 
@@ -139,21 +179,27 @@ def _peft_config(recipe: RecipeArguments):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, target_modules=["q_proj", "v_proj"],
-                      task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=recipe.lora_r, lora_alpha=recipe.lora_alpha, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
 
 
 def _run(recipe: RecipeArguments, args: SFTConfig | DPOConfig, started: float) -> dict[str, Any]:
     if recipe.model_name_or_path is None:
-        logger.warning("DEMO: no --model_name_or_path, so this trains a small randomly initialised Llama on a "
-                       "generated instruction task (hf_private.demos.instruction). The numbers show the pipeline "
-                       "works; they are not a benchmark.")
+        logger.warning(
+            "DEMO: no --model_name_or_path, so this trains a small randomly initialised Llama on a "
+            "generated instruction task (hf_private.demos.instruction). The numbers show the pipeline "
+            "works; they are not a benchmark."
+        )
     splits = preference_splits if recipe.trainer == "dpo" else instruction_splits
     data = splits(recipe.train_size, recipe.eval_size, recipe.seed_data)
     dataset_label = "generated instruction task (hf_private.demos.instruction)"
     dp_config = method_class(recipe.method).config_class(
-        target_epsilon=recipe.target_epsilon, target_delta=recipe.target_delta, max_grad_norm=recipe.clip_norm,
-        accountant=recipe.accountant)
+        target_epsilon=recipe.target_epsilon,
+        target_delta=recipe.target_delta,
+        max_grad_norm=recipe.clip_norm,
+        accountant=recipe.accountant,
+    )
     trainer = _trainer(recipe, args, data, privatize, dp_config=dp_config)
     trainer.train()
     private = held_out_metrics(recipe, trainer, data)
@@ -164,11 +210,19 @@ def _run(recipe: RecipeArguments, args: SFTConfig | DPOConfig, started: float) -
     print(f"rank {args.process_index} of {args.world_size}: {digest}", file=sys.stderr, flush=True)
     private_seconds = time.time() - started
 
-    result = {"epsilon": report.get("epsilon"), "delta": report["delta"], "steps": report["steps"],
-              "noise_multiplier": report["noise_multiplier"], "method": recipe.method, "trainer": recipe.trainer,
-              **{f"private_{k}": v for k, v in private.items()}, "rank_digest": digest,
-              "baseline_exact_match": majority_exact_match(data["train"], data["validation"], _answers(recipe)),
-              "output_dir": os.path.abspath(args.output_dir), "private_seconds": private_seconds}
+    result = {
+        "epsilon": report.get("epsilon"),
+        "delta": report["delta"],
+        "steps": report["steps"],
+        "noise_multiplier": report["noise_multiplier"],
+        "method": recipe.method,
+        "trainer": recipe.trainer,
+        **{f"private_{k}": v for k, v in private.items()},
+        "rank_digest": digest,
+        "baseline_exact_match": majority_exact_match(data["train"], data["validation"], _answers(recipe)),
+        "output_dir": os.path.abspath(args.output_dir),
+        "private_seconds": private_seconds,
+    }
     if recipe.non_private:
         result.update(_non_private(recipe, args, data))
     result["seconds"] = time.time() - started
@@ -186,8 +240,9 @@ def _trainer(recipe: RecipeArguments, args, data, wrap=lambda cls: cls, **privat
     DPO's reference is the same initial model: a frozen copy, or with --lora the base with the adapter disabled."""
     trainer_class, _, _ = TRAINERS[recipe.trainer]
     model, tokenizer = _model_and_tokenizer(recipe)
-    keywords = dict(args=args, train_dataset=data["train"], processing_class=tokenizer,
-                    peft_config=_peft_config(recipe), **private)
+    keywords = dict(
+        args=args, train_dataset=data["train"], processing_class=tokenizer, peft_config=_peft_config(recipe), **private
+    )
     if recipe.trainer == "dpo" and not recipe.lora:
         keywords["ref_model"] = _model_and_tokenizer(recipe)[0]
     return wrap(trainer_class)(model=model, **keywords)
@@ -198,8 +253,15 @@ def held_out_metrics(recipe: RecipeArguments, trainer, data) -> dict[str, float]
     and, for DPO, the held-out preference accuracy (TRL's rewards/accuracies: the chosen completion's implicit reward
     above the rejected one's)."""
     validation = data["validation"]
-    metrics = {"exact_match": exact_match(trainer.model, trainer.processing_class, validation["prompt"],
-                                          validation[_answers(recipe)], recipe.max_new_tokens)}
+    metrics = {
+        "exact_match": exact_match(
+            trainer.model,
+            trainer.processing_class,
+            validation["prompt"],
+            validation[_answers(recipe)],
+            recipe.max_new_tokens,
+        )
+    }
     if recipe.trainer == "dpo":
         metrics["preference_accuracy"] = trainer.evaluate(validation)["eval_rewards/accuracies"]
     return metrics
@@ -212,8 +274,10 @@ def _non_private(recipe: RecipeArguments, args, data) -> dict[str, Any]:
     public_args.output_dir = os.path.join(args.output_dir, "non_private")
     trainer = _trainer(recipe, public_args, data)
     trainer.train()
-    return {**{f"non_private_{k}": v for k, v in held_out_metrics(recipe, trainer, data).items()},
-            "non_private_steps": trainer.state.global_step}
+    return {
+        **{f"non_private_{k}": v for k, v in held_out_metrics(recipe, trainer, data).items()},
+        "non_private_steps": trainer.state.global_step,
+    }
 
 
 def rank_digest(model, report: dict[str, Any]) -> str:
@@ -240,12 +304,17 @@ def exact_match(model, tokenizer, prompts: list[str], references: list[str], max
     device = next(model.parameters()).device
     for rows in by_length.values():
         prompts = torch.tensor([ids for ids, _ in rows], device=device)
-        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        for generated, (_, reference) in zip(out[:, prompts.shape[1]:].tolist(), rows):
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for generated, (_, reference) in zip(out[:, prompts.shape[1] :].tolist(), rows):
             if tokenizer.eos_token_id in generated:
-                generated = generated[:generated.index(tokenizer.eos_token_id)]
+                generated = generated[: generated.index(tokenizer.eos_token_id)]
             hits += tokenizer.decode(generated, skip_special_tokens=True).strip() == reference
             total += 1
     return hits / max(1, total)
@@ -259,19 +328,38 @@ def table(result: dict[str, Any]) -> str:
         cells = (f"{result[f'{prefix}_exact_match']:.3f}",)
         return cells + (f"{result[f'{prefix}_preference_accuracy']:.3f}",) if preference else cells
 
-    header = ("run", "ε", "δ", "steps", "held-out exact match") + (("held-out preference accuracy",) if preference
-                                                                    else ())
-    rows = [header, (f"private ({result['trainer']}, {result['method']})", epsilon, f"{result['delta']:.1e}",
-                     str(result["steps"]), *metrics("private"))]
+    header = ("run", "ε", "δ", "steps", "held-out exact match") + (
+        ("held-out preference accuracy",) if preference else ()
+    )
+    rows = [
+        header,
+        (
+            f"private ({result['trainer']}, {result['method']})",
+            epsilon,
+            f"{result['delta']:.1e}",
+            str(result["steps"]),
+            *metrics("private"),
+        ),
+    ]
     if "non_private_exact_match" in result:
         rows.append(("non-private", "∞", "-", str(result["non_private_steps"]), *metrics("non_private")))
-    rows.append(("trivial (majority answer)", "-", "-", "-", f"{result['baseline_exact_match']:.3f}",
-                 *(("0.500",) if preference else ())))
+    rows.append(
+        (
+            "trivial (majority answer)",
+            "-",
+            "-",
+            "-",
+            f"{result['baseline_exact_match']:.3f}",
+            *(("0.500",) if preference else ()),
+        )
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"σ = {result['noise_multiplier']:.3f}; {result['seconds']:.0f} s; private adapter, privacy ledger "
-                 f"and card in {result['output_dir']}")
+    lines.append(
+        f"σ = {result['noise_multiplier']:.3f}; {result['seconds']:.0f} s; private adapter, privacy ledger "
+        f"and card in {result['output_dir']}"
+    )
     return "\n".join(lines)
 
 

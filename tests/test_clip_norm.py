@@ -18,8 +18,10 @@ from tests.support.helpers import make_trainer, snapshot
 def _examples(n: int = 6) -> list[dict]:
     tok = tiny.tokenizer()
     encoded = tok(public_calibration_texts(n), truncation=True)
-    return [{"input_ids": encoded["input_ids"][i], "attention_mask": encoded["attention_mask"][i], "labels": i % 2}
-            for i in range(n)]
+    return [
+        {"input_ids": encoded["input_ids"][i], "attention_mask": encoded["attention_mask"][i], "labels": i % 2}
+        for i in range(n)
+    ]
 
 
 def _reference_norms(model, trains, examples) -> torch.Tensor:
@@ -28,18 +30,22 @@ def _reference_norms(model, trains, examples) -> torch.Tensor:
     params = [p for name, p in model.named_parameters() if trains(name)]
     norms = []
     for example in examples:
-        logits = model(input_ids=torch.tensor([example["input_ids"]]),
-                       attention_mask=torch.tensor([example["attention_mask"]])).logits
+        logits = model(
+            input_ids=torch.tensor([example["input_ids"]]), attention_mask=torch.tensor([example["attention_mask"]])
+        ).logits
         loss = F.cross_entropy(logits, torch.tensor([example["labels"]]))
         grads = torch.autograd.grad(loss, params)
         norms.append(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
     return torch.stack(norms)
 
 
-@pytest.mark.parametrize("config, trains", [
-    (DPConfig(noise_multiplier=1.0), lambda name: True),
-    (BitFitConfig(noise_multiplier=1.0), lambda name: name.endswith("bias") or name.startswith("classifier")),
-])
+@pytest.mark.parametrize(
+    "config, trains",
+    [
+        (DPConfig(noise_multiplier=1.0), lambda name: True),
+        (BitFitConfig(noise_multiplier=1.0), lambda name: name.endswith("bias") or name.startswith("classifier")),
+    ],
+)
 def test_norms_are_each_examples_gradient_over_what_the_method_trains(config, trains):
     model, examples = tiny.bert(), _examples()
     before = snapshot(model)
@@ -68,7 +74,6 @@ def test_nothing_to_measure_is_refused():
         median_gradient_norm(tiny.bert(), DPConfig(noise_multiplier=1.0), unlabelled, collate)
 
 
-
 # ---------------------------------------------------------------------- C far above the norms, caught in training
 FAR_ABOVE = "is far above the per-example gradient norms"
 
@@ -87,8 +92,9 @@ class _FirstBatchNorms(TrainerCallback):
 
 
 def _train_and_warnings(tmp_path, caplog, clip: float) -> tuple[list[str], torch.Tensor]:
-    trainer = make_trainer(tmp_path, dp=DPConfig(noise_multiplier=1.0, max_grad_norm=clip), max_steps=4,
-                           per_device_train_batch_size=16)
+    trainer = make_trainer(
+        tmp_path, dp=DPConfig(noise_multiplier=1.0, max_grad_norm=clip), max_steps=4, per_device_train_batch_size=16
+    )
     norms = _FirstBatchNorms(trainer)
     trainer.add_callback(norms)
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):

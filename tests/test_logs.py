@@ -45,8 +45,16 @@ def test_the_plan_shows_once_at_transformers_default_verbosity_from_the_main_pro
             make_trainer(tmp_path, dp=DPConfig(target_epsilon=3.0, max_grad_norm=1.0))
         plans = _plans(caplog)
         assert len(plans) == 1 and get_logger("hf_private.run.privacy_run").isEnabledFor(plans[0].levelno)
-        for field in ("N=96 examples", "q=", "expected logical batch 8 examples", "steps", "σ=", "C=1,", "δ=",
-                      "target ε=3"):
+        for field in (
+            "N=96 examples",
+            "q=",
+            "expected logical batch 8 examples",
+            "steps",
+            "σ=",
+            "C=1,",
+            "δ=",
+            "target ε=3",
+        ):
             assert field in plans[0].getMessage()
         caplog.clear()
         monkeypatch.setenv("RANK", "1")  # what every other process of a multi-process run sees

@@ -41,8 +41,24 @@ from .result import AUDIT_DATA, AuditCeiling, AuditResult, ScoreBound, compose_a
 from .scores import BLACK_BOX, WHITE_BOX, canary_descent_directions, canary_losses
 
 __all__ = [
-    "AUDIT_DATA", "AUDIT_MECHANISM_PREFIX", "BLACK_BOX", "WHITE_BOX", "AuditCeiling", "AuditResult", "ScoreBound",
-    "add_canary_tokens", "build_canaries", "canary_descent_directions", "canary_losses", "compose_audits",
-    "count_correct", "epsilon_from_error_rates", "gdp_delta", "gdp_epsilon", "one_run_epsilon_lower_bound",
-    "one_run_gdp_p_value", "one_run_mu_lower_bound", "one_run_p_value",
+    "AUDIT_DATA",
+    "AUDIT_MECHANISM_PREFIX",
+    "BLACK_BOX",
+    "WHITE_BOX",
+    "AuditCeiling",
+    "AuditResult",
+    "ScoreBound",
+    "add_canary_tokens",
+    "build_canaries",
+    "canary_descent_directions",
+    "canary_losses",
+    "compose_audits",
+    "count_correct",
+    "epsilon_from_error_rates",
+    "gdp_delta",
+    "gdp_epsilon",
+    "one_run_epsilon_lower_bound",
+    "one_run_gdp_p_value",
+    "one_run_mu_lower_bound",
+    "one_run_p_value",
 ]

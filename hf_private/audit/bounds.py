@@ -43,8 +43,12 @@ def one_run_epsilon_lower_bound(
     """sup{ε : p(ε) < 1 − confidence}, by bisection; 0 when not even ε = 0 is rejected."""
     check_confidence(confidence)
     beta = 1.0 - confidence
-    return _largest_rejected(lambda epsilon: one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta,
-                             0.0, _EPSILON_CEILING, steps=60)
+    return _largest_rejected(
+        lambda epsilon: one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta,
+        0.0,
+        _EPSILON_CEILING,
+        steps=60,
+    )
 
 
 def _largest_rejected(rejected: Callable[[float], bool], floor: float, ceiling: float, steps: int) -> float:
@@ -97,13 +101,13 @@ def one_run_gdp_p_value(canaries: int, guesses: int, correct: int, mu: float, de
     return min(one_run_p_value(canaries, guesses, correct, float(e), gdp_delta(mu, float(e))) for e in grid)
 
 
-def one_run_mu_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
-                           confidence: float = 0.95) -> float:
+def one_run_mu_lower_bound(canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95) -> float:
     """sup{μ : the μ-GDP p-value < 1 − confidence}, by bisection; 0 when not even μ → 0 is rejected."""
     check_confidence(confidence)
     beta = 1.0 - confidence
-    return _largest_rejected(lambda mu: one_run_gdp_p_value(canaries, guesses, correct, mu, delta) < beta,
-                             _MU_FLOOR, _MU_CEILING, steps=40)
+    return _largest_rejected(
+        lambda mu: one_run_gdp_p_value(canaries, guesses, correct, mu, delta) < beta, _MU_FLOOR, _MU_CEILING, steps=40
+    )
 
 
 def count_correct(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_minus: int) -> tuple[int, int]:
@@ -112,12 +116,16 @@ def count_correct(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_m
         raise ValueError(f"Need k_plus, k_minus ≥ 0 and k_plus + k_minus ≤ {scores.numel()} canaries.")
     order = torch.argsort(scores.detach().cpu().double(), descending=True, stable=True)
     included = included.cpu().bool()
-    correct = int(included[order[:k_plus]].sum()) + int((~included[order[scores.numel() - k_minus:]]).sum())
+    correct = int(included[order[:k_plus]].sum()) + int((~included[order[scores.numel() - k_minus :]]).sum())
     return k_plus + k_minus, correct
 
 
 def epsilon_from_error_rates(
-    false_positives: int, negatives: int, false_negatives: int, positives: int, delta: float,
+    false_positives: int,
+    negatives: int,
+    false_negatives: int,
+    positives: int,
+    delta: float,
     confidence: float = 0.95,
 ) -> float:
     """ε lower bound from a threshold test's errors (Jagielski et al. 2020), Clopper–Pearson at `confidence`.
@@ -143,4 +151,3 @@ def check_confidence(confidence: float) -> None:
     """Refuse a confidence outside (0, 1), the same way for the bounds and for `run_audit`."""
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}.")
-

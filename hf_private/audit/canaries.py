@@ -40,8 +40,14 @@ def add_canary_tokens(model: nn.Module, count: int, generator: torch.Generator) 
     return list(range(old, old + count))
 
 
-def build_canaries(template: dict[str, Any], token_ids: Sequence[int], length: int, num_labels: int,
-                   rng: random.Random, users: Sequence[Any] = ()) -> dict[str, list]:
+def build_canaries(
+    template: dict[str, Any],
+    token_ids: Sequence[int],
+    length: int,
+    num_labels: int,
+    rng: random.Random,
+    users: Sequence[Any] = (),
+) -> dict[str, list]:
     """Columns for one canary per token: the token repeated `length` times, a random (public) label; at user level
     (`users`: the user column's name first, then one new id per canary) each canary is a user of its own."""
     columns: dict[str, list] = {name: [] for name in template}
@@ -71,8 +77,14 @@ def build_canaries(template: dict[str, Any], token_ids: Sequence[int], length: i
     return columns
 
 
-def canary_dataset(train_dataset, token_ids: Sequence[int], length: int, num_labels: int, rng: random.Random,
-                   user_column: str | None = None):
+def canary_dataset(
+    train_dataset,
+    token_ids: Sequence[int],
+    length: int,
+    num_labels: int,
+    rng: random.Random,
+    user_column: str | None = None,
+):
     """All canaries as a `datasets.Dataset` with the training set's features, so the two concatenate. At user level
     every canary is a new user (an id no training example has), as the unit the audit tests is a user."""
     from datasets import Dataset
@@ -98,4 +110,3 @@ def with_canaries(train_dataset, canary_set, included: torch.Tensor):
 
     chosen = torch.nonzero(included).flatten().tolist()
     return concatenate_datasets([train_dataset, canary_set.select(chosen)]) if chosen else train_dataset
-

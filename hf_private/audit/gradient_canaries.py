@@ -55,15 +55,18 @@ class GradientCanaries:
         return self.parameter.numel()
 
 
-def draw_gradient_canaries(parameters: list[tuple[str, nn.Parameter]], count: int, first_token: int,
-                           generator: torch.Generator) -> GradientCanaries:
+def draw_gradient_canaries(
+    parameters: list[tuple[str, nn.Parameter]], count: int, first_token: int, generator: torch.Generator
+) -> GradientCanaries:
     """`count` distinct coordinates, uniform over every trainable coordinate, and random signs, from the auditor's
     secret `generator` (like the canaries' inclusion: nothing about them is public)."""
     sizes = torch.tensor([p.numel() for _, p in parameters])
     total = int(sizes.sum())
     if count > total:
-        raise ValueError(f"The audit asks for {count} gradient canaries, but the run trains {total} coordinates: "
-                         "use fewer canaries (each needs a coordinate of its own).")
+        raise ValueError(
+            f"The audit asks for {count} gradient canaries, but the run trains {total} coordinates: "
+            "use fewer canaries (each needs a coordinate of its own)."
+        )
     distinct: dict[int, None] = {}  # in order of drawing: a uniform subset without a permutation of every coordinate
     while len(distinct) < count:
         distinct.update(dict.fromkeys(torch.randint(total, (count,), generator=generator).tolist()))
@@ -100,28 +103,34 @@ class GradientCanaryInserter:
         canary = torch.where(is_canary, offset, self.canaries.count).amin(dim=1)
         mixed = (is_canary & (offset != canary.unsqueeze(1))).any(dim=1)
         if bool(mixed.any()):
-            raise ValueError("A row holds the tokens of two gradient canaries: the audit needs one example a row "
-                             "(no packing).")
+            raise ValueError(
+                "A row holds the tokens of two gradient canaries: the audit needs one example a row (no packing)."
+            )
         self._rows.append(torch.where(canary < self.canaries.count, canary, -1).cpu())
 
     def _canary_of_units(self, units: ChunkUnits) -> torch.Tensor:
         rows = torch.cat(self._rows) if self._rows else torch.empty(0, dtype=torch.long)
         self._rows = []
         if units.packed:
-            raise ValueError("Gradient canaries need one example a row: audit without packing (no padding-free "
-                             "collator, no packed dataset).")
+            raise ValueError(
+                "Gradient canaries need one example a row: audit without packing (no padding-free "
+                "collator, no packed dataset)."
+            )
         expected = sum(units.unit_rows)
         if rows.numel() < expected:
-            raise RuntimeError(f"The gradient canaries saw {rows.numel()} rows in training forwards since the last "
-                               f"chunk, the engine {expected}: they cannot tell which units are canaries.")
+            raise RuntimeError(
+                f"The gradient canaries saw {rows.numel()} rows in training forwards since the last "
+                f"chunk, the engine {expected}: they cannot tell which units are canaries."
+            )
         # The chunk's own forward comes last; a training-mode forward before it that no training engine reduced (a
         # method's measurement with an engine of its own) leaves rows that are not the chunk's.
-        per_unit = torch.split(rows[rows.numel() - expected:], list(units.unit_rows))
+        per_unit = torch.split(rows[rows.numel() - expected :], list(units.unit_rows))
         canary = torch.tensor([int(unit.max()) for unit in per_unit], dtype=torch.long)
         for unit, index in zip(per_unit, canary.tolist()):
             if index >= 0 and unit.numel() != 1:
-                raise ValueError("A gradient canary shares its unit with other rows: each canary must be a unit of "
-                                 "one example.")
+                raise ValueError(
+                    "A gradient canary shares its unit with other rows: each canary must be a unit of one example."
+                )
         return canary
 
     # ------------------------------------------------------------------ engine: the inserted gradients
@@ -130,8 +139,10 @@ class GradientCanaryInserter:
         holding = {self.canaries.parameter_names[slot] for slot in self.canaries.parameter.unique().tolist()}
         missing = sorted(holding - trained.keys())
         if missing:
-            raise ValueError(f"The gradient canaries' parameters {missing[:3]} are not trained by this engine: the "
-                             "audit needs a trainable set that stays the same for the whole run.")
+            raise ValueError(
+                f"The gradient canaries' parameters {missing[:3]} are not trained by this engine: the "
+                "audit needs a trainable set that stays the same for the whole run."
+            )
         self._parameters = {name: trained[name] for name in holding}
         engine.add_chunk_transform(self._insert)
 

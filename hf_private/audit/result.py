@@ -105,29 +105,51 @@ class AuditResult:
     def canary_summary(self) -> str:
         """What `canaries` and `included` count, in words."""
         sets, total = len(self.canary_sets), self.canaries * len(self.canary_sets)
-        layout = (f"{sets} sets of {self.canaries:,} ({' and '.join(self.canary_sets)} canaries)" if sets > 1
-                  else f"{self.canaries:,} {self.canary_sets[0]} canaries")
-        return (f"Canaries: {layout}, each included in the training set independently with probability 1/2: "
-                f"{self.included:,} of {total:,} included.")
+        layout = (
+            f"{sets} sets of {self.canaries:,} ({' and '.join(self.canary_sets)} canaries)"
+            if sets > 1
+            else f"{self.canaries:,} {self.canary_sets[0]} canaries"
+        )
+        return (
+            f"Canaries: {layout}, each included in the training set independently with probability 1/2: "
+            f"{self.included:,} of {total:,} included."
+        )
 
     def verdict(self) -> str:
         """One line saying what the audit showed: a refutation, or none, read against what it could have refuted."""
         tested = "the claimed ε" if self.claim == "epsilon" else f"the tested figure {self.claim} (not a guarantee)"
-        found = (f"ε_lb = {self.epsilon_lower_bound:.3g} at {self.confidence:.0%} confidence against {tested} = "
-                 f"{self.claimed_epsilon:.4g}")
+        found = (
+            f"ε_lb = {self.epsilon_lower_bound:.3g} at {self.confidence:.0%} confidence against {tested} = "
+            f"{self.claimed_epsilon:.4g}"
+        )
         if self.refutes_claim:
-            return (f"Verdict: REFUTED. {found}: more canaries were guessed right than a run with that privacy "
-                    f"allows, except with probability {1 - self.confidence:.0%}; the training or its accounting is "
-                    "broken.")
-        reach = "" if self.ceiling is None else (
-            f" The largest ε this audit could have refuted is {self.ceiling.epsilon:.3g} (every guess right with "
-            f"{self.canaries:,} canaries and {self.k_plus + self.k_minus:,} guesses)"
-            + (f", below {self.claimed_epsilon:.4g}: no outcome of it could have refuted the claim." if
-               self.ceiling.epsilon < self.claimed_epsilon else "."))
-        zero = (" A bound of 0 means the guesses were no better than chance explains." if
-                self.epsilon_lower_bound <= 0 else "")
-        return (f"Verdict: no refutation. {found}: the audit found no evidence against it; a lower bound, not a "
-                f"measure of privacy.{zero}{reach}")
+            return (
+                f"Verdict: REFUTED. {found}: more canaries were guessed right than a run with that privacy "
+                f"allows, except with probability {1 - self.confidence:.0%}; the training or its accounting is "
+                "broken."
+            )
+        reach = (
+            ""
+            if self.ceiling is None
+            else (
+                f" The largest ε this audit could have refuted is {self.ceiling.epsilon:.3g} (every guess right with "
+                f"{self.canaries:,} canaries and {self.k_plus + self.k_minus:,} guesses)"
+                + (
+                    f", below {self.claimed_epsilon:.4g}: no outcome of it could have refuted the claim."
+                    if self.ceiling.epsilon < self.claimed_epsilon
+                    else "."
+                )
+            )
+        )
+        zero = (
+            " A bound of 0 means the guesses were no better than chance explains."
+            if self.epsilon_lower_bound <= 0
+            else ""
+        )
+        return (
+            f"Verdict: no refutation. {found}: the audit found no evidence against it; a lower bound, not a "
+            f"measure of privacy.{zero}{reach}"
+        )
 
     def composed_mechanisms(self) -> list[MechanismGroup]:
         """What the audit adds to the training data's ledger: its run, renamed "audit:…"; nothing for declared data."""
@@ -136,9 +158,14 @@ class AuditResult:
         return [replace(g, name=AUDIT_MECHANISM_PREFIX + g.name) for g in self.mechanisms]
 
     def to_dict(self) -> dict[str, Any]:
-        d = {**asdict(self), "bounds": [asdict(b) for b in self.bounds], "refutes_claim": self.refutes_claim,
-             "declaration": self.declaration, "mu_lower_bound": self.mu_lower_bound,
-             "gdp_epsilon_lower_bound": self.gdp_epsilon_lower_bound}
+        d = {
+            **asdict(self),
+            "bounds": [asdict(b) for b in self.bounds],
+            "refutes_claim": self.refutes_claim,
+            "declaration": self.declaration,
+            "mu_lower_bound": self.mu_lower_bound,
+            "gdp_epsilon_lower_bound": self.gdp_epsilon_lower_bound,
+        }
         del d["claimed_epsilon"], d["claim"]
         return {**d, **self._claim_entry(4)}
 
@@ -147,9 +174,14 @@ class AuditResult:
         value = round(self.claimed_epsilon, digits)
         if self.guarantee == "formal":
             return {"claimed_epsilon": value}
-        return {"tested_figure": {"name": self.claim, "value": value,
-                                  "note": "The audited run has no formal guarantee; this figure is tested as if it "
-                                          "were one, and it is not a bound."}}
+        return {
+            "tested_figure": {
+                "name": self.claim,
+                "value": value,
+                "note": "The audited run has no formal guarantee; this figure is tested as if it "
+                "were one, and it is not a bound.",
+            }
+        }
 
     def card_entry(self) -> dict[str, Any]:
         """The `privacy.audit` block of a model card; `PrivateTrainer.attach_audit` puts it there."""
@@ -165,24 +197,39 @@ class AuditResult:
             "delta": self.delta,
             "method": self.method,
             "guesses": {"k_plus": self.k_plus, "k_minus": self.k_minus},
-            "scores": {b.score: {"correct": b.correct, "guesses": b.guesses, "included": b.included,
-                                 "epsilon_lower_bound": round(b.epsilon_lower_bound, 4),
-                                 "gaussian_dp": {"mu_lower_bound": round(b.mu_lower_bound, 4),
-                                                 "epsilon_lower_bound_at_delta": round(b.gdp_epsilon_lower_bound, 4)}}
-                       for b in self.bounds},
+            "scores": {
+                b.score: {
+                    "correct": b.correct,
+                    "guesses": b.guesses,
+                    "included": b.included,
+                    "epsilon_lower_bound": round(b.epsilon_lower_bound, 4),
+                    "gaussian_dp": {
+                        "mu_lower_bound": round(b.mu_lower_bound, 4),
+                        "epsilon_lower_bound_at_delta": round(b.gdp_epsilon_lower_bound, 4),
+                    },
+                }
+                for b in self.bounds
+            },
             "gaussian_dp": {
                 "mu_lower_bound": round(self.mu_lower_bound, 4),
                 "epsilon_lower_bound_at_delta": round(self.gdp_epsilon_lower_bound, 4),
                 "note": "refutes μ-GDP for every smaller μ; DP-SGD's trade-off is close to, not exactly, Gaussian, so "
-                        "this reads the run against a Gaussian curve, not against its accountant's (ε, δ)",
+                "this reads the run against a Gaussian curve, not against its accountant's (ε, δ)",
             },
-            **({"ceiling": {"epsilon": round(self.ceiling.epsilon, 4), "gaussian_dp_mu": round(self.ceiling.mu, 4),
-                            "gaussian_dp_epsilon_at_delta": round(self.ceiling.gdp_epsilon, 4),
-                            "note": "the most these tests could certify with these canaries and guesses, every "
-                                    "guess right"}}
-               if self.ceiling is not None else {}),
+            **(
+                {
+                    "ceiling": {
+                        "epsilon": round(self.ceiling.epsilon, 4),
+                        "gaussian_dp_mu": round(self.ceiling.mu, 4),
+                        "gaussian_dp_epsilon_at_delta": round(self.ceiling.gdp_epsilon, 4),
+                        "note": "the most these tests could certify with these canaries and guesses, every guess right",
+                    }
+                }
+                if self.ceiling is not None
+                else {}
+            ),
             "procedure": "one training run, Steinke, Nasr, Jagielski (NeurIPS 2023); μ-GDP on the same guesses through "
-                         "the Gaussian privacy profile",
+            "the Gaussian privacy profile",
         }
 
 
@@ -206,14 +253,22 @@ def compose_audits(report: dict[str, Any], audits: Sequence[AuditResult], accoun
         return report
     groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + added
     epsilon, used = _composed_bound(tuple(tuple(g.to_dict().items()) for g in groups), report["delta"], accountant)
-    composed = {**report, "epsilon": epsilon, "accountant": used, "training_epsilon": report["epsilon"],
-                "sampler_tail_delta": sampler_tail_delta(groups, report["delta"]),
-                "mechanisms": [g.to_dict() for g in groups]}
+    composed = {
+        **report,
+        "epsilon": epsilon,
+        "accountant": used,
+        "training_epsilon": report["epsilon"],
+        "sampler_tail_delta": sampler_tail_delta(groups, report["delta"]),
+        "mechanisms": [g.to_dict() for g in groups],
+    }
     if report.get("guarantee") == "formal" and any(a.guarantee != "formal" for a in audits if a.composed_mechanisms()):
-        composed.update(guarantee="none", guarantee_note=(
-            "An audit run on the training data, composed into this ε, trained in insecure test mode (its "
-            "DPConfig.noise_seed was set): its noise can be replayed by anyone who knows the seed."
-        ))
+        composed.update(
+            guarantee="none",
+            guarantee_note=(
+                "An audit run on the training data, composed into this ε, trained in insecure test mode (its "
+                "DPConfig.noise_seed was set): its noise can be replayed by anyone who knows the seed."
+            ),
+        )
     return composed
 
 
@@ -227,4 +282,3 @@ def claimed_figure(report: dict[str, Any]) -> tuple[str, float]:
         raise ValueError(f"The audited run has no guarantee and no figure to test: {report.get('guarantee_note')}")
     name, figure = next(iter(figures.items()))
     return name, float(figure["value"])
-

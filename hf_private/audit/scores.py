@@ -21,14 +21,14 @@ BLACK_BOX = "black-box"
 SCORE_HELP = {
     WHITE_BOX: "movement of the canary's own embedding row along its initial descent direction",
     WHITE_BOX_GRADIENT: "the canary's secret coordinate in every step's released noisy gradient, summed and signed "
-                        "(a gradient of norm 10⁶·C inserted when the canary is sampled)",
+    "(a gradient of norm 10⁶·C inserted when the canary is sampled)",
     BLACK_BOX: "decrease of the canary's loss from the initial to the trained model",
 }
 
 
 def _batches(trainer, rows: list[dict[str, Any]], batch_size: int = 64):
     for start in range(0, len(rows), batch_size):
-        batch = trainer.data_collator(rows[start:start + batch_size])
+        batch = trainer.data_collator(rows[start : start + batch_size])
         batch = {k: v.to(trainer.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
         batch.pop("label", None)
@@ -52,8 +52,12 @@ def _in_eval_mode(function):
 def canary_losses(trainer, rows: list[dict[str, Any]]) -> torch.Tensor:
     """Per-canary loss under the trainer's own collator and per-example loss (the black-box view)."""
     model = trainer.model
-    return torch.cat([trainer.per_example_loss(model, model(**batch), labels).float().cpu()
-                      for batch, labels in _batches(trainer, rows)])
+    return torch.cat(
+        [
+            trainer.per_example_loss(model, model(**batch), labels).float().cpu()
+            for batch, labels in _batches(trainer, rows)
+        ]
+    )
 
 
 @_in_eval_mode
@@ -77,4 +81,3 @@ def canary_descent_directions(trainer, rows: list[dict[str, Any]], token_ids: Se
 def canary_rows(model: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """A float copy of the canaries' own embedding rows: the white-box score compares them before and after."""
     return input_embedding(model).weight.detach()[list(token_ids)].float().cpu().clone()
-

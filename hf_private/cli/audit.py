@@ -101,30 +101,49 @@ def run_audit(
         raise ValueError("train_dataset is empty.")
 
     secret = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
-    included = {TOKEN_CANARIES: torch.rand(canaries, generator=secret) < 0.5,
-                GRADIENT_CANARIES: torch.rand(canaries, generator=secret) < 0.5}
+    included = {
+        TOKEN_CANARIES: torch.rand(canaries, generator=secret) < 0.5,
+        GRADIENT_CANARIES: torch.rand(canaries, generator=secret) < 0.5,
+    }
     active = list(dict.fromkeys(scores))
-    setup = _AuditSetup(model_factory, train_dataset, dp_config, args, canaries, canary_length, included,
-                        trainer_class or PrivateTrainer, trainer_kwargs)
+    setup = _AuditSetup(
+        model_factory,
+        train_dataset,
+        dp_config,
+        args,
+        canaries,
+        canary_length,
+        included,
+        trainer_class or PrivateTrainer,
+        trainer_kwargs,
+    )
     trainer = setup.trainer(_canary_sets(active))
     if WHITE_BOX in active and not _trains_input_embedding(trainer):
         coordinates = sum(p.numel() for _, p in _always_trained(trainer))
         if coordinates >= canaries:
-            logger.info("%s does not train the input embedding: the white-box score uses gradient canaries.",
-                        dp_config.method)
+            logger.info(
+                "%s does not train the input embedding: the white-box score uses gradient canaries.", dp_config.method
+            )
             active = list(dict.fromkeys(WHITE_BOX_GRADIENT if s == WHITE_BOX else s for s in active))
         else:
-            logger.warning("White-box score skipped: %s does not train the input embedding, and its %d trainable "
-                           "coordinates cannot give %d gradient canaries a coordinate each (audit with canaries=%d "
-                           "or fewer for one).", dp_config.method, coordinates, canaries, coordinates)
+            logger.warning(
+                "White-box score skipped: %s does not train the input embedding, and its %d trainable "
+                "coordinates cannot give %d gradient canaries a coordinate each (audit with canaries=%d "
+                "or fewer for one).",
+                dp_config.method,
+                coordinates,
+                canaries,
+                coordinates,
+            )
             active.remove(WHITE_BOX)
         if not active:
             raise ValueError("No score is left to audit with: ask for the black-box score too, or fewer canaries.")
         if _canary_sets(active) != setup.kinds:
             trainer = setup.trainer(_canary_sets(active))
     if WHITE_BOX_GRADIENT in active:
-        gradient = draw_gradient_canaries(_always_trained(trainer), canaries, setup.token_ids[GRADIENT_CANARIES][0],
-                                          secret)
+        gradient = draw_gradient_canaries(
+            _always_trained(trainer), canaries, setup.token_ids[GRADIENT_CANARIES][0], secret
+        )
         inserter = GradientCanaryInserter(trainer.model, gradient, dp_config.max_grad_norm)
         trainer.privacy_run.add_instrument(inserter)
     token_ids, rows = setup.token_ids.get(TOKEN_CANARIES, []), setup.rows.get(TOKEN_CANARIES, [])
@@ -148,18 +167,46 @@ def run_audit(
         guesses, correct = count_correct(values, score_included, k_plus, k_minus)
         bound = one_run_epsilon_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
         mu = one_run_mu_lower_bound(canaries, guesses, correct, trainer.delta, per_score_confidence)
-        bounds.append(ScoreBound(score, SCORE_HELP[score], guesses, correct, per_score_confidence, bound, mu,
-                                 gdp_epsilon(mu, trainer.delta), int(score_included.sum())))
-        logger.info("Audit %s score: %d of %d guesses correct → ε_lb = %.3f; μ-GDP: μ_lb = %.3f (ε %.3f at δ).",
-                    score, correct, guesses, bound, mu, bounds[-1].gdp_epsilon_lower_bound)
-    ceiling_mu = one_run_mu_lower_bound(canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta,
-                                        per_score_confidence)
+        bounds.append(
+            ScoreBound(
+                score,
+                SCORE_HELP[score],
+                guesses,
+                correct,
+                per_score_confidence,
+                bound,
+                mu,
+                gdp_epsilon(mu, trainer.delta),
+                int(score_included.sum()),
+            )
+        )
+        logger.info(
+            "Audit %s score: %d of %d guesses correct → ε_lb = %.3f; μ-GDP: μ_lb = %.3f (ε %.3f at δ).",
+            score,
+            correct,
+            guesses,
+            bound,
+            mu,
+            bounds[-1].gdp_epsilon_lower_bound,
+        )
+    ceiling_mu = one_run_mu_lower_bound(
+        canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta, per_score_confidence
+    )
     ceiling = AuditCeiling(
-        epsilon=one_run_epsilon_lower_bound(canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta,
-                                            per_score_confidence),
-        mu=ceiling_mu, gdp_epsilon=gdp_epsilon(ceiling_mu, trainer.delta))
-    logger.info("Audit ceiling with %d canaries and %d guesses: ε %.2f, μ %.2f (ε %.2f at δ).", canaries,
-                k_plus + k_minus, ceiling.epsilon, ceiling.mu, ceiling.gdp_epsilon)
+        epsilon=one_run_epsilon_lower_bound(
+            canaries, k_plus + k_minus, k_plus + k_minus, trainer.delta, per_score_confidence
+        ),
+        mu=ceiling_mu,
+        gdp_epsilon=gdp_epsilon(ceiling_mu, trainer.delta),
+    )
+    logger.info(
+        "Audit ceiling with %d canaries and %d guesses: ε %.2f, μ %.2f (ε %.2f at δ).",
+        canaries,
+        k_plus + k_minus,
+        ceiling.epsilon,
+        ceiling.mu,
+        ceiling.gdp_epsilon,
+    )
     report = trainer.privacy_report()
     claim, claimed = claimed_figure(report)
     return AuditResult(
@@ -185,7 +232,6 @@ def run_audit(
     )
 
 
-
 TOKEN_CANARIES, GRADIENT_CANARIES = "token", "gradient"
 
 
@@ -205,9 +251,11 @@ def _trains_input_embedding(trainer) -> bool:
 
 def _canary_sets(scores: Sequence[str]) -> list[str]:
     """The canary sets these scores read: token canaries (the embedding row, the loss), gradient canaries."""
-    return [kind for kind, wanted in ((TOKEN_CANARIES, {WHITE_BOX, BLACK_BOX}), (GRADIENT_CANARIES,
-                                                                                 {WHITE_BOX_GRADIENT}))
-            if wanted & set(scores)]
+    return [
+        kind
+        for kind, wanted in ((TOKEN_CANARIES, {WHITE_BOX, BLACK_BOX}), (GRADIENT_CANARIES, {WHITE_BOX_GRADIENT}))
+        if wanted & set(scores)
+    ]
 
 
 @dataclass
@@ -234,20 +282,29 @@ class _AuditSetup:
         ids = add_canary_tokens(model, self.canaries * len(kinds), torch.Generator().manual_seed(DESIGN_SEED))
         config = getattr(unwrap_peft(model), "config", None)
         user_column = self.dp_config.user_column if self.dp_config.privacy_unit == "user" else None
-        canary_set = canary_dataset(self.train_dataset, ids, self.canary_length,
-                                    int(getattr(config, "num_labels", 2) or 2), random.Random(DESIGN_SEED), user_column)
+        canary_set = canary_dataset(
+            self.train_dataset,
+            ids,
+            self.canary_length,
+            int(getattr(config, "num_labels", 2) or 2),
+            random.Random(DESIGN_SEED),
+            user_column,
+        )
         m = self.canaries
         self.kinds = kinds
-        self.token_ids = {kind: ids[i * m:(i + 1) * m] for i, kind in enumerate(kinds)}
+        self.token_ids = {kind: ids[i * m : (i + 1) * m] for i, kind in enumerate(kinds)}
         # the token canaries' rows, which their scores read; gradient canaries are scored from the released gradients
-        self.rows = {kind: [canary_set[i * m + j] for j in range(m)] for i, kind in enumerate(kinds)
-                     if kind == TOKEN_CANARIES}
+        self.rows = {
+            kind: [canary_set[i * m + j] for j in range(m)] for i, kind in enumerate(kinds) if kind == TOKEN_CANARIES
+        }
         chosen = torch.cat([self.included[kind] for kind in kinds])
         data = with_canaries(self.train_dataset, canary_set, chosen)
-        logger.info("Audit: %s canaries (%d each), %d included, N=%d.", " and ".join(kinds), m, int(chosen.sum()),
-                    len(data))
-        return self.trainer_class(model=model, args=self.args, train_dataset=data, dp_config=self.dp_config,
-                                  **self.trainer_kwargs)
+        logger.info(
+            "Audit: %s canaries (%d each), %d included, N=%d.", " and ".join(kinds), m, int(chosen.sum()), len(data)
+        )
+        return self.trainer_class(
+            model=model, args=self.args, train_dataset=data, dp_config=self.dp_config, **self.trainer_kwargs
+        )
 
 
 # ---------------------------------------------------------------------- command line
@@ -276,9 +333,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--model_name_or_path", help="Hub id or local path of a sequence-classification model (needs --train_file).")
-    add("--head", choices=HEADS, default="auto", help="Classification head on --model_name_or_path: 'auto' reads the "
+    add(
+        "--head",
+        choices=HEADS,
+        default="auto",
+        help="Classification head on --model_name_or_path: 'auto' reads the "
         "checkpoint's sentence-transformers pooling (the mean-pooled head for one that pools by mean), 'cls' or "
-        "'mean' choose one (hf_private.sentence_classifier).")
+        "'mean' choose one (hf_private.sentence_classifier).",
+    )
     add("--train_file", help="Local csv/tsv/json training data with a text and a label column.")
     add("--text_column", default="sentence")
     add("--label_column", default="label")
@@ -299,11 +361,18 @@ def _parser() -> argparse.ArgumentParser:
     add("--confidence", type=float, default=0.95)
     add("--canary_length", type=int, default=_CANARY_LENGTH)
     add("--seed", type=int, default=None, help="Seed of the canary inclusion draw (default: from the OS).")
-    add("--audit_data", choices=tuple(AUDIT_DATA), default="private",
+    add(
+        "--audit_data",
+        choices=tuple(AUDIT_DATA),
+        default="private",
         help="Whose data --train_file is. 'private' (default): a released model's training data, so this run is "
-        "composed into that model's ε. 'public'/'disjoint': you declare it shares no example with that data.")
-    add("--ledger", default=None, help="privacy_ledger.json of the model released from the same data: prints its ε "
-        "composed with this audit run.")
+        "composed into that model's ε. 'public'/'disjoint': you declare it shares no example with that data.",
+    )
+    add(
+        "--ledger",
+        default=None,
+        help="privacy_ledger.json of the model released from the same data: prints its ε composed with this audit run.",
+    )
     add("--output_dir", default=None, help="Trainer output directory (default: a temporary one).")
     add("--output", default=None, help="Write the result as JSON here (it is always printed).")
     return parser
@@ -322,8 +391,11 @@ def _task_from_files(options):
     except DataFileError as error:
         raise SystemExit(f"--train_file: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(options.model_name_or_path)
-    data = raw.map(lambda b: tokenizer(b[options.text_column], truncation=True, max_length=options.max_seq_length),
-                   batched=True, remove_columns=[c for c in raw.column_names if c != options.label_column])
+    data = raw.map(
+        lambda b: tokenizer(b[options.text_column], truncation=True, max_length=options.max_seq_length),
+        batched=True,
+        remove_columns=[c for c in raw.column_names if c != options.label_column],
+    )
     if options.label_column != "label":
         data = data.rename_column(options.label_column, "label")
     num_labels = len(set(data["label"]))
@@ -348,37 +420,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.model_name_or_path or options.train_file:
         factory, data, trainer_kwargs = _task_from_files(options)
     else:
-        logger.info("No --model_name_or_path: auditing a tiny BERT on a generated task of %d examples.",
-                    options.demo_size)
+        logger.info(
+            "No --model_name_or_path: auditing a tiny BERT on a generated task of %d examples.", options.demo_size
+        )
         factory, data = demo_task(options.demo_size)
         tokenizer = demo_tokenizer()
         trainer_kwargs = {"data_collator": DataCollatorWithPadding(tokenizer), "processing_class": tokenizer}
     config_cls = method_class(options.method).config_class
-    dp_config = config_cls(target_epsilon=options.epsilon, target_delta=options.delta,
-                           max_grad_norm=options.clip_norm, accountant=options.accountant)
+    dp_config = config_cls(
+        target_epsilon=options.epsilon,
+        target_delta=options.delta,
+        max_grad_norm=options.clip_norm,
+        accountant=options.accountant,
+    )
     with tempfile.TemporaryDirectory(prefix="hf-private-audit-") as scratch:
         args = TrainingArguments(
-            output_dir=options.output_dir or scratch, per_device_train_batch_size=options.batch_size,
-            num_train_epochs=options.epochs, learning_rate=options.learning_rate, optim=options.optim,
-            weight_decay=0.0, save_strategy="no", report_to="none", use_cpu=True, logging_steps=50,
+            output_dir=options.output_dir or scratch,
+            per_device_train_batch_size=options.batch_size,
+            num_train_epochs=options.epochs,
+            learning_rate=options.learning_rate,
+            optim=options.optim,
+            weight_decay=0.0,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            logging_steps=50,
             disable_tqdm=True,
         )
-        result = run_audit(factory, data, dp_config, args, canaries=options.canaries, k_plus=options.k_plus,
-                           k_minus=options.k_minus, confidence=options.confidence,
-                           canary_length=options.canary_length, seed=options.seed, audit_data=options.audit_data,
-                           **trainer_kwargs)
+        result = run_audit(
+            factory,
+            data,
+            dp_config,
+            args,
+            canaries=options.canaries,
+            k_plus=options.k_plus,
+            k_minus=options.k_minus,
+            confidence=options.confidence,
+            canary_length=options.canary_length,
+            seed=options.seed,
+            audit_data=options.audit_data,
+            **trainer_kwargs,
+        )
     payload = result.to_dict()
     sys.stdout.write(f"This is an {result.declaration}.\n")
     if options.ledger:
         ledger = PrivacyLedger.load(options.ledger)
         composed = compose_audits(ledger.report(), [result], ledger.accountant)
         payload["composed"] = {key: composed.get(key) for key in ("epsilon", "delta", "accountant", "training_epsilon")}
-        sys.stdout.write(f"Composed guarantee of the released model: ε = {composed['epsilon']:.4g} at δ = "
-                         f"{composed['delta']:.3g} (its training ledger alone: ε = {ledger.epsilon():.4g}).\n")
+        sys.stdout.write(
+            f"Composed guarantee of the released model: ε = {composed['epsilon']:.4g} at δ = "
+            f"{composed['delta']:.3g} (its training ledger alone: ε = {ledger.epsilon():.4g}).\n"
+        )
     elif result.audit_data == "private" and result.guarantee == "formal":
-        sys.stdout.write(f"This audit run spent ε = {result.claimed_epsilon:.4g} (δ = {result.delta:.3g}) on its data: "
-                         "a model released from the same data must count it. Pass --ledger with that model's "
-                         "privacy_ledger.json to print the composed ε, or PrivateTrainer.attach_audit(result).\n")
+        sys.stdout.write(
+            f"This audit run spent ε = {result.claimed_epsilon:.4g} (δ = {result.delta:.3g}) on its data: "
+            "a model released from the same data must count it. Pass --ledger with that model's "
+            "privacy_ledger.json to print the composed ε, or PrivateTrainer.attach_audit(result).\n"
+        )
     text = json.dumps(payload, indent=2)
     if options.output:
         with open(options.output, "w") as f:
@@ -386,13 +484,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.write(text + "\n")
     sys.stdout.write(f"{result.canary_summary()}\n{result.verdict()}\n")
     verdict = "REFUTES" if result.refutes_claim else "does not refute"
-    logger.info("ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
-                result.epsilon_lower_bound, 100 * result.confidence, verdict,
-                "claimed ε" if result.claim == "epsilon" else f"tested figure {result.claim}", result.claimed_epsilon)
-    logger.info("μ-GDP on the same guesses: μ_lb = %.3f, ε %.3f at δ = %.3g.", result.mu_lower_bound,
-                result.gdp_epsilon_lower_bound, result.delta)
+    logger.info(
+        "ε_lb = %.3f at %.0f%% confidence %s the %s = %.3f (an empirical lower bound, not the guarantee).",
+        result.epsilon_lower_bound,
+        100 * result.confidence,
+        verdict,
+        "claimed ε" if result.claim == "epsilon" else f"tested figure {result.claim}",
+        result.claimed_epsilon,
+    )
+    logger.info(
+        "μ-GDP on the same guesses: μ_lb = %.3f, ε %.3f at δ = %.3g.",
+        result.mu_lower_bound,
+        result.gdp_epsilon_lower_bound,
+        result.delta,
+    )
     if result.ceiling is not None:
-        logger.info("The most these tests could certify with %d canaries and %d guesses: ε %.3f; μ %.3f (ε %.3f at δ).",
-                    result.canaries, result.k_plus + result.k_minus, result.ceiling.epsilon, result.ceiling.mu,
-                    result.ceiling.gdp_epsilon)
+        logger.info(
+            "The most these tests could certify with %d canaries and %d guesses: ε %.3f; μ %.3f (ε %.3f at δ).",
+            result.canaries,
+            result.k_plus + result.k_minus,
+            result.ceiling.epsilon,
+            result.ceiling.mu,
+            result.ceiling.gdp_epsilon,
+        )
     return 1 if result.refutes_claim else 0

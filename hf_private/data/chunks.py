@@ -52,9 +52,14 @@ class PhysicalChunk:
         return packed_layout(self.inputs)
 
 
-def physical_chunks(batch: Mapping[str, Any], model: nn.Module, units_per_chunk: int,
-                    rows_per_example: Callable[[Mapping[str, Any]], int], packed_row_tokens: int | str | None = None,
-                    packed_forward_tokens: int | None = None) -> Iterator[PhysicalChunk]:
+def physical_chunks(
+    batch: Mapping[str, Any],
+    model: nn.Module,
+    units_per_chunk: int,
+    rows_per_example: Callable[[Mapping[str, Any]], int],
+    packed_row_tokens: int | str | None = None,
+    packed_forward_tokens: int | None = None,
+) -> Iterator[PhysicalChunk]:
     """`batch` (a collated Poisson chunk) in physical chunks of at most `units_per_chunk` whole units, in order.
 
     A packed batch is laid out as rows of whole units of at most `packed_row_tokens` tokens and at most
@@ -89,6 +94,6 @@ def unit_slices(unit_sizes: Sequence[int], units_per_chunk: int) -> Iterator[tup
     sizes = [int(n) for n in unit_sizes]
     start = 0
     for first in range(0, len(sizes), units_per_chunk):
-        part = sizes[first:first + units_per_chunk]
+        part = sizes[first : first + units_per_chunk]
         yield start, start + sum(part), part
         start += sum(part)

@@ -57,8 +57,13 @@ def log_ignored_labels(counts: LabelCounts) -> None:
     """One INFO line after the plan: how many label values are -100, in tokens or examples (none if no label column)."""
     if counts.ignored is not None:
         ignored, total, unit = counts.ignored
-        logger.info("labels: %s of %s %s are %d (ignored: no loss, no gradient).", f"{ignored:,}", f"{total:,}",
-                    unit, IGNORE_INDEX)
+        logger.info(
+            "labels: %s of %s %s are %d (ignored: no loss, no gradient).",
+            f"{ignored:,}",
+            f"{total:,}",
+            unit,
+            IGNORE_INDEX,
+        )
 
 
 def ignored_labels(dataset) -> tuple[int, int, str] | None:
@@ -144,8 +149,9 @@ def string_labels(dataset) -> tuple[str, list[str], str] | None:
         return None
     first = next((c for c in LABEL_COLUMNS if c in item), None)
     value = item[first] if first is not None else None
-    if first is not None and (isinstance(value, str) or (isinstance(value, list | tuple)
-                                                         and any(isinstance(v, str) for v in value))):
+    if first is not None and (
+        isinstance(value, str) or (isinstance(value, list | tuple) and any(isinstance(v, str) for v in value))
+    ):
         return first, sorted(_item_strings(dataset, first)), "examples" if isinstance(value, str) else "tokens"
     return None
 
@@ -155,8 +161,13 @@ def _item_strings(dataset, column: str) -> set[str]:
     found: set[str] = set()
     for index in range(len(dataset)):
         value = dataset[index].get(column)
-        found.update([value] if isinstance(value, str) else
-                     [v for v in value if isinstance(v, str)] if isinstance(value, list | tuple) else [])
+        found.update(
+            [value]
+            if isinstance(value, str)
+            else [v for v in value if isinstance(v, str)]
+            if isinstance(value, list | tuple)
+            else []
+        )
     return found
 
 
@@ -176,23 +187,38 @@ def refuse_string_labels(dataset, model: Any) -> None:
     if found is None:
         return
     column, values, unit = found
-    head = (f"train_dataset's label column {column!r} holds strings ({len(values)} distinct values"
-            f"{' over its tokens' if unit == 'tokens' else ''}): labels must be integer class ids (float values for "
-            "regression).")
+    head = (
+        f"train_dataset's label column {column!r} holds strings ({len(values)} distinct values"
+        f"{' over its tokens' if unit == 'tokens' else ''}): labels must be integer class ids (float values for "
+        "regression)."
+    )
     if len(values) > MAX_CLASS_NAMES_SHOWN:
-        raise ValueError(f"{head} That many values are not class names: is {column!r} the label column? Put the "
-                         "integer class ids under 'label' (or 'labels').")
+        raise ValueError(
+            f"{head} That many values are not class names: is {column!r} the label column? Put the "
+            "integer class ids under 'label' (or 'labels')."
+        )
     mapping, from_model = label2id_for(values, model)
-    convert = (f"[label2id[t] for t in row[{column!r}]]" if unit == "tokens" else f"label2id[row[{column!r}]]")
+    convert = f"[label2id[t] for t in row[{column!r}]]" if unit == "tokens" else f"label2id[row[{column!r}]]"
     source = "the model's config.label2id" if from_model else "the distinct values in sorted order"
     num_labels = getattr(getattr(model, "config", None), "num_labels", None)
-    classes = (f" The model has num_labels={num_labels}, the column {len(mapping)} classes: load it with "
-               f"num_labels={len(mapping)}." if not from_model and unit == "examples" and num_labels is not None
-               and num_labels != len(mapping) else "")
-    keep = "" if from_model else (" Give the model the same mapping (from_pretrained(..., label2id=label2id, "
-                                  "id2label={i: name for name, i in label2id.items()})) so predictions read back.")
-    raise ValueError(f"{head} Map them before training ({source}): label2id = {mapping}; train_dataset = "
-                     f"train_dataset.map(lambda row: {{{column!r}: {convert}}}).{keep}{classes}")
+    classes = (
+        f" The model has num_labels={num_labels}, the column {len(mapping)} classes: load it with "
+        f"num_labels={len(mapping)}."
+        if not from_model and unit == "examples" and num_labels is not None and num_labels != len(mapping)
+        else ""
+    )
+    keep = (
+        ""
+        if from_model
+        else (
+            " Give the model the same mapping (from_pretrained(..., label2id=label2id, "
+            "id2label={i: name for name, i in label2id.items()})) so predictions read back."
+        )
+    )
+    raise ValueError(
+        f"{head} Map them before training ({source}): label2id = {mapping}; train_dataset = "
+        f"train_dataset.map(lambda row: {{{column!r}: {convert}}}).{keep}{classes}"
+    )
 
 
 # ---------------------------------------------------------------------- labels in a collated training batch
@@ -211,8 +237,7 @@ def check_collated_labels(trainer: Any, labels_entry: str | None) -> None:
         with _random_state_kept():  # a collator may draw (masked-LM masks): the run's seeded streams stay untouched
             batch = trainer.data_collator([kept[0]])
     except Exception as error:
-        error.add_note("(raised collating the first training example when the trainer was built, as training "
-                       "would)")
+        error.add_note("(raised collating the first training example when the trainer was built, as training would)")
         raise
     if labels_entry in batch:
         return
@@ -221,14 +246,21 @@ def check_collated_labels(trainer: Any, labels_entry: str | None) -> None:
 
 
 def _missing_labels_message(model: Any, entry: str, columns: list[str], keys: list[str], dropped: list[str]) -> str:
-    found = (f"train_dataset has columns {columns}, and a collated training batch has no {entry!r} entry (keys "
-             f"{keys}): private training needs each example's label there, from a column named 'label' or 'labels'.")
+    found = (
+        f"train_dataset has columns {columns}, and a collated training batch has no {entry!r} entry (keys "
+        f"{keys}): private training needs each example's label there, from a column named 'label' or 'labels'."
+    )
     if is_causal_lm(model):
-        return (f"{found} A causal LM learns from its input_ids: use a collator that makes the labels from them, "
-                "e.g. data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False).")
-    fix = (f" {type(model).__name__}.forward does not read {dropped}, so Trainer drops them before collating: if one "
-           f"holds the labels, rename it, e.g. train_dataset = train_dataset.rename_column({dropped[0]!r}, 'label')."
-           if dropped else " Add the labels as a column named 'label'.")
+        return (
+            f"{found} A causal LM learns from its input_ids: use a collator that makes the labels from them, "
+            "e.g. data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)."
+        )
+    fix = (
+        f" {type(model).__name__}.forward does not read {dropped}, so Trainer drops them before collating: if one "
+        f"holds the labels, rename it, e.g. train_dataset = train_dataset.rename_column({dropped[0]!r}, 'label')."
+        if dropped
+        else " Add the labels as a column named 'label'."
+    )
     return f"{found}{fix} Labels must be integer class ids (float values for regression)."
 
 

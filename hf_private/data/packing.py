@@ -53,12 +53,14 @@ def packed_lengths(batch: Mapping[str, Any], num_examples: int) -> torch.Tensor 
     if positions.shape[0] != 1:
         raise ValueError(
             f"The packed batch has {positions.shape[0]} rows: hf_private packs a chunk into one row (each example "
-            "whole). Use DataCollatorWithFlattening or TRL's padding_free=True without packing=True.")
+            "whole). Use DataCollatorWithFlattening or TRL's padding_free=True without packing=True."
+        )
     if "attention_mask" in batch:
         raise ValueError(
             "The packed batch carries an attention_mask: transformers then does not build the block-diagonal mask "
             "from the restarting position_ids, and packed examples would attend to each other. Drop the "
-            "attention_mask from packed batches (DataCollatorWithFlattening and TRL's padding_free do).")
+            "attention_mask from packed batches (DataCollatorWithFlattening and TRL's padding_free do)."
+        )
     row = positions[0]
     boundaries = torch.cat([starts[0].nonzero().flatten(), torch.tensor([row.numel()], device=row.device)])
     lengths = boundaries.diff()
@@ -69,7 +71,8 @@ def packed_lengths(batch: Mapping[str, Any], num_examples: int) -> torch.Tensor 
             "examples collated: each example must be one run 0, 1, 2, … of its own, whole. Packing that splits an "
             "example over rows (TRL packing=True with 'wrapped' or 'bfd_split'), pads the row (pad_to_multiple_of) "
             "or merges examples breaks per-example clipping. Use DataCollatorWithFlattening or TRL's "
-            "padding_free=True.")
+            "padding_free=True."
+        )
     return lengths.cpu()
 
 
@@ -83,8 +86,10 @@ class PackedClassificationCollator:
         ids = [torch.as_tensor(feature["input_ids"], dtype=torch.long) for feature in features]
         if any(row.dim() != 1 or row.numel() == 0 for row in ids):
             raise ValueError("PackedClassificationCollator needs every feature's input_ids as one non-empty sequence.")
-        batch = {"input_ids": torch.cat(ids)[None],
-                 "position_ids": torch.cat([torch.arange(row.numel()) for row in ids])[None]}
+        batch = {
+            "input_ids": torch.cat(ids)[None],
+            "position_ids": torch.cat([torch.arange(row.numel()) for row in ids])[None],
+        }
         key = "labels" if "labels" in features[0] else "label" if "label" in features[0] else None
         if key is not None:
             labels = [feature[key] for feature in features]
@@ -109,8 +114,10 @@ _MASKED_ATTENTION = ("eager", "sdpa")
 def check_packing_tokens(row_tokens: Any, forward_tokens: Any) -> tuple[int | str | None, int | None]:
     """`packed_row_tokens` (an int >= 1, None: a chunk in one row, or "auto") and `packed_forward_tokens` (an int >= 1
     or None: a chunk's rows in one forward) as given."""
-    for name, value, allowed in (("packed_row_tokens", row_tokens, (None, "auto")),
-                                 ("packed_forward_tokens", forward_tokens, (None,))):
+    for name, value, allowed in (
+        ("packed_row_tokens", row_tokens, (None, "auto")),
+        ("packed_forward_tokens", forward_tokens, (None,)),
+    ):
         if value not in allowed and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1{''.join(f' or {a!r}' for a in allowed)}, got {value!r}.")
     return row_tokens, forward_tokens
@@ -121,8 +128,9 @@ def rows_share_a_forward(model: nn.Module) -> bool:
     return getattr(unwrap_peft(model).config, "_attn_implementation", None) in _MASKED_ATTENTION
 
 
-def packed_shape(model: nn.Module, row_tokens: int | str | None,
-                 forward_tokens: int | None) -> tuple[int | None, int | None]:
+def packed_shape(
+    model: nn.Module, row_tokens: int | str | None, forward_tokens: int | None
+) -> tuple[int | None, int | None]:
     """(tokens a row, padded tokens a forward) of the model's packed chunks. "auto" rows: PACKED_ROW_TOKENS under
     masked attention, one row a chunk under varlen kernels, which attend within each example whatever the row's
     length. Varlen kernels take one row a forward."""
@@ -132,8 +140,13 @@ def packed_shape(model: nn.Module, row_tokens: int | str | None,
     return row_tokens, forward_tokens if masked else 0
 
 
-def packed_pieces(unit_sizes: Sequence[int], lengths: torch.Tensor, units_per_piece: int, row_tokens: int | None,
-                  forward_tokens: int | None = None) -> Iterator[tuple[int, int, list[int], list[int]]]:
+def packed_pieces(
+    unit_sizes: Sequence[int],
+    lengths: torch.Tensor,
+    units_per_piece: int,
+    row_tokens: int | None,
+    forward_tokens: int | None = None,
+) -> Iterator[tuple[int, int, list[int], list[int]]]:
     """(first example, end example, examples of each unit, examples of each row) of each forward of a packed chunk:
     at most `units_per_piece` whole units, in order, laid out as rows of whole units of at most `row_tokens` tokens
     (a longer unit alone in its row; None: one row), and at most `forward_tokens` tokens once every row is padded to
@@ -143,7 +156,7 @@ def packed_pieces(unit_sizes: Sequence[int], lengths: torch.Tensor, units_per_pi
     units: list[int] = []
     rows: list[int] = []
     for size in (int(n) for n in unit_sizes):
-        unit_tokens = sum(tokens[example:example + size])
+        unit_tokens = sum(tokens[example : example + size])
         new_row = not rows or (row_tokens is not None and used + unit_tokens > row_tokens)
         width = unit_tokens if new_row else used + unit_tokens
         padded = (len(rows) + new_row) * max(widest, width)
@@ -174,8 +187,10 @@ class PackedLayout:
         examples = self.lengths.numel()
         self.row_examples = tuple(int(n) for n in row_examples) if row_examples is not None else (examples,)
         if sum(self.row_examples) != examples or min(self.row_examples, default=1) < 1:
-            raise ValueError(f"Packed rows of {list(self.row_examples)} examples do not hold the chunk's {examples} "
-                             "examples, each row at least one.")
+            raise ValueError(
+                f"Packed rows of {list(self.row_examples)} examples do not hold the chunk's {examples} "
+                "examples, each row at least one."
+            )
         self.row_tokens = [int(part.sum()) for part in torch.split(self.lengths, list(self.row_examples))]
         self.rows, self.width, self.tokens = len(self.row_examples), max(self.row_tokens), int(self.lengths.sum())
         self._token_index: dict[torch.device, torch.Tensor] = {}  # read by every token tensor and layer of a chunk
@@ -192,15 +207,20 @@ class PackedLayout:
         """Where every example's tokens lie in the rows flattened to [rows · width], examples in order."""
         device = torch.device(device)
         if device not in self._token_index:
-            self._token_index[device] = torch.cat([torch.arange(row * self.width, row * self.width + n, device=device)
-                                                   for row, n in enumerate(self.row_tokens)])
+            self._token_index[device] = torch.cat(
+                [
+                    torch.arange(row * self.width, row * self.width + n, device=device)
+                    for row, n in enumerate(self.row_tokens)
+                ]
+            )
         return self._token_index[device]
 
     def owner(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[rows, width]: each token's example, -1 for padding."""
         owner = torch.full((self.rows * self.width,), -1, dtype=torch.long, device=device)
         owner[self.token_index(device)] = torch.repeat_interleave(
-            torch.arange(self.examples, device=device), self.lengths.to(device))
+            torch.arange(self.examples, device=device), self.lengths.to(device)
+        )
         return owner.view(self.rows, self.width)
 
 
@@ -304,7 +324,13 @@ def _boundaries(batch: Mapping[str, Any], lengths: torch.Tensor) -> dict[str, An
     device = next(batch[key].device for key in present if torch.is_tensor(batch[key]))
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
     longest = int(lengths.max()) if lengths.numel() else 0
-    values = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
-              "seq_idx": torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32, device=device),
-                                                 lengths.to(device))[None]}
+    values = {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        "seq_idx": torch.repeat_interleave(
+            torch.arange(lengths.numel(), dtype=torch.int32, device=device), lengths.to(device)
+        )[None],
+    }
     return {key: values[key] for key in present}

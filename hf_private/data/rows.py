@@ -38,8 +38,10 @@ def check_one_row_per_example(batch: Mapping[str, Any], num_examples: int) -> No
     """Raise if the collated `batch` of `num_examples` features does not keep each example in rows of its own."""
     packing = sorted(set(batch) & set(PACKING_KEYS))
     if packing:
-        raise ValueError(f"The collated batch has {packing}, which only packing collators produce: examples were "
-                         f"packed into shared rows. {_USE_PADDING}")
+        raise ValueError(
+            f"The collated batch has {packing}, which only packing collators produce: examples were "
+            f"packed into shared rows. {_USE_PADDING}"
+        )
     for key, value in batch.items():
         if not torch.is_tensor(value) or value.dim() == 0:
             continue
@@ -51,8 +53,9 @@ def check_one_row_per_example(batch: Mapping[str, Any], num_examples: int) -> No
                 f"shared rows. {_USE_PADDING}"
             )
     if _positions_restart(batch.get("position_ids"), batch.get("attention_mask")):
-        raise ValueError(f"'position_ids' restart inside a row: several examples were packed into one row. "
-                         f"{_USE_PADDING}")
+        raise ValueError(
+            f"'position_ids' restart inside a row: several examples were packed into one row. {_USE_PADDING}"
+        )
     if "position_ids" not in batch and _left_padded(batch.get("attention_mask")):
         raise ValueError(
             "The collated batch is left-padded (an attention_mask row has a 0 before a 1) and carries no "
@@ -93,7 +96,9 @@ def rows_per_example(model: nn.Module, inputs: Mapping[str, Any]) -> int:
         value = inputs.get(key)
         if torch.is_tensor(value):
             if value.dim() != dims:
-                raise ValueError(f"A multiple-choice model needs {key} of {dims} dimensions ([batch, choices, ...]), "
-                                 f"got shape {tuple(value.shape)}; use DataCollatorForMultipleChoice.")
+                raise ValueError(
+                    f"A multiple-choice model needs {key} of {dims} dimensions ([batch, choices, ...]), "
+                    f"got shape {tuple(value.shape)}; use DataCollatorForMultipleChoice."
+                )
             return value.shape[1]
     raise ValueError(f"A multiple-choice batch needs input_ids or inputs_embeds; got keys {sorted(inputs)}.")

@@ -27,6 +27,7 @@ __all__ = [
     "sampling_random",
 ]
 
+
 def sampling_random(test_seed: int | None = None) -> SecretRandom:
     """The sampler's secret generator (`hf_private.privacy.rng`): a fresh OS-drawn key, independent on every rank.
 

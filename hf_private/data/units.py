@@ -67,12 +67,27 @@ class PrivacyUnits:
         empty-batch-safe collator."""
         return dataset, collate
 
-    def poisson_sampler(self, view: Any, sample_rate: float, steps: int, num_chunks: int, random: SecretRandom,
-                        lengths: torch.Tensor | None = None) -> Sampler[list[int]]:
+    def poisson_sampler(
+        self,
+        view: Any,
+        sample_rate: float,
+        steps: int,
+        num_chunks: int,
+        random: SecretRandom,
+        lengths: torch.Tensor | None = None,
+    ) -> Sampler[list[int]]:
         """`steps` Poisson logical batches of units at `sample_rate`, each yielded as `num_chunks` index lists into
         `view` (this process's shard), a unit's examples consecutive; with `lengths`, each batch ordered by length."""
-        return PoissonBatchSampler(len(view), sample_rate, steps, num_chunks, rank=self.args.process_index,
-                                   world_size=self.args.world_size, random=random, lengths=lengths)
+        return PoissonBatchSampler(
+            len(view),
+            sample_rate,
+            steps,
+            num_chunks,
+            rank=self.args.process_index,
+            world_size=self.args.world_size,
+            random=random,
+            lengths=lengths,
+        )
 
     def chunk_lengths(self, source: Any, processing_class: Any, view: Any, collate: Callable) -> torch.Tensor | None:
         """One length per example of `source` (the trainer's training set) when chunks are sorted by length:
@@ -140,11 +155,26 @@ class UserUnits(PrivacyUnits):
         """Each example tagged with its user, and each batch told how many examples each of its users has."""
         return UnitTagged(dataset, self.users.user_of), UnitCollator(collate)
 
-    def poisson_sampler(self, view: Any, sample_rate: float, steps: int, num_chunks: int, random: SecretRandom,
-                        lengths: torch.Tensor | None = None) -> Sampler[list[int]]:
+    def poisson_sampler(
+        self,
+        view: Any,
+        sample_rate: float,
+        steps: int,
+        num_chunks: int,
+        random: SecretRandom,
+        lengths: torch.Tensor | None = None,
+    ) -> Sampler[list[int]]:
         """Poisson batches of users (q over users); `lengths` is not read: a chunk holds whole users."""
-        return UserPoissonSampler(self.users, sample_rate, steps, self.examples_per_user, num_chunks,
-                                  rank=self.args.process_index, world_size=self.args.world_size, random=random)
+        return UserPoissonSampler(
+            self.users,
+            sample_rate,
+            steps,
+            self.examples_per_user,
+            num_chunks,
+            rank=self.args.process_index,
+            world_size=self.args.world_size,
+            random=random,
+        )
 
     def chunk_lengths(self, source: Any, processing_class: Any, view: Any, collate: Callable) -> torch.Tensor | None:
         """None: chunks hold whole users, never examples sorted by length."""
@@ -161,8 +191,9 @@ class UserUnits(PrivacyUnits):
         return sample_rate * capped_size(self.users, self.examples_per_user)
 
 
-def units_for(config: UnitConfig, args: TrainingArguments, training_set: Any, cap: Cap,
-              users: UserIndex | None = None) -> PrivacyUnits:
+def units_for(
+    config: UnitConfig, args: TrainingArguments, training_set: Any, cap: Cap, users: UserIndex | None = None
+) -> PrivacyUnits:
     """The privacy unit `config` asks for, chosen once. At user level the users of `training_set` (the training set
     as the trainer holds it): `users` when they were already read from this very set, else read here (TRL tokenizes,
     and may drop rows). `cap` draws the ELS cap when the training view is first built."""

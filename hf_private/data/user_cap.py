@@ -42,9 +42,10 @@ def example_digests(dataset: Any) -> list[bytes]:
         try:
             text = json.dumps(example, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_plain)
         except (TypeError, ValueError) as error:
-            raise ValueError(f"Training example {row} cannot be fingerprinted for the ELS cap a checkpoint keeps "
-                             f"({error}): keep its columns to numbers, strings, lists, tensors, arrays or bytes."
-                             ) from None
+            raise ValueError(
+                f"Training example {row} cannot be fingerprinted for the ELS cap a checkpoint keeps "
+                f"({error}): keep its columns to numbers, strings, lists, tensors, arrays or bytes."
+            ) from None
         digests.append(hashlib.sha256(text.encode("utf-8")).digest())
     return digests
 
@@ -56,7 +57,7 @@ def _rows(dataset: Any) -> Iterator[dict[str, Any]]:
         return
     dataset = dataset.with_format(None)
     for start in range(0, len(dataset), _BATCH):
-        batch = dataset[start:start + _BATCH]
+        batch = dataset[start : start + _BATCH]
         yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
 
 
@@ -83,8 +84,10 @@ class UserExamples:
     def of(cls, dataset: Any, index: UserIndex) -> UserExamples:
         digests = example_digests(dataset)
         order, starts = index.grouped()
-        keys = [hashlib.sha256(_USER_KEY + b"".join(sorted(digests[i] for i in order[starts[u]:starts[u + 1]])))
-                .digest() for u in range(index.users)]
+        keys = [
+            hashlib.sha256(_USER_KEY + b"".join(sorted(digests[i] for i in order[starts[u] : starts[u + 1]]))).digest()
+            for u in range(index.users)
+        ]
         marks = [hmac.new(keys[u], digest, "sha256").hexdigest() for u, digest in zip(index.user_of, digests)]
         return cls(index, keys, marks)
 
@@ -116,10 +119,12 @@ class UserExamples:
                 kept.append(i)
         unmatched = sum(sum(left.values()) for left in wanted.values())
         if unmatched or any(len(marks) > k for marks in record.values()):
-            raise ValueError(f"The checkpoint's ELS cap is not one drawn on this training set ({unmatched} kept "
-                             f"examples unmatched, or more than max_examples_per_user={k} of a user's): it was "
-                             "edited or corrupted. Resume from another checkpoint, or start afresh in a new "
-                             "output_dir.")
+            raise ValueError(
+                f"The checkpoint's ELS cap is not one drawn on this training set ({unmatched} kept "
+                f"examples unmatched, or more than max_examples_per_user={k} of a user's): it was "
+                "edited or corrupted. Resume from another checkpoint, or start afresh in a new "
+                "output_dir."
+            )
         return np.asarray(kept, dtype=np.int64)
 
     def _changed(self, changed: list[int], gone: int, k: int) -> str:
@@ -129,9 +134,11 @@ class UserExamples:
         first = [int(order[starts[u]]) for u in changed]
         rows = int(sum(starts[u + 1] - starts[u] for u in changed))
         shown = ", ".join(map(str, first[:5])) + (f" and {len(first) - 5} more" if len(first) > 5 else "")
-        return (f"The training set is not the one the checkpoint's ELS cap was drawn on. Users whose examples differ "
-                f"from all of the checkpoint's: {len(changed)} of {self.index.users}"
-                + (f" (first seen at rows {shown}; {rows} rows between them)" if changed else "")
-                + f". The checkpoint's users not found: {gone}. The cap holds each user to the "
-                f"max_examples_per_user={k} examples drawn then, matched by content whatever the rows' order: resume "
-                "with the same training set (its rows in any order), or start afresh in a new output_dir.")
+        return (
+            f"The training set is not the one the checkpoint's ELS cap was drawn on. Users whose examples differ "
+            f"from all of the checkpoint's: {len(changed)} of {self.index.users}"
+            + (f" (first seen at rows {shown}; {rows} rows between them)" if changed else "")
+            + f". The checkpoint's users not found: {gone}. The cap holds each user to the "
+            f"max_examples_per_user={k} examples drawn then, matched by content whatever the rows' order: resume "
+            "with the same training set (its rows in any order), or start afresh in a new output_dir."
+        )

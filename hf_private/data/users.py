@@ -47,28 +47,40 @@ def check_privacy_unit(config: Any) -> None:
             raise ValueError(
                 f"user_column={column!r} is set but privacy_unit='example': the guarantee would be per example, and "
                 "a user with many examples would be protected only at about k·ε. Set privacy_unit='user' for a "
-                "guarantee per person, or drop user_column.")
+                "guarantee per person, or drop user_column."
+            )
         return
     if not isinstance(column, str) or not column:
-        raise ValueError("privacy_unit='user' needs user_column: the training set's column naming each example's "
-                         "user (e.g. user_column='user_id').")
+        raise ValueError(
+            "privacy_unit='user' needs user_column: the training set's column naming each example's "
+            "user (e.g. user_column='user_id')."
+        )
     if sampling not in USER_SAMPLING:
         raise ValueError(f"user_sampling must be 'user' (ULS) or 'example' (ELS), got {sampling!r}.")
     if sampling == "user":
-        if isinstance(config.examples_per_user, bool) or not isinstance(config.examples_per_user, int) \
-                or config.examples_per_user < 1:
+        if (
+            isinstance(config.examples_per_user, bool)
+            or not isinstance(config.examples_per_user, int)
+            or config.examples_per_user < 1
+        ):
             raise ValueError(f"examples_per_user must be an integer >= 1, got {config.examples_per_user!r}.")
         if config.max_examples_per_user is not None:
-            raise ValueError("max_examples_per_user is ELS's cap (user_sampling='example'); ULS draws up to "
-                             "examples_per_user of a sampled user's examples each step. Set one of them.")
+            raise ValueError(
+                "max_examples_per_user is ELS's cap (user_sampling='example'); ULS draws up to "
+                "examples_per_user of a sampled user's examples each step. Set one of them."
+            )
     else:
         k = config.max_examples_per_user
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError("user_sampling='example' (ELS) needs max_examples_per_user, an integer >= 1: every user "
-                             f"keeps at most that many examples and ε is accounted for them; got {k!r}.")
+            raise ValueError(
+                "user_sampling='example' (ELS) needs max_examples_per_user, an integer >= 1: every user "
+                f"keeps at most that many examples and ε is accounted for them; got {k!r}."
+            )
         if config.examples_per_user != 1:
-            raise ValueError("examples_per_user is ULS's (user_sampling='user'); ELS caps users with "
-                             "max_examples_per_user. Set one of them.")
+            raise ValueError(
+                "examples_per_user is ULS's (user_sampling='user'); ELS caps users with "
+                "max_examples_per_user. Set one of them."
+            )
 
 
 def user_level_facts(config: Any) -> dict[str, Any]:
@@ -90,8 +102,10 @@ def user_ids(dataset: Any, column: str) -> list[int | str]:
     any transform) aside: the ids are metadata, never model inputs."""
     names = getattr(dataset, "column_names", None)
     if names is not None and column not in names:
-        raise ValueError(f"user_column={column!r} is not a column of the training set (columns: {names}). Add "
-                         "each example's user id, or set privacy_unit='example'.")
+        raise ValueError(
+            f"user_column={column!r} is not a column of the training set (columns: {names}). Add "
+            "each example's user id, or set privacy_unit='example'."
+        )
     if hasattr(dataset, "with_format"):  # a datasets.Dataset: the stored values in one read, whatever its format
         dataset = dataset.with_format(None)
     try:
@@ -116,16 +130,20 @@ def plain_user_ids(values: Sequence[Any], column: str) -> list[int | str]:
         plain.append(value)
     if refused:
         problem, rows = next(iter(refused.items()))
-        raise ValueError(f"{len(rows)} training examples have {problem} in column {column!r} ({_rows(rows)}): every "
-                         "example must belong to one user, named by an integer or a string, or the user-level "
-                         "guarantee would not cover it. Drop them or give each its user.")
+        raise ValueError(
+            f"{len(rows)} training examples have {problem} in column {column!r} ({_rows(rows)}): every "
+            "example must belong to one user, named by an integer or a string, or the user-level "
+            "guarantee would not cover it. Drop them or give each its user."
+        )
     kinds: dict[type, list[int]] = {str: [], int: []}
     for row, value in enumerate(plain):
         kinds[type(value)].append(row)
     if kinds[str] and kinds[int]:
-        raise ValueError(f"Column {column!r} (user_column) mixes string ids ({_rows(kinds[str])}) and integer ids "
-                         f"({_rows(kinds[int])}): '1' and 1 would count as two users. Give every id one type, e.g. "
-                         f"dataset.cast_column({column!r}, Value('string')).")
+        raise ValueError(
+            f"Column {column!r} (user_column) mixes string ids ({_rows(kinds[str])}) and integer ids "
+            f"({_rows(kinds[int])}): '1' and 1 would count as two users. Give every id one type, e.g. "
+            f"dataset.cast_column({column!r}, Value('string'))."
+        )
     return plain
 
 
@@ -164,8 +182,9 @@ class UserIndex:
         """Read `column` of `dataset` (`user_ids`) and number its users by value."""
         numbers: dict[int | str, int] = {}
         values = user_ids(dataset, column)
-        user_of = np.fromiter((numbers.setdefault(value, len(numbers)) for value in values), dtype=np.int64,
-                              count=len(values))
+        user_of = np.fromiter(
+            (numbers.setdefault(value, len(numbers)) for value in values), dtype=np.int64, count=len(values)
+        )
         return cls(column, user_of)
 
     @property
@@ -222,16 +241,23 @@ def user_level_plan(config: Any, index: UserIndex, steps_per_epoch: int) -> str:
     num_train_epochs and the logged loss count (each differs from an example-level run's)."""
     if config.user_sampling == "user":
         k = config.examples_per_user
-        takes = ("one of their examples (examples_per_user=1), drawn at random" if k == 1 else
-                 f"the sum of up to examples_per_user={k} of their examples, drawn at random and clipped as one")
-        return (f"User-level sampling (ULS): each step, every sampled user contributes {takes}. num_train_epochs "
-                f"counts passes over the {index.users} users ({steps_per_epoch} steps an epoch, each user sampled "
-                f"about once), not over the {index.examples} examples. The logged loss is a mean per example.")
+        takes = (
+            "one of their examples (examples_per_user=1), drawn at random"
+            if k == 1
+            else f"the sum of up to examples_per_user={k} of their examples, drawn at random and clipped as one"
+        )
+        return (
+            f"User-level sampling (ULS): each step, every sampled user contributes {takes}. num_train_epochs "
+            f"counts passes over the {index.users} users ({steps_per_epoch} steps an epoch, each user sampled "
+            f"about once), not over the {index.examples} examples. The logged loss is a mean per example."
+        )
     k = config.max_examples_per_user
-    return (f"Example-level sampling (ELS): each user keeps at most max_examples_per_user={k} of their examples, drawn "
-            f"once at random: {capped_size(index, k)} of the {index.examples} training examples are kept, N and the "
-            "batch count those, and ε is accounted for a user with that many examples in the data. num_train_epochs "
-            "counts passes over the kept examples.")
+    return (
+        f"Example-level sampling (ELS): each user keeps at most max_examples_per_user={k} of their examples, drawn "
+        f"once at random: {capped_size(index, k)} of the {index.examples} training examples are kept, N and the "
+        "batch count those, and ε is accounted for a user with that many examples in the data. num_train_epochs "
+        "counts passes over the kept examples."
+    )
 
 
 # ---------------------------------------------------------------------- ULS: Poisson over users
@@ -246,8 +272,17 @@ class UserPoissonSampler(Sampler[list[int]]):
     one process, so the engine can sum them into one term and clip it.
     """
 
-    def __init__(self, index: UserIndex, sample_rate: float, steps_per_epoch: int, examples_per_user: int,
-                 num_chunks: int = 1, rank: int = 0, world_size: int = 1, random: SecretRandom | None = None) -> None:
+    def __init__(
+        self,
+        index: UserIndex,
+        sample_rate: float,
+        steps_per_epoch: int,
+        examples_per_user: int,
+        num_chunks: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        random: SecretRandom | None = None,
+    ) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         self.index, self.sample_rate = index, float(sample_rate)
@@ -260,14 +295,14 @@ class UserPoissonSampler(Sampler[list[int]]):
     def _draw(self) -> list[np.ndarray]:
         """This rank's sampled users, each as the example indices it contributes this step."""
         users = self.index.users
-        keep = self.random.uniform(users).numpy()[self.rank::self.world_size] < self.sample_rate
+        keep = self.random.uniform(users).numpy()[self.rank :: self.world_size] < self.sample_rate
         ranks = self.random.uniform(self.index.examples).numpy()  # one per example, in grouped order
         chosen = []
         for user in self._shard[keep]:
             start, stop = self._starts[user], self._starts[user + 1]
             mine = self._order[start:stop]
             if stop - start > self.examples_per_user:
-                mine = mine[np.argsort(ranks[start:stop], kind="stable")[:self.examples_per_user]]
+                mine = mine[np.argsort(ranks[start:stop], kind="stable")[: self.examples_per_user]]
             chosen.append(np.sort(mine))
         return chosen
 
@@ -317,8 +352,10 @@ class UnitCollator:
         batch = dict(self.collate_fn([{k: v for k, v in f.items() if k != UNIT_KEY} for f in features]))
         sizes = run_lengths(units)
         if len(set(units)) != len(sizes):
-            raise ValueError("A unit's examples are not consecutive in the collated batch: the user-level sampler "
-                             "keeps them together, so this batch did not come from it.")
+            raise ValueError(
+                "A unit's examples are not consecutive in the collated batch: the user-level sampler "
+                "keeps them together, so this batch did not come from it."
+            )
         batch[UNIT_SIZES_KEY] = torch.tensor(sizes, dtype=torch.long)
         return batch
 
@@ -332,4 +369,3 @@ def run_lengths(units: Sequence[int]) -> list[int]:
         else:
             sizes.append(1)
     return sizes
-

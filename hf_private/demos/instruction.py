@@ -40,8 +40,14 @@ def instruction_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer of the task's words, built in memory; TRL ends every completion with its <eos>."""
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-                                   eos_token="<eos>", model_max_length=MAX_LENGTH)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        model_max_length=MAX_LENGTH,
+    )
 
 
 def answer(instruction: str, review: str, label: int) -> str:
@@ -104,10 +110,12 @@ def preference_splits(train_size: int = 4000, validation_size: int = 200, seed: 
 def _held_out_splits(pairs: dict[str, list[str]], train_size: int, validation_size: int) -> DatasetDict:
     seen = set(pairs["prompt"][:train_size])
     held_out = [i for i in range(train_size, train_size + validation_size) if pairs["prompt"][i] not in seen]
-    return DatasetDict({
-        "train": Dataset.from_dict({k: v[:train_size] for k, v in pairs.items()}),
-        "validation": Dataset.from_dict({k: [v[i] for i in held_out] for k, v in pairs.items()}),
-    })
+    return DatasetDict(
+        {
+            "train": Dataset.from_dict({k: v[:train_size] for k, v in pairs.items()}),
+            "validation": Dataset.from_dict({k: [v[i] for i in held_out] for k, v in pairs.items()}),
+        }
+    )
 
 
 def majority_exact_match(train: Dataset, validation: Dataset, column: str = "completion") -> float:
@@ -127,7 +135,17 @@ def instruction_model(**config: Any) -> LlamaForCausalLM:
     Seeded, so the same "base model" is rebuilt for the private and the non-private run, and to reload an adapter.
     """
     torch.manual_seed(0)
-    fields = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_LENGTH + 8,
-                  pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_LENGTH + 8,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(LlamaConfig(**{**fields, **config}))

@@ -30,13 +30,22 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
         model_max_length=MAX_LENGTH,
     )
 
 
-def sentiment_texts(n: int, seed: int = 0, *, contrast: bool = False, label_noise: float = 0.0,
-                    ) -> tuple[list[str], list[int]]:
+def sentiment_texts(
+    n: int,
+    seed: int = 0,
+    *,
+    contrast: bool = False,
+    label_noise: float = 0.0,
+) -> tuple[list[str], list[int]]:
     """`n` generated reviews and their labels (1 positive, 0 negative), the same for the same seed.
 
     The defaults give the easy task the tests rely on: any sentiment word gives the label away. `contrast`: words of
@@ -84,11 +93,14 @@ def sentiment_splits(train_size: int = 10000, validation_size: int = 1000, seed:
     texts, labels = sentiment_texts(train_size + validation_size, seed, contrast=True, label_noise=LABEL_NOISE)
     seen = set(texts[:train_size])
     held_out = [i for i in range(train_size, len(texts)) if texts[i] not in seen]
-    return DatasetDict({
-        "train": Dataset.from_dict({"sentence": texts[:train_size], "label": labels[:train_size]}),
-        "validation": Dataset.from_dict({"sentence": [texts[i] for i in held_out],
-                                         "label": [labels[i] for i in held_out]}),
-    })
+    return DatasetDict(
+        {
+            "train": Dataset.from_dict({"sentence": texts[:train_size], "label": labels[:train_size]}),
+            "validation": Dataset.from_dict(
+                {"sentence": [texts[i] for i in held_out], "label": [labels[i] for i in held_out]}
+            ),
+        }
+    )
 
 
 def demo_model(num_labels: int = 2, **config: Any) -> BertForSequenceClassification:
@@ -97,6 +109,13 @@ def demo_model(num_labels: int = 2, **config: Any) -> BertForSequenceClassificat
     Seeded, so the same "base model" can be rebuilt to load a saved adapter onto.
     """
     torch.manual_seed(0)
-    fields = dict(vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=128, max_position_embeddings=MAX_LENGTH + 2, num_labels=num_labels)
+    fields = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=MAX_LENGTH + 2,
+        num_labels=num_labels,
+    )
     return BertForSequenceClassification(BertConfig(**{**fields, **config}))

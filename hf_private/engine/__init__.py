@@ -4,5 +4,15 @@ from .core import ChunkTransform, ChunkUnits, PerExampleGradientEngine, trainabl
 from .layers import UnsupportedLayerError, register_layer, supported_layer_names
 from .reducers import ChunkTerms, FlatL2ClipReducer, Reducer
 
-__all__ = ["ChunkTerms", "ChunkTransform", "ChunkUnits", "FlatL2ClipReducer", "PerExampleGradientEngine", "Reducer",
-           "UnsupportedLayerError", "register_layer", "supported_layer_names", "trainable_parameters"]
+__all__ = [
+    "ChunkTerms",
+    "ChunkTransform",
+    "ChunkUnits",
+    "FlatL2ClipReducer",
+    "PerExampleGradientEngine",
+    "Reducer",
+    "UnsupportedLayerError",
+    "register_layer",
+    "supported_layer_names",
+    "trainable_parameters",
+]

@@ -192,9 +192,7 @@ class PerExampleGradientEngine:
         if not self.parameters:
             raise ValueError("The model has no trainable parameters (nothing has requires_grad=True).")
         self.layers = self._find_layers()
-        self.batch_norms = [
-            name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        ]
+        self.batch_norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self._reducer: Reducer = FlatL2ClipReducer(max_grad_norm)
         if reducer is not None:
             self.reducer = reducer
@@ -262,8 +260,10 @@ class PerExampleGradientEngine:
         transforms of one parameter apply in the order added; `handle.remove()` drops one.
         """
         if not any(parameter is p for _, p in self.parameters):
-            raise ValueError(f"add_term_transform: a parameter of shape {tuple(parameter.shape)} is not one this "
-                             "engine trains (requires_grad=True when the engine was created).")
+            raise ValueError(
+                f"add_term_transform: a parameter of shape {tuple(parameter.shape)} is not one this "
+                "engine trains (requires_grad=True when the engine was created)."
+            )
         transforms = self._term_transforms.setdefault(parameter, OrderedDict())
         handle = RemovableHandle(transforms)
         transforms[handle.id] = transform
@@ -289,8 +289,10 @@ class PerExampleGradientEngine:
         for transform in self._term_transforms.get(param, {}).values():
             terms = [transform(term) for term in terms]
             if any(term.batch_size != examples for term in terms):
-                raise ValueError(f"A term transform of a parameter of shape {tuple(param.shape)} changed the number "
-                                 f"of examples ({examples}): a transform must map each example's gradient alone.")
+                raise ValueError(
+                    f"A term transform of a parameter of shape {tuple(param.shape)} changed the number "
+                    f"of examples ({examples}): a transform must map each example's gradient alone."
+                )
         return terms
 
     # ------------------------------------------------------------------ set-up
@@ -368,7 +370,8 @@ class PerExampleGradientEngine:
                     raise ValueError(
                         f"{call.layer.name} reads an input of shape {tuple(saved.shape)} in a packed chunk of "
                         f"{packed.tokens} tokens: without the packed row's token axis its examples' gradients cannot "
-                        "be separated. Pad each example to a row of its own for this model.")
+                        "be separated. Pad each example to a row of its own for this model."
+                    )
                 grad_output = packed.split(grad_output)
                 saved = packed.split(saved) if saved is not None else None
             call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
@@ -379,9 +382,13 @@ class PerExampleGradientEngine:
         return hook
 
     @contextmanager
-    def recording(self, batch_size: int, rows_per_example: int | Sequence[int] = 1,
-                  probe: bool = False, packed: PackedLayout | Sequence[int] | torch.Tensor | None = None,
-                  ) -> Iterator[None]:
+    def recording(
+        self,
+        batch_size: int,
+        rows_per_example: int | Sequence[int] = 1,
+        probe: bool = False,
+        packed: PackedLayout | Sequence[int] | torch.Tensor | None = None,
+    ) -> Iterator[None]:
         """Record per-unit terms for the forward/backward of one physical chunk of `batch_size` privacy units.
 
         `batch_size` must come from the data (the sampler/collator), not from a tensor the model builds: every
@@ -397,18 +404,23 @@ class PerExampleGradientEngine:
         if isinstance(rows_per_example, numbers.Integral) and not isinstance(rows_per_example, bool):
             rows_per_example = int(rows_per_example)
             if batch_size < 0 or rows_per_example < 1:
-                raise ValueError(f"recording() needs batch_size >= 0 and rows_per_example >= 1, got {batch_size}, "
-                                 f"{rows_per_example}.")
+                raise ValueError(
+                    f"recording() needs batch_size >= 0 and rows_per_example >= 1, got {batch_size}, "
+                    f"{rows_per_example}."
+                )
             rows = batch_size * rows_per_example
         else:
             try:
                 rows_per_example = unit_sizes(rows_per_example)
             except (TypeError, ValueError) as error:
-                raise type(error)(f"recording(): rows_per_example must be an int >= 1 or one int >= 1 per unit of "
-                                  f"the chunk. {error}") from None
+                raise type(error)(
+                    f"recording(): rows_per_example must be an int >= 1 or one int >= 1 per unit of the chunk. {error}"
+                ) from None
             if len(rows_per_example) != batch_size:
-                raise ValueError(f"recording() was given {len(rows_per_example)} unit sizes for a chunk of "
-                                 f"{batch_size} units: rows_per_example needs one entry (that unit's rows) per unit.")
+                raise ValueError(
+                    f"recording() was given {len(rows_per_example)} unit sizes for a chunk of "
+                    f"{batch_size} units: rows_per_example needs one entry (that unit's rows) per unit."
+                )
             rows = sum(rows_per_example)
         training_bn = [n for n in self.batch_norms if self.model.get_submodule(n).training]
         if training_bn:
@@ -424,8 +436,10 @@ class PerExampleGradientEngine:
         if packed is not None:
             tokens = PackedTokens(packed if isinstance(packed, PackedLayout) else PackedLayout(packed))
             if tokens.examples != rows:
-                raise ValueError(f"recording() was told of {tokens.examples} packed examples for a chunk whose "
-                                 f"units hold {rows}: every packed example must be one of the chunk's.")
+                raise ValueError(
+                    f"recording() was told of {tokens.examples} packed examples for a chunk whose "
+                    f"units hold {rows}: every packed example must be one of the chunk's."
+                )
         self._chunk = _Chunk(batch_size, rows_per_example, probe, tokens is not None)
         self._rows = tokens.rows if tokens is not None else rows  # the rows the model sees
         self._packed = tokens
@@ -471,16 +485,20 @@ class PerExampleGradientEngine:
             for _, p in self.parameters:
                 p.grad = None  # autograd's un-clipped gradient must never reach the optimizer, refused chunk or not
         if chunk.grouped:
-            by_param = {p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example)
-                            for t in terms] for p, terms in by_param.items()}
+            by_param = {
+                p: [t if t.batch_size == chunk.examples else group_rows(t, chunk.rows_per_example) for t in terms]
+                for p, terms in by_param.items()
+            }
         reduced = ChunkTerms(examples=chunk.examples, terms=dict(by_param))
         del by_param  # the reducer may drop each parameter's terms once used
         if not chunk.probe:
             for transform in self._chunk_transforms.values():
                 reduced = transform(reduced, chunk.units)
                 if reduced.examples != chunk.examples:
-                    raise ValueError(f"A chunk transform changed the number of units ({chunk.examples} → "
-                                     f"{reduced.examples}): it must map each unit's gradient alone.")
+                    raise ValueError(
+                        f"A chunk transform changed the number of units ({chunk.examples} → "
+                        f"{reduced.examples}): it must map each unit's gradient alone."
+                    )
         if self._term_transforms:
             reduced.terms = {p: self._transformed(p, terms, chunk.examples) for p, terms in reduced.terms.items()}
         if chunk.probe:

@@ -101,8 +101,10 @@ def _units(examples_per_unit: Sequence[int] | None, num_examples: int) -> tuple[
         return None
     units = unit_sizes(examples_per_unit)
     if sum(units) != num_examples:
-        raise ValueError(f"examples_per_unit {format_sizes(units)} counts {sum(units)} examples, but the probed chunk "
-                         f"holds {num_examples}: every example must belong to exactly one unit, in order.")
+        raise ValueError(
+            f"examples_per_unit {format_sizes(units)} counts {sum(units)} examples, but the probed chunk "
+            f"holds {num_examples}: every example must belong to exactly one unit, in order."
+        )
     return units
 
 
@@ -126,8 +128,9 @@ def _mask(inputs: Mapping[str, Any], rows_per_example: int) -> torch.Tensor | No
     return mask if torch.is_tensor(mask) and mask.dim() == dims else None
 
 
-def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_example: int,
-                    examples_per_unit: Sequence[int] | None = None) -> list[int]:
+def _probe_examples(
+    inputs: Mapping[str, Any], num_examples: int, rows_per_example: int, examples_per_unit: Sequence[int] | None = None
+) -> list[int]:
     """The first, shortest and longest examples: the shortest has the most padding, the longest none.
 
     With `examples_per_unit`: the units (indices into it) of the first, shortest and longest examples, and the unit
@@ -153,8 +156,13 @@ def _probe_examples(inputs: Mapping[str, Any], num_examples: int, rows_per_examp
     return list(dict.fromkeys(picks))[: MAX_PROBES + 1]
 
 
-def example_alone(inputs: Mapping[str, Any], b: int, num_examples: int, rows_per_example: int = 1,
-                  examples_per_unit: Sequence[int] | None = None) -> dict[str, Any]:
+def example_alone(
+    inputs: Mapping[str, Any],
+    b: int,
+    num_examples: int,
+    rows_per_example: int = 1,
+    examples_per_unit: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """Example `b` (with `examples_per_unit`: unit `b`, its examples) as a batch of its own, without the columns that
     are padding in all of its rows.
 
@@ -212,8 +220,13 @@ def _attended_tokens(example: Any) -> int | None:
     return None
 
 
-def probe_example_independence(engine: PerExampleGradientEngine, model: nn.Module,
-                               chunks: Sequence[tuple], summed_loss: SummedLoss, low_precision: bool) -> None:
+def probe_example_independence(
+    engine: PerExampleGradientEngine,
+    model: nn.Module,
+    chunks: Sequence[tuple],
+    summed_loss: SummedLoss,
+    low_precision: bool,
+) -> None:
     """`check_example_independence` on each chunk: a real training chunk and a probe chunk of training examples spread
     over their lengths (which a length-sorted or unpadded real chunk may not show), at the tolerance the precision
     allows.
@@ -224,9 +237,18 @@ def probe_example_independence(engine: PerExampleGradientEngine, model: nn.Modul
     """
     for chunk in chunks:
         if len(chunk) not in (3, 4):
-            raise ValueError(f"A probed chunk is (inputs, examples, rows_per_example[, examples_per_unit]), got a "
-                             f"tuple of {len(chunk)}.")
+            raise ValueError(
+                f"A probed chunk is (inputs, examples, rows_per_example[, examples_per_unit]), got a "
+                f"tuple of {len(chunk)}."
+            )
         inputs, examples, rows = chunk[:3]
-        check_example_independence(engine, model, inputs, summed_loss, examples, rows,
-                                   rtol=RTOL_LOW_PRECISION if low_precision else RTOL,
-                                   examples_per_unit=chunk[3] if len(chunk) == 4 else None)
+        check_example_independence(
+            engine,
+            model,
+            inputs,
+            summed_loss,
+            examples,
+            rows,
+            rtol=RTOL_LOW_PRECISION if low_precision else RTOL,
+            examples_per_unit=chunk[3] if len(chunk) == 4 else None,
+        )

@@ -60,8 +60,12 @@ class PackedTokens:
         longest = max(self._sizes)
         if min(self._sizes) == longest:
             return terms  # no example is padded
-        return {name: self._marked(term) if type(term) is OuterTerm and tuple(term.left.shape[:2]) == (
-                    self.examples, longest) else term for name, term in terms.items()}
+        return {
+            name: self._marked(term)
+            if type(term) is OuterTerm and tuple(term.left.shape[:2]) == (self.examples, longest)
+            else term
+            for name, term in terms.items()
+        }
 
     def _marked(self, term: OuterTerm) -> PackedOuterTerm:
         device = term.left.device

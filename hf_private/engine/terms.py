@@ -126,8 +126,10 @@ def group_rows(term, rows_per_example):
     else:
         sizes = unit_sizes(rows_per_example)
         if term.batch_size != sum(sizes):
-            raise ValueError(f"group_rows: a term of {term.batch_size} rows cannot be grouped into {len(sizes)} units "
-                             f"of {sum(sizes)} rows in all ({format_sizes(sizes)}).")
+            raise ValueError(
+                f"group_rows: a term of {term.batch_size} rows cannot be grouped into {len(sizes)} units "
+                f"of {sum(sizes)} rows in all ({format_sizes(sizes)})."
+            )
         if len(set(sizes)) > 1:
             return _group_unequal_rows(term, sizes)
         rows_per_example = sizes[0] if sizes else 1
@@ -136,20 +138,25 @@ def group_rows(term, rows_per_example):
         return SampleTerm(grad.reshape(-1, rows_per_example, *grad.shape[1:]).sum(1))
     if isinstance(term, IndexTerm):
         examples = term.index.shape[0] // rows_per_example
-        return IndexTerm(index=term.index.reshape(examples, -1),
-                         right=term.right.reshape(examples, -1, term.right.shape[2]), num_rows=term.num_rows)
+        return IndexTerm(
+            index=term.index.reshape(examples, -1),
+            right=term.right.reshape(examples, -1, term.right.shape[2]),
+            num_rows=term.num_rows,
+        )
     examples = term.left.shape[0] // rows_per_example
     # Re-decide ghost vs instantiated: the grouped sequence is rows_per_example times longer.
-    return outer_product_term(term.left.reshape(examples, -1, term.left.shape[2]),
-                              term.right.reshape(examples, -1, term.right.shape[2]))
+    return outer_product_term(
+        term.left.reshape(examples, -1, term.left.shape[2]), term.right.reshape(examples, -1, term.right.shape[2])
+    )
 
 
 def unit_sizes(sizes) -> tuple[int, ...]:
     """`sizes` (a sequence or 1-D tensor of each unit's rows) as a tuple of ints ≥ 1; anything else is refused."""
     if torch.is_tensor(sizes):
         if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
-            raise ValueError(f"Unit sizes must be a 1-D integer tensor, got {sizes.dtype} of shape "
-                             f"{tuple(sizes.shape)}.")
+            raise ValueError(
+                f"Unit sizes must be a 1-D integer tensor, got {sizes.dtype} of shape {tuple(sizes.shape)}."
+            )
         sizes = sizes.tolist()
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"Unit sizes must be an int or a sequence of ints, got {type(sizes).__name__}.")
@@ -178,8 +185,9 @@ def unit_slots(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tens
     return owner, slot
 
 
-def padded_by_unit(values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units: int,
-                   longest: int) -> torch.Tensor:
+def padded_by_unit(
+    values: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor, units: int, longest: int
+) -> torch.Tensor:
     """[rows, T, F] → [units, longest·T, F]: each unit's rows one after the other, then zero rows (index 0 for ids)."""
     out = values.new_zeros(units, longest, *values.shape[1:])
     out[owner, slot] = values
@@ -194,13 +202,18 @@ def _group_unequal_rows(term, sizes: tuple[int, ...]):
     if isinstance(term, IndexTerm):
         # A padding position looks up row 0 with a zero gradient: it adds nothing to that row.
         owner, slot = unit_slots(sizes, term.index.device)
-        return IndexTerm(index=padded_by_unit(term.index, owner, slot, units, longest),
-                         right=padded_by_unit(term.right, owner, slot, units, longest), num_rows=term.num_rows)
+        return IndexTerm(
+            index=padded_by_unit(term.index, owner, slot, units, longest),
+            right=padded_by_unit(term.right, owner, slot, units, longest),
+            num_rows=term.num_rows,
+        )
     if isinstance(term, OuterTerm):
         owner, slot = unit_slots(sizes, term.left.device)
         # Re-decide ghost vs instantiated for the grouped (padded) sequence length.
-        return outer_product_term(padded_by_unit(term.left, owner, slot, units, longest),
-                                  padded_by_unit(term.right, owner, slot, units, longest))
+        return outer_product_term(
+            padded_by_unit(term.left, owner, slot, units, longest),
+            padded_by_unit(term.right, owner, slot, units, longest),
+        )
     raise TypeError(f"group_rows: no rule to group the rows of a {type(term).__name__} into units of varying sizes.")
 
 
@@ -236,8 +249,11 @@ def gram_blocks(factor: torch.Tensor) -> GramBlocks:
     if positions < _HALVED_GRAM_MIN_POSITIONS:
         return ((torch.bmm(factor, factor.transpose(1, 2)), 1.0),)
     first, second = factor[:, : positions // 2], factor[:, positions // 2 :]
-    return ((torch.bmm(first, first.transpose(1, 2)), 1.0), (torch.bmm(second, second.transpose(1, 2)), 1.0),
-            (torch.bmm(first, second.transpose(1, 2)), 2.0))
+    return (
+        (torch.bmm(first, first.transpose(1, 2)), 1.0),
+        (torch.bmm(second, second.transpose(1, 2)), 1.0),
+        (torch.bmm(first, second.transpose(1, 2)), 2.0),
+    )
 
 
 class FactorGrams:
@@ -259,9 +275,14 @@ class FactorGrams:
         """The blocks of `factor` cast to `dtype` (its own by default)."""
         dtype = dtype or factor.dtype
         for i, (kept, kept_dtype, blocks) in enumerate(self._kept):
-            if (kept_dtype == dtype and kept.data_ptr() == factor.data_ptr() and kept.shape == factor.shape
-                    and kept.stride() == factor.stride() and kept.dtype == factor.dtype
-                    and kept.device == factor.device):
+            if (
+                kept_dtype == dtype
+                and kept.data_ptr() == factor.data_ptr()
+                and kept.shape == factor.shape
+                and kept.stride() == factor.stride()
+                and kept.dtype == factor.dtype
+                and kept.device == factor.device
+            ):
                 self._kept.append(self._kept.pop(i))  # the most recently used is kept longest
                 return blocks
         blocks = gram_blocks(factor.to(dtype))
@@ -302,6 +323,7 @@ def _index_squared_norm(term: IndexTerm) -> torch.Tensor:
 
 def inner(a, b) -> torch.Tensor:
     """⟨g_b^a, g_b^b⟩ per example for two terms of the same parameter (needed only for shared parameters)."""
+
     def rank(term) -> int:
         return 0 if isinstance(term, SampleTerm) else 1 if isinstance(term, IndexTerm) else 2
 
@@ -428,8 +450,14 @@ def combined_l1_norm(terms: list, dtype: torch.dtype, block_elements: int = _INS
     return out
 
 
-def clipped_abs_sum(terms: list, factors: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                    out: torch.Tensor | None = None, block_elements: int = _INSTANTIATE_BLOCK) -> torch.Tensor:
+def clipped_abs_sum(
+    terms: list,
+    factors: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    block_elements: int = _INSTANTIATE_BLOCK,
+) -> torch.Tensor:
     """Σ_b factors[b]·abs(Σ_i g_b^i) per coordinate over all terms of one parameter, in `dtype`, added into `out`.
 
     The absolute value of each example's gradient has no factored form, so, as in `combined_l1_norm`: a lone sampled

@@ -66,8 +66,14 @@ class TrainingRows:
     sequences across rows), which leaves every set not shown to overlap unknown; None when rows hold whole units.
     """
 
-    def __init__(self, train_dataset, input_columns: Sequence[str], label_columns: Sequence[str] = (),
-                 pad_token_id: int | None = None, unmarked: str | None = None) -> None:
+    def __init__(
+        self,
+        train_dataset,
+        input_columns: Sequence[str],
+        label_columns: Sequence[str] = (),
+        pad_token_id: int | None = None,
+        unmarked: str | None = None,
+    ) -> None:
         self.train_dataset = train_dataset
         self.input_columns = list(input_columns)  # what the model accepts; other columns never reach it
         self.label_columns = {*_LABEL_COLUMNS, *label_columns}
@@ -89,13 +95,17 @@ class TrainingRows:
                 "Evaluation set %r shares %d of its %d units (rows, or the sequences packed in a row) with the "
                 "training data (each repeats a %s): its metrics are un-noised functions of the private training "
                 "data, not a held-out result, and the model card will not publish them.",
-                name, found.shared, found.units, COMPARED,
+                name,
+                found.shared,
+                found.units,
+                COMPARED,
             )
         elif found.unknown:
             logger.warning(
                 "Evaluation set %r could not be checked against the training data: %s. Its metrics may be un-noised "
                 "functions of the private training data, and the model card will not publish them as held-out.",
-                name, found.unknown,
+                name,
+                found.unknown,
             )
         return found
 
@@ -129,12 +139,16 @@ class TrainingRows:
     def _unknown(self, undivided: int, training_undivided: int) -> str | None:
         """Why units that matched nothing may still be training units."""
         if undivided:
-            return (f"{undivided} of its rows pack several sequences that could not be cut apart (their seq_lengths "
-                    "or restarting position_ids do not add up, or the row has text or other columns that are not one "
-                    "value per token), so their sequences were not compared")
+            return (
+                f"{undivided} of its rows pack several sequences that could not be cut apart (their seq_lengths "
+                "or restarting position_ids do not add up, or the row has text or other columns that are not one "
+                "value per token), so their sequences were not compared"
+            )
         if training_undivided:
-            return (f"{training_undivided} training rows pack several sequences that could not be cut apart, so "
-                    "their sequences are not known")
+            return (
+                f"{training_undivided} training rows pack several sequences that could not be cut apart, so "
+                "their sequences are not known"
+            )
         return self.unmarked
 
     def _training_keys(self, how: Identity) -> _Keys:
@@ -152,8 +166,9 @@ class TrainingRows:
     def _training_prefixes(self, how: Identity, cut: int) -> set[bytes]:
         """Prefix keys at `cut` of the training rows at least `cut` long (`row_identity.prefix_key`)."""
         if (how, cut) not in self._prefixes:
-            self._prefixes[how, cut] = {prefix_key(example, cut) for example in examples(self.train_dataset, how)
-                                        if example.length >= cut}
+            self._prefixes[how, cut] = {
+                prefix_key(example, cut) for example in examples(self.train_dataset, how) if example.length >= cut
+            }
         return self._prefixes[how, cut]
 
 
@@ -185,9 +200,12 @@ class Evaluations:
                 self._open = None
         status = self._verdicts[0] if len(set(self._verdicts)) == 1 else UNKNOWN
         if not self._verdicts:
-            logger.warning("Evaluation %r read no set through PrivateTrainingMixin.get_eval_dataloader (a subclass "
-                           "overrides it without calling super()?): the set evaluated was not checked against the "
-                           "training data, and the model card will not publish its metrics as held-out.", prefix)
+            logger.warning(
+                "Evaluation %r read no set through PrivateTrainingMixin.get_eval_dataloader (a subclass "
+                "overrides it without calling super()?): the set evaluated was not checked against the "
+                "training data, and the model card will not publish its metrics as held-out.",
+                prefix,
+            )
         self.results[prefix] = (status, published_metrics(metrics, prefix))
         return metrics
 
@@ -220,8 +238,13 @@ def eval_sets(eval_dataset, prefix: str = "eval") -> Iterator[tuple[str, Any]]:
 def published_metrics(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
     """What `evaluate(metric_key_prefix=prefix)` returned, less timings and memory (not results)."""
     start = f"{prefix}_"
-    return {key: round(value, 4) for key, value in metrics.items() if key.startswith(start)
-            and key[len(start):] not in _TIMING_METRICS and not key[len(start):].startswith("mem_")}
+    return {
+        key: round(value, 4)
+        for key, value in metrics.items()
+        if key.startswith(start)
+        and key[len(start) :] not in _TIMING_METRICS
+        and not key[len(start) :].startswith("mem_")
+    }
 
 
 def card_evaluation(results: Mapping[str, tuple[str, dict[str, float]]]) -> tuple[dict[str, float], list[str]]:
@@ -233,11 +256,15 @@ def card_evaluation(results: Mapping[str, tuple[str, dict[str, float]]]) -> tupl
         if status == HELD_OUT:
             published.update(metrics)
         elif status == OVERLAPS:
-            notes.append(f"`{prefix}` was evaluated on data overlapping the training data: its metrics are "
-                         "un-noised, not covered by the privacy guarantee and not a held-out result, so they are "
-                         "not published.")
+            notes.append(
+                f"`{prefix}` was evaluated on data overlapping the training data: its metrics are "
+                "un-noised, not covered by the privacy guarantee and not a held-out result, so they are "
+                "not published."
+            )
         else:
-            notes.append(f"`{prefix}` was evaluated on data that could not be checked against the training data "
-                         "(the training log says why): its metrics may be un-noised functions of the training data, "
-                         "not covered by the privacy guarantee, so they are not published as a held-out result.")
+            notes.append(
+                f"`{prefix}` was evaluated on data that could not be checked against the training data "
+                "(the training log says why): its metrics may be un-noised functions of the training data, "
+                "not covered by the privacy guarantee, so they are not published as a held-out result."
+            )
     return published, notes

@@ -74,8 +74,13 @@ class HeldOutPredictions:
         self.predicted = predicted if self.predicted is None else self.predicted + predicted
         self.labels = seen if self.labels is None else self.labels + seen
 
-    def warn_if_collapsed(self, name: str, model: nn.Module, facts: RunSettings,
-                          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    def warn_if_collapsed(
+        self,
+        name: str,
+        model: nn.Module,
+        facts: RunSettings,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> bool:
         """Log the WARNING once per evaluation set name (INFO after) when the counts collapsed; whether they did.
         `reduce` sums a tensor over processes (distributed evaluation, where each counts its own shard)."""
         if self.predicted is None or self.labels is None or facts.steps == 0:  # not counted, or nothing trained yet
@@ -107,8 +112,9 @@ def _single_label(model: nn.Module, logits, labels) -> bool:
     return problem in (None, "single_label_classification") and not type(base).__name__.endswith("ForMultipleChoice")
 
 
-def collapse_message(name: str, top: int, share: float, total: int, label_share: float, model: nn.Module,
-                     facts: RunSettings) -> str:
+def collapse_message(
+    name: str, top: int, share: float, total: int, label_share: float, model: nn.Module, facts: RunSettings
+) -> str:
     """The warning: what collapsed, then each likely cause with what to do about it."""
     causes = [
         f"the clip norm C={facts.max_grad_norm:g} far below the per-example gradient norms, so every example is "
@@ -124,14 +130,17 @@ def collapse_message(name: str, top: int, share: float, total: int, label_share:
             f"the head: {type(base).__name__} classifies the CLS token, a poor feature when the checkpoint is a "
             "mean-pooling sentence encoder (sentence-transformers checkpoints such as all-MiniLM-L6-v2): then use "
             "hf_private.MeanPooledBertForSequenceClassification.from_pretrained(path) (or "
-            "hf_private.sentence_classifier(path), which reads the checkpoint's pooling)")
+            "hf_private.sentence_classifier(path), which reads the checkpoint's pooling)"
+        )
     if facts.trained_values >= FULL_FINE_TUNING * facts.model_values:
         causes.append(
             f"too few examples for the noised coordinates: {facts.trained_values:,} trained values get noise at "
             f"every step, from {facts.examples:,} training examples; train fewer values (DP-LoRA, DP-BiTFiT) or use "
-            "more data")
+            "more data"
+        )
     listed = "; ".join(f"({i}) {cause}" for i, cause in enumerate(causes, 1))
-    return (f"Held-out predictions on {name!r} collapsed to class {top}: {100 * share:.1f}% of {total} predictions "
-            f"after {facts.steps} training steps, while class {top} is {100 * label_share:.1f}% of the labels. The "
-            f"model learnt little beyond the class prior. Likely causes: {listed}.")
-
+    return (
+        f"Held-out predictions on {name!r} collapsed to class {top}: {100 * share:.1f}% of {total} predictions "
+        f"after {facts.steps} training steps, while class {top} is {100 * label_share:.1f}% of the labels. The "
+        f"model learnt little beyond the class prior. Likely causes: {listed}."
+    )

@@ -64,8 +64,9 @@ class Example(NamedTuple):
         return max(map(len, self.sequences), default=0)
 
 
-def identity(train, eval_dataset, input_columns: Sequence[str], label_columns: set[str],
-             pad_token_id: int | None) -> Identity | None:
+def identity(
+    train, eval_dataset, input_columns: Sequence[str], label_columns: set[str], pad_token_id: int | None
+) -> Identity | None:
     """How rows of the two sets are compared; None when they have no column in common (no row can be shared)."""
     train_columns, eval_columns = _columns(train), _columns(eval_dataset)
     if train_columns is None or eval_columns is None:
@@ -88,8 +89,11 @@ def examples(dataset, how: Identity) -> Iterator[Example]:
     columns = _columns(dataset) or []
     mask = how.tokens and MASK in columns
     marks = [c for c in (SEQ_LENGTHS, POSITIONS) if how.tokens and c in columns][:1]  # seq_lengths, if both
-    wanted = None if how.others is None else [
-        *((TOKENS,) if how.tokens else ()), *((MASK,) if mask else ()), *marks, *how.others, *how.texts]
+    wanted = (
+        None
+        if how.others is None
+        else [*((TOKENS,) if how.tokens else ()), *((MASK,) if mask else ()), *marks, *how.others, *how.texts]
+    )
     for row in _rows(dataset, wanted):
         runs = _packed_runs(row[TOKENS], row[marks[0]], marks[0], row[MASK] if mask else None) if marks else [[]]
         if runs is not None and len(runs) == 1:
@@ -108,8 +112,12 @@ def _units(row: Mapping[str, Any], runs: list[list[int]] | None, how: Identity, 
     tokens = row[TOKENS]
     per_token = all(isinstance(row[c], list) and len(row[c]) == len(tokens) for c in how.others)
     if runs is None or how.texts or not per_token:
-        yield Example(unpadded(tokens, row[MASK] if mask else None, how.pad_token_id),
-                      tuple(row[c] for c in how.others), tuple(normalised(row[c]) for c in how.texts), undivided=True)
+        yield Example(
+            unpadded(tokens, row[MASK] if mask else None, how.pad_token_id),
+            tuple(row[c] for c in how.others),
+            tuple(normalised(row[c]) for c in how.texts),
+            undivided=True,
+        )
         return
     for run in runs:
         sequence = _unpadded_row([tokens[i] for i in run], None, how.pad_token_id)
@@ -153,7 +161,7 @@ def prefix_key(example: Example, cut: int) -> bytes:
     cut - 1 >= MIN_PREFIX: different texts often open alike ("the movie was ..."), but sixteen shared leading tokens
     at the very length where one set stops is a copy; a long shared template can make this err towards overlap.
     """
-    cut_rows = tuple(row[:cut - 1] if len(row) >= cut else row for row in example.sequences)
+    cut_rows = tuple(row[: cut - 1] if len(row) >= cut else row for row in example.sequences)
     return _digest((cut_rows, example.others))
 
 
@@ -162,8 +170,9 @@ def text_key(example: Example) -> bytes | None:
     return _digest(example.text) if example.text else None
 
 
-def unpadded(tokens: Sequence[Any], mask: Sequence[Any] | None,
-             pad_token_id: int | None) -> tuple[tuple[int, ...], ...]:
+def unpadded(
+    tokens: Sequence[Any], mask: Sequence[Any] | None, pad_token_id: int | None
+) -> tuple[tuple[int, ...], ...]:
     """Each token row without padding: masked positions dropped, then pad ids at either end."""
     if tokens and isinstance(tokens[0], list):  # one row per choice
         masks = mask if mask is not None else [None] * len(tokens)
@@ -235,8 +244,9 @@ def _string_columns(dataset) -> set[str]:
     """Columns holding one string per row (from the schema when there is one, else from the first row)."""
     features = getattr(dataset, "features", None)
     if features is not None:
-        return {name for name, feature in features.items() if getattr(feature, "dtype", None) in ("string",
-                                                                                                   "large_string")}
+        return {
+            name for name, feature in features.items() if getattr(feature, "dtype", None) in ("string", "large_string")
+        }
     first = _first(dataset)
     return {name for name, value in first.items() if isinstance(value, str)} if isinstance(first, Mapping) else set()
 

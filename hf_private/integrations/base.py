@@ -121,9 +121,11 @@ class TrainerFamily:
             check_packed_head(model, outputs, labels, layout.examples)
             return trainer.per_example_loss(model, outputs, labels), outputs
         if trainer.custom_per_example_loss:
-            raise ValueError("per_example_loss(model, outputs, labels) cannot say which packed example each token "
-                             "belongs to: drop it (each packed example's loss is then its mean over its own trained "
-                             "tokens) or pad each example to a row of its own.")
+            raise ValueError(
+                "per_example_loss(model, outputs, labels) cannot say which packed example each token "
+                "belongs to: drop it (each packed example's loss is then its mean over its own trained "
+                "tokens) or pad each example to a row of its own."
+            )
         # without a cache transformers builds the block-diagonal mask from the restarting position_ids (with one,
         # the default in a model's config, it does not, and packed examples would attend to each other)
         outputs = model(**inputs, use_cache=False)

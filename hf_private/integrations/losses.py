@@ -50,14 +50,16 @@ def default_per_example_loss(
             return (logits.squeeze(-1).float() - labels.float()).pow(2).reshape(logits.shape[0], -1).mean(1)
         if problem == "multi_label_classification":
             _no_smoothing(label_smoothing, "multi-label classification")
-            return F.binary_cross_entropy_with_logits(
-                logits.float(), labels.float(), reduction="none").mean(1)
+            return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(1)
         return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
     if logits.dim() == 3 and labels.dim() == 2:
         if is_causal_lm(model):
             logits, labels = logits[:, :-1], labels[:, 1:]
         tokens = F.cross_entropy(
-            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none",
+            logits.float().transpose(1, 2),
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
             label_smoothing=label_smoothing,
         )
         counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
@@ -68,22 +70,30 @@ def default_per_example_loss(
     )
 
 
-def packed_causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor, layout: PackedLayout,
-                            label_smoothing: float = 0.0) -> torch.Tensor:
+def packed_causal_lm_losses(
+    logits: torch.Tensor, labels: torch.Tensor, layout: PackedLayout, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """ℓ_b of each example packed end to end in rows (`hf_private.data.packing`): its mean over its own trained tokens,
     as `default_per_example_loss` gives it padded. A target that starts an example (or a row's padding) is never
     predicted from the previous example's last token (packing collators set its label to -100; it is ignored here
     whatever it is)."""
     shape = (layout.rows, layout.width)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != shape or tuple(labels.shape) != shape:
-        raise ValueError(f"A packed chunk of {layout.rows} row(s) of {layout.width} tokens needs logits "
-                         f"[{layout.rows}, {layout.width}, vocab] and labels [{layout.rows}, {layout.width}]; got "
-                         f"{tuple(logits.shape)} and {tuple(labels.shape)}.")
+        raise ValueError(
+            f"A packed chunk of {layout.rows} row(s) of {layout.width} tokens needs logits "
+            f"[{layout.rows}, {layout.width}, vocab] and labels [{layout.rows}, {layout.width}]; got "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
     owner = layout.owner(logits.device)
     predicted = owner[:, 1:]
     targets = labels[:, 1:].masked_fill((predicted != owner[:, :-1]) | (predicted < 0), IGNORE_INDEX).flatten()
-    tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX,
-                             reduction="none", label_smoothing=label_smoothing)
+    tokens = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     trained = (targets != IGNORE_INDEX).to(tokens.dtype)
     example = predicted.flatten().clamp(min=0)  # padding is never trained: its index does not matter
     sums = tokens.new_zeros(layout.examples).index_add(0, example, tokens * trained)
@@ -102,7 +112,8 @@ def check_packed_head(model: nn.Module, outputs, labels: torch.Tensor, examples:
         f"(MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification with "
         f"PackedClassificationCollator), not {type(unwrap_peft(model)).__name__}: an encoder's bidirectional "
         "attention would let packed examples see each other, and a stock head reads one token per row. Pad each "
-        "example to a row of its own (DataCollatorWithPadding).")
+        "example to a row of its own (DataCollatorWithPadding)."
+    )
 
 
 def _no_smoothing(label_smoothing: float, problem: str) -> None:

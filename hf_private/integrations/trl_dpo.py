@@ -47,7 +47,7 @@ ROW_KEYS = ("input_ids", "attention_mask", "completion_mask")
 BATCH_COUPLED_LOSSES = {
     "aot": "it sorts the batch's log-ratios, so each pair's loss depends on its batch-mates",
     "aot_unpaired": "it sorts the batch's chosen and rejected log-ratios apart, so each pair's loss depends on its "
-                    "batch-mates",
+    "batch-mates",
 }
 
 
@@ -65,15 +65,18 @@ class PairCollator:
             value = batch.get(key)
             if torch.is_tensor(value):
                 if value.shape[0] != PAIR_ROWS * pairs:
-                    raise ValueError(f"The preference collator gave {key!r} {value.shape[0]} rows for {pairs} pairs "
-                                     f"(expected {PAIR_ROWS * pairs}: the chosen rows, then the rejected rows).")
+                    raise ValueError(
+                        f"The preference collator gave {key!r} {value.shape[0]} rows for {pairs} pairs "
+                        f"(expected {PAIR_ROWS * pairs}: the chosen rows, then the rejected rows)."
+                    )
                 batch[key] = torch.stack(value.chunk(PAIR_ROWS), dim=1)  # row b: (chosen b, rejected b)
         return batch
 
 
 # ---------------------------------------------------------------------- log-probabilities of the completions
-def completion_token_logps(logits: torch.Tensor, input_ids: torch.Tensor,
-                           completion_mask: torch.Tensor) -> torch.Tensor:
+def completion_token_logps(
+    logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
     """log p(token_t | tokens before t) at each completion token (0 elsewhere), [R, T - 1], in float32.
 
     As the label's logit minus the log-sum-exp: autograd then keeps no [R, T, V] log-softmax beside the logits."""
@@ -122,8 +125,9 @@ class PairTerms:
 def _exo_pair(t: PairTerms, beta: float, smoothing: float, tau: float) -> torch.Tensor:
     z = beta * t.delta
     eps = torch.tensor(smoothing, dtype=z.dtype, device=z.device)
-    return (torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps))
-            + torch.sigmoid(-z) * (F.logsigmoid(-z) - torch.log(eps)))
+    return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps)) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - torch.log(eps)
+    )
 
 
 def _robust(t: PairTerms, beta: float, smoothing: float, tau: float) -> torch.Tensor:
@@ -151,14 +155,18 @@ PAIR_LOSSES: dict[str, PairLoss] = {
     "exo_pair": _exo_pair,
     "nca_pair": _nca_pair,
     "robust": _robust,
-    "bco_pair": lambda t, beta, s, tau: (-F.logsigmoid(beta * t.log_ratios[:, 0])
-                                         - F.logsigmoid(-beta * t.log_ratios[:, 1])),
-    "sppo_hard": lambda t, beta, s, tau: ((t.log_ratios[:, 0] - 0.5 / beta) ** 2
-                                          + (t.log_ratios[:, 1] + 0.5 / beta) ** 2),
-    "apo_zero": lambda t, beta, s, tau: (1 - torch.sigmoid(beta * t.log_ratios[:, 0])
-                                         + torch.sigmoid(beta * t.log_ratios[:, 1])),
-    "apo_down": lambda t, beta, s, tau: (torch.sigmoid(beta * t.log_ratios[:, 0])
-                                         + 1 - torch.sigmoid(beta * (t.log_ratios[:, 0] - t.log_ratios[:, 1]))),
+    "bco_pair": lambda t, beta, s, tau: (
+        -F.logsigmoid(beta * t.log_ratios[:, 0]) - F.logsigmoid(-beta * t.log_ratios[:, 1])
+    ),
+    "sppo_hard": lambda t, beta, s, tau: (
+        (t.log_ratios[:, 0] - 0.5 / beta) ** 2 + (t.log_ratios[:, 1] + 0.5 / beta) ** 2
+    ),
+    "apo_zero": lambda t, beta, s, tau: (
+        1 - torch.sigmoid(beta * t.log_ratios[:, 0]) + torch.sigmoid(beta * t.log_ratios[:, 1])
+    ),
+    "apo_down": lambda t, beta, s, tau: (
+        torch.sigmoid(beta * t.log_ratios[:, 0]) + 1 - torch.sigmoid(beta * (t.log_ratios[:, 0] - t.log_ratios[:, 1]))
+    ),
     "discopop": _discopop,
     "sigmoid_norm": lambda t, beta, s, tau: -F.logsigmoid(beta * t.mean_delta),
     # TRL averages the chosen tokens' NLL over the whole batch; here over each pair's own chosen tokens
@@ -181,8 +189,9 @@ def divergence_scores(log_ratios: torch.Tensor, divergence: str, alpha: float) -
 
 
 # ---------------------------------------------------------------------- the reference model
-def reference_logps(trainer: Any, model: nn.Module, rows: dict[str, torch.Tensor], completion_mask: torch.Tensor,
-                    ld_alpha: float | None) -> torch.Tensor:
+def reference_logps(
+    trainer: Any, model: nn.Module, rows: dict[str, torch.Tensor], completion_mask: torch.Tensor, ld_alpha: float | None
+) -> torch.Tensor:
     """log π_ref of each pair's completions, [B, 2], without gradient: the frozen `ref_model`, or the base model with
     the adapter disabled (or TRL's "ref" adapter when one was loaded)."""
     with torch.no_grad():
@@ -190,8 +199,10 @@ def reference_logps(trainer: Any, model: nn.Module, rows: dict[str, torch.Tensor
             logits = trainer.ref_model(**rows, use_cache=False).logits
         else:
             if not is_peft_model(model):
-                raise ValueError("DPO needs the reference model's log-probabilities: pass ref_model, train a PEFT "
-                                 "adapter (the base model is the reference), or set precompute_ref_log_probs=True.")
+                raise ValueError(
+                    "DPO needs the reference model's log-probabilities: pass ref_model, train a PEFT "
+                    "adapter (the base model is the reference), or set precompute_ref_log_probs=True."
+                )
             from trl.trainer.utils import use_adapter
 
             adapter = "ref" if "ref" in model.peft_config else None
@@ -220,9 +231,9 @@ class DPOFamily(TrainerFamily):
     accepts_per_example_loss = False
     compatible_overrides = {
         "training_step": "DPOTrainer.training_step only wraps Trainer.training_step in its activation-offloading "
-                         "context, a no-op here (activation_offloading is refused)",
+        "context, a no-op here (activation_offloading is refused)",
         "compute_loss": "the private training loss is each preference pair's own loss "
-                        "(hf_private.integrations.trl_dpo); DPOTrainer.compute_loss serves evaluation only",
+        "(hf_private.integrations.trl_dpo); DPOTrainer.compute_loss serves evaluation only",
         "log": "it adds DPO metrics computed by DPOTrainer.compute_loss, which training never calls",
         "_save_checkpoint": "it writes the model card (hf_private's) before Trainer's checkpoint",
         "prediction_step": "evaluation only",
@@ -230,21 +241,27 @@ class DPOFamily(TrainerFamily):
     }
     refused_settings = (
         RefusedSetting(
-            "loss_type", lambda args, model: not set(_loss_types(args)) <= set(PAIR_LOSSES),
+            "loss_type",
+            lambda args, model: not set(_loss_types(args)) <= set(PAIR_LOSSES),
             "; ".join(f"'{name}': {why}" for name, why in BATCH_COUPLED_LOSSES.items())
-            + f". The loss types with a per-pair loss here: {', '.join(PAIR_LOSSES)}."),
+            + f". The loss types with a per-pair loss here: {', '.join(PAIR_LOSSES)}.",
+        ),
         RefusedSetting(
-            "padding_free", lambda args, model: bool(getattr(args, "padding_free", False)),
+            "padding_free",
+            lambda args, model: bool(getattr(args, "padding_free", False)),
             f"padding_free flattens the pairs' chosen and rejected rows into one, which the pair loss cannot "
-            f"restack into pairs; {PACKING_ISSUE}. Set padding_free=False."),
+            f"restack into pairs; {PACKING_ISSUE}. Set padding_free=False.",
+        ),
         *KERNEL_AND_BATCH_SETTINGS,
     )
     refused_keywords = (
         PEFT_CONFIG,
         RefusedKeyword(
-            "train_dataset", lambda dataset, dp_config: _has_images(dataset),
+            "train_dataset",
+            lambda dataset, dp_config: _has_images(dataset),
             "a vision-language preference dataset ('image' or 'images' in its rows) is collated by TRL's vision "
-            "collator, whose image tensors have no per-pair grouping here. Train on text preference pairs."),
+            "collator, whose image tensors have no per-pair grouping here. Train on text preference pairs.",
+        ),
     )
 
     labels_entry = None  # the pair loss reads each row's completion_mask, not labels
@@ -266,8 +283,10 @@ class DPOFamily(TrainerFamily):
         input_ids = inputs.get("input_ids")
         if not torch.is_tensor(input_ids) or input_ids.dim() != 3 or input_ids.shape[1] != PAIR_ROWS:
             shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else None
-            raise ValueError(f"A private DPO chunk holds each pair as [B, 2, T] input_ids (chosen, rejected); got "
-                             f"{shape}. Use DPOTrainer's own data collator (DataCollatorForPreference).")
+            raise ValueError(
+                f"A private DPO chunk holds each pair as [B, 2, T] input_ids (chosen, rejected); got "
+                f"{shape}. Use DPOTrainer's own data collator (DataCollatorForPreference)."
+            )
         return PAIR_ROWS
 
     def unit_losses(self, trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
@@ -290,12 +309,16 @@ class DPOFamily(TrainerFamily):
         terms = PairTerms(
             log_ratios=log_ratios,
             scores=divergence_scores(log_ratios, args.f_divergence_type, args.f_alpha_divergence_coef),
-            logps=logps, ref_logps=ref_logps,
+            logps=logps,
+            ref_logps=ref_logps,
             completion_tokens=completion_mask.view(-1, PAIR_ROWS, completion_mask.shape[-1]).sum(-1).clamp(min=1),
-            chosen_nll=-chosen_logps.sum(-1) / chosen_tokens.sum(-1).clamp(min=1))
+            chosen_nll=-chosen_logps.sum(-1) / chosen_tokens.sum(-1).clamp(min=1),
+        )
         weights = args.loss_weights or [1.0] * len(_loss_types(args))
-        losses = sum(weight * PAIR_LOSSES[name](terms, args.beta, args.label_smoothing, args.discopop_tau)
-                     for name, weight in zip(_loss_types(args), weights, strict=True))
+        losses = sum(
+            weight * PAIR_LOSSES[name](terms, args.beta, args.label_smoothing, args.discopop_tau)
+            for name, weight in zip(_loss_types(args), weights, strict=True)
+        )
         if args.use_weighting:
             losses = losses * wpo_weights(outputs.logits, token_logps, completion_mask)
         return losses, outputs
@@ -315,4 +338,3 @@ def _loss_types(args: Any) -> list[str]:
 
 
 FAMILY = DPOFamily()
-

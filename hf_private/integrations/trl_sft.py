@@ -34,9 +34,9 @@ class SFTFamily(TrainerFamily):
     own_classes = ("trl.trainer.sft_trainer.SFTTrainer", "trl.trainer.base_trainer._BaseTrainer")
     compatible_overrides = {
         "training_step": "SFTTrainer.training_step only wraps Trainer.training_step in its activation-offloading "
-                         "context, a no-op here (activation_offloading is refused)",
+        "context, a no-op here (activation_offloading is refused)",
         "compute_loss": "the private training loss is each sequence's own mean over its trained tokens "
-                        "(hf_private.integrations.trl_sft); SFTTrainer.compute_loss serves evaluation only",
+        "(hf_private.integrations.trl_sft); SFTTrainer.compute_loss serves evaluation only",
         "log": "it adds SFT metrics computed by SFTTrainer.compute_loss, which training never calls",
         "_save_checkpoint": "it writes the model card (hf_private's) before Trainer's checkpoint",
         "prediction_step": "evaluation only",
@@ -44,15 +44,20 @@ class SFTFamily(TrainerFamily):
     }
     refused_settings = (
         RefusedSetting(
-            "packing_strategy", lambda args, model: bool(getattr(args, "packing", False))
-            and getattr(args, "packing_strategy", "bfd") != "bfd",
+            "packing_strategy",
+            lambda args, model: (
+                bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", "bfd") != "bfd"
+            ),
             "'bfd_split' and 'wrapped' split a sequence over packed rows, so no row holds whole privacy units and a "
             f"sequence's parts would be clipped apart; {PACKING_ISSUE}. Use packing_strategy='bfd' (each sequence "
-            "truncated to max_length, whole) or padding_free=True."),
+            "truncated to max_length, whole) or padding_free=True.",
+        ),
         RefusedSetting(
-            "loss_type", lambda args, model: getattr(args, "loss_type", "nll") != "nll",
+            "loss_type",
+            lambda args, model: getattr(args, "loss_type", "nll") != "nll",
             "only loss_type='nll' has a per-sequence loss here (each sequence's mean negative log-likelihood over "
-            "its own trained tokens). Set loss_type='nll'."),
+            "its own trained tokens). Set loss_type='nll'.",
+        ),
         *KERNEL_AND_BATCH_SETTINGS,
     )
     refused_keywords = (PEFT_CONFIG,)
@@ -63,8 +68,12 @@ class SFTFamily(TrainerFamily):
         column (`dataset_text_field`). TRL would fail on a missing one with a bare KeyError."""
         columns = getattr(train_dataset, "column_names", None)
         dataset_kwargs = getattr(args, "dataset_kwargs", None) or {}
-        if (columns is None or "input_ids" in columns or trainer_kwargs.get("formatting_func") is not None
-                or dataset_kwargs.get("skip_prepare_dataset", False)):
+        if (
+            columns is None
+            or "input_ids" in columns
+            or trainer_kwargs.get("formatting_func") is not None
+            or dataset_kwargs.get("skip_prepare_dataset", False)
+        ):
             return
         text_field = getattr(args, "dataset_text_field", "text")
         if "prompt" in columns:
@@ -72,7 +81,8 @@ class SFTFamily(TrainerFamily):
                 raise ValueError(
                     f"train_dataset has columns {columns}: SFTTrainer reads a 'prompt' column as a prompt-completion "
                     "dataset, and the 'completion' column is missing. Add it (the text trained on after each "
-                    "prompt), or rename 'prompt' to 'text' to train on it as plain text.")
+                    "prompt), or rename 'prompt' to 'text' to train on it as plain text."
+                )
             return
         if {"messages", "conversations"} & set(columns) or text_field in columns:
             return
@@ -80,7 +90,8 @@ class SFTFamily(TrainerFamily):
             f"train_dataset has columns {columns}, none of which SFTTrainer prepares from: a text column "
             f"{text_field!r} (SFTConfig.dataset_text_field), 'messages' (conversations), 'prompt' with 'completion', "
             f"or tokenized 'input_ids'. Rename your text column (train_dataset.rename_column(name, {text_field!r})), "
-            "set SFTConfig(dataset_text_field=name), or pass formatting_func=... to build each example's text.")
+            "set SFTConfig(dataset_text_field=name), or pass formatting_func=... to build each example's text."
+        )
 
     def training_set(self, dataset: Any, args: Any) -> Any:
         """With packing=True (BFD) TRL packs the dataset into rows of whole sequences before training; sampled as
@@ -98,12 +109,14 @@ class SFTFamily(TrainerFamily):
         strategy = getattr(args, "packing_strategy", "bfd")
         if not packing or strategy == "bfd":
             return None
-        return (f"SFTTrainer packs evaluation sets with packing_strategy={strategy!r}, which cuts sequences across "
-                "rows, so a row's pieces cannot be matched to whole training sequences (use "
-                "packing_strategy='bfd' or eval_packing=False)")
+        return (
+            f"SFTTrainer packs evaluation sets with packing_strategy={strategy!r}, which cuts sequences across "
+            "rows, so a row's pieces cannot be matched to whole training sequences (use "
+            "packing_strategy='bfd' or eval_packing=False)"
+        )
 
     def unit(self, train_dataset: Any) -> str:
-        """"conversation" (messages, or a conversational prompt and completion), "prompt-completion pair", or
+        """ "conversation" (messages, or a conversational prompt and completion), "prompt-completion pair", or
         "sequence" (a text, or a tokenized sequence)."""
         try:
             first = train_dataset[0]

@@ -11,8 +11,10 @@ from torch import nn
 from ..methods import DPMethod, method_class
 from .base import RefusedKeyword, RefusedSetting
 
-PACKING_ISSUE = ("hf_private packs only the sequences of a sampled chunk, each a privacy unit of its own "
-                 "(SFTTrainer with padding_free=True)")
+PACKING_ISSUE = (
+    "hf_private packs only the sequences of a sampled chunk, each a privacy unit of its own "
+    "(SFTTrainer with padding_free=True)"
+)
 
 
 def moe_aux_loss(args: Any, model: nn.Module) -> bool:
@@ -36,22 +38,30 @@ def changes_what_trains(value: Any, dp_config: Any) -> bool:
 
 KERNEL_AND_BATCH_SETTINGS = (
     RefusedSetting(
-        "use_liger_kernel", lambda args, model: bool(getattr(args, "use_liger_kernel", False)),
+        "use_liger_kernel",
+        lambda args, model: bool(getattr(args, "use_liger_kernel", False)),
         "Liger kernels replace the model's layers and loss with fused kernels that have no per-example gradient "
-        "rule here, so nothing could be clipped per example. Set use_liger_kernel=False."),
+        "rule here, so nothing could be clipped per example. Set use_liger_kernel=False.",
+    ),
     RefusedSetting(
-        "activation_offloading", lambda args, model: bool(getattr(args, "activation_offloading", False)),
+        "activation_offloading",
+        lambda args, model: bool(getattr(args, "activation_offloading", False)),
         "offloading repacks the tensors saved for backward, including those the per-example gradient hooks "
         "read, which has not been verified to keep each example's gradient exact. Set "
-        "activation_offloading=False."),
+        "activation_offloading=False.",
+    ),
     RefusedSetting(
-        "router_aux_loss_coef", moe_aux_loss,
+        "router_aux_loss_coef",
+        moe_aux_loss,
         "the Mixture-of-Experts load-balancing loss is computed over the router statistics of the whole batch, "
-        "which couples examples, and it is not part of the per-unit loss. Set router_aux_loss_coef=0.0."),
+        "which couples examples, and it is not part of the per-unit loss. Set router_aux_loss_coef=0.0.",
+    ),
 )
 
 PEFT_CONFIG = RefusedKeyword(
-    "peft_config", changes_what_trains,
+    "peft_config",
+    changes_what_trains,
     "peft_config lets TRL choose what trains (a PEFT adapter), but this DP method wraps the model or chooses "
     "its trainable tensors itself. Use DPConfig with peft_config (DP-SGD on the adapter), or this method "
-    "without peft_config.")
+    "without peft_config.",
+)

@@ -90,26 +90,34 @@ class MethodConfig:
 
     privacy_unit: str = field(
         default="example",
-        metadata={"help": "'example' (one training example, or the trainer's own unit: a conversation, a preference "
-                          "pair) or 'user' (all the examples of one person, identified by user_column)."},
+        metadata={
+            "help": "'example' (one training example, or the trainer's own unit: a conversation, a preference "
+            "pair) or 'user' (all the examples of one person, identified by user_column)."
+        },
     )
     user_column: str | None = field(
         default=None, metadata={"help": "The training set's column naming each example's user (privacy_unit='user')."}
     )
     user_sampling: str = field(
         default="user",
-        metadata={"help": "At user level: 'user' (ULS: Poisson-sample users, clip each user's summed gradient) or "
-                          "'example' (ELS: cap each user's examples, Poisson-sample examples, account for the user)."},
+        metadata={
+            "help": "At user level: 'user' (ULS: Poisson-sample users, clip each user's summed gradient) or "
+            "'example' (ELS: cap each user's examples, Poisson-sample examples, account for the user)."
+        },
     )
     examples_per_user: int = field(
         default=1,
-        metadata={"help": "ULS: a sampled user contributes the summed gradient of up to this many of their examples "
-                          "(drawn secretly each step), clipped as one."},
+        metadata={
+            "help": "ULS: a sampled user contributes the summed gradient of up to this many of their examples "
+            "(drawn secretly each step), clipped as one."
+        },
     )
     max_examples_per_user: int | None = field(
         default=None,
-        metadata={"help": "ELS: each user keeps at most this many examples (drawn secretly once); ε is accounted for "
-                          "a user with this many."},
+        metadata={
+            "help": "ELS: each user keeps at most this many examples (drawn secretly once); ε is accounted for "
+            "a user with this many."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -146,8 +154,9 @@ class MethodConfig:
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
-            logger.warning("dp_config.json has format_version %s, newer than this hf_private's %s.", version,
-                           FORMAT_VERSION)
+            logger.warning(
+                "dp_config.json has format_version %s, newer than this hf_private's %s.", version, FORMAT_VERSION
+            )
         config_cls = method_class(data.pop("method", cls.method)).config_class
         if not issubclass(config_cls, cls):
             raise ValueError(
@@ -251,8 +260,9 @@ class DPMethod:
         (`optimizer.add_gradient_transform`) and step-end hooks (`optimizer.add_step_end_hook`). Nothing by
         default."""
 
-    def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise,
-                                  plan: PrivacyPlan) -> list[RemovableHandle]:
+    def attach_forward_mechanisms(
+        self, model: nn.Module, noise: GaussianNoise, plan: PrivacyPlan
+    ) -> list[RemovableHandle]:
         """Forward hooks releasing clipped, noised representations (DP-FP: its `ClippedNoisyOutput`, in
         `methods/dpfp/forward_noise.py`), drawing from `noise`, the run's secret noise source, with their noise set from
         `plan` (the run's q, steps and δ); a release that the ledger must count is a stage of `stages()`. None by
@@ -324,8 +334,10 @@ def document_fields(config_class: type[MethodConfig]) -> None:
     entries = []
     for f in dataclasses.fields(config_class):
         if not f.metadata.get("help"):
-            raise ValueError(f"{config_class.__name__}.{f.name} has no help text: declare it with "
-                             "field(..., metadata={'help': '<what it means>'}).")
+            raise ValueError(
+                f"{config_class.__name__}.{f.name} has no help text: declare it with "
+                "field(..., metadata={'help': '<what it means>'})."
+            )
         default = "" if f.default is dataclasses.MISSING else f", default {f.default!r}"
         entries.append(f"{f.name} ({f.type}{default})\n    {f.metadata['help']}")
     config_class.__doc__ = "\n\n".join(part for part in (doc, FIELDS_HEADING, *entries) if part)

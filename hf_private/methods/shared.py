@@ -46,8 +46,12 @@ def train_only(model: nn.Module, names: Collection[str]) -> None:
 
 # ---------------------------------------------------------------------- LoRA wrapping
 # PEFT task types by head, so a new classification head is trained (modules_to_save) along with the factors.
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
-               "ForCausalLM": "CAUSAL_LM", "LMHeadModel": "CAUSAL_LM"}
+_TASK_TYPES = {
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForCausalLM": "CAUSAL_LM",
+    "LMHeadModel": "CAUSAL_LM",
+}
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | None) -> nn.Module:
@@ -66,11 +70,19 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
     if task_type is None:
         head_modules = sorted({param.split(".", 1)[0] for param in head_parameter_names(model)}) or None
         if head_modules:
-            logger.info("%s: PEFT knows no task type for it; its modules outside the backbone (%s) train with LoRA.",
-                        name, ", ".join(head_modules))
+            logger.info(
+                "%s: PEFT knows no task type for it; its modules outside the backbone (%s) train with LoRA.",
+                name,
+                ", ".join(head_modules),
+            )
     # peft annotates lora_alpha as int, but only ever divides it by r: a float alpha (SparseLowRankConfig) is valid
-    config = LoraConfig(task_type=task_type, r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
-                        target_modules=targets, modules_to_save=head_modules)
+    config = LoraConfig(
+        task_type=task_type,
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]
+        target_modules=targets,
+        modules_to_save=head_modules,
+    )
     return get_peft_model(model, config)
 
 
@@ -96,5 +108,6 @@ TABLE9 = "DP-BiTFiT Table 9 (methods_spec §3.5)"
 def table9_defaults(task: str, learning_rate: float, what: str) -> RecipeDefaults:
     """Table 9's schedule for `task` (its SST-2 row, marked not from the paper, for a task it does not list)."""
     batch, epochs = TABLE9_SCHEDULE.get(task, TABLE9_SCHEDULE["sst2"])
-    return RecipeDefaults(batch, epochs, learning_rate, 0.1, 256, f"{TABLE9}, {what}",
-                          from_paper=task in TABLE9_SCHEDULE)
+    return RecipeDefaults(
+        batch, epochs, learning_rate, 0.1, 256, f"{TABLE9}, {what}", from_paper=task in TABLE9_SCHEDULE
+    )

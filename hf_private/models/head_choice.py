@@ -37,8 +37,9 @@ def pooling_modes(path: str | os.PathLike, download: bool = False) -> frozenset[
         return frozenset()
     folder = pooling.get("path") or ""
     config = _read_json(path, f"{folder}/config.json" if folder else "config.json", download) or {}
-    return frozenset(key[len(_MODE_PREFIX):] for key, value in config.items()
-                     if key.startswith(_MODE_PREFIX) and value is True)
+    return frozenset(
+        key[len(_MODE_PREFIX) :] for key, value in config.items() if key.startswith(_MODE_PREFIX) and value is True
+    )
 
 
 def _read_json(path: str | os.PathLike, name: str, download: bool) -> Any:
@@ -48,8 +49,9 @@ def _read_json(path: str | os.PathLike, name: str, download: bool) -> Any:
     if os.path.isdir(path):
         file = os.path.join(path, name)
     elif download:
-        file = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
+        file = cached_file(
+            path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+        )
     else:
         return None
     if not file or not os.path.isfile(file):
@@ -65,8 +67,9 @@ def _read_json(path: str | os.PathLike, name: str, download: bool) -> Any:
 HEADS = ("auto", "cls", "mean")  # sentence_classifier's `head`: the checkpoint's pooling, its CLS token, the mean
 
 
-def sentence_classifier(path: str | os.PathLike, num_labels: int = 2, head: str = "auto",
-                        **kwargs: Any) -> PreTrainedModel:
+def sentence_classifier(
+    path: str | os.PathLike, num_labels: int = 2, head: str = "auto", **kwargs: Any
+) -> PreTrainedModel:
     """The sequence classifier `path` needs: with `head="auto"` a mean-pooled head when its sentence-transformers
     config pools by mean, else `AutoModelForSequenceClassification`'s (it reads the CLS token); "mean" or "cls" choose
     one. `kwargs` go to `from_pretrained`; a Hub id's pooling config is fetched with the model."""
@@ -77,8 +80,11 @@ def sentence_classifier(path: str | os.PathLike, num_labels: int = 2, head: str 
     model_type = AutoConfig.from_pretrained(path).model_type
     name = heads.mean_pooled_head_for(model_type)
     if name is None:
-        why = ("is a sentence-transformers checkpoint trained with mean pooling" if head == "auto"
-               else "was asked for with a mean-pooled head")
+        why = (
+            "is a sentence-transformers checkpoint trained with mean pooling"
+            if head == "auto"
+            else "was asked for with a mean-pooled head"
+        )
         raise ValueError(
             f"{path} {why}, of model type {model_type!r}: hf_private has mean-pooled heads for BERT and RoBERTa "
             "checkpoints only, and AutoModelForSequenceClassification would classify its CLS token, a poor feature "
@@ -101,11 +107,16 @@ def cls_head_advice(model: nn.Module) -> str | None:
     if config is None or not path or MEAN not in pooling_modes(path):
         return None
     name = heads.mean_pooled_head_for(getattr(config, "model_type", None))
-    fix = (f"load hf_private.{name}.from_pretrained({path!r}, num_labels={config.num_labels}) instead" if name
-           else "put a head on the mean of the token states (hf_private has one for BERT and RoBERTa checkpoints)")
-    return (f"{path} is a sentence-transformers checkpoint trained with mean pooling, but {type(base).__name__} "
-            f"classifies its CLS token, a poor feature of such an encoder (private runs on it drift to the majority "
-            f"class): {fix}.")
+    fix = (
+        f"load hf_private.{name}.from_pretrained({path!r}, num_labels={config.num_labels}) instead"
+        if name
+        else "put a head on the mean of the token states (hf_private has one for BERT and RoBERTa checkpoints)"
+    )
+    return (
+        f"{path} is a sentence-transformers checkpoint trained with mean pooling, but {type(base).__name__} "
+        f"classifies its CLS token, a poor feature of such an encoder (private runs on it drift to the majority "
+        f"class): {fix}."
+    )
 
 
 def warn_if_cls_head_on_mean_encoder(model: nn.Module) -> None:

@@ -36,8 +36,12 @@ if TYPE_CHECKING:  # what the mixins below are mixed into, for their super() cal
 else:  # at run time they stay plain mixins: the concrete class lists the transformers base itself
     _ConfigMixinBase = _ModelMixinBase = object
 
-__all__ = ["MEAN_POOLED_HEADS", "MeanPooledBertForSequenceClassification",
-           "MeanPooledRobertaForSequenceClassification", "mean_pooled_head_for"]
+__all__ = [
+    "MEAN_POOLED_HEADS",
+    "MeanPooledBertForSequenceClassification",
+    "MeanPooledRobertaForSequenceClassification",
+    "mean_pooled_head_for",
+]
 
 # encoder model_type (what a checkpoint's config.json says) → the mean-pooled head that loads it
 _HEADS_BY_ENCODER: dict[str, str] = {
@@ -55,11 +59,15 @@ def _unsupported_encoder(model_type: str | None, wanted: str, loads: str) -> str
     """The error for a `model_type` checkpoint given to the head `wanted`, which loads `loads` checkpoints."""
     right = mean_pooled_head_for(model_type)
     if right is not None:
-        return (f"{wanted} loads {loads!r} checkpoints; this one is a {model_type!r} checkpoint: use "
-                f"hf_private.{right} (hf_private.sentence_classifier picks it).")
-    return (f"{wanted} cannot load a {model_type!r} checkpoint: hf_private has mean-pooled heads for "
-            f"{', '.join(repr(t) for t in _HEADS_BY_ENCODER)} checkpoints. For another encoder, write the head on "
-            "AutoModel (a Linear on last_hidden_state averaged over attention_mask).")
+        return (
+            f"{wanted} loads {loads!r} checkpoints; this one is a {model_type!r} checkpoint: use "
+            f"hf_private.{right} (hf_private.sentence_classifier picks it)."
+        )
+    return (
+        f"{wanted} cannot load a {model_type!r} checkpoint: hf_private has mean-pooled heads for "
+        f"{', '.join(repr(t) for t in _HEADS_BY_ENCODER)} checkpoints. For another encoder, write the head on "
+        "AutoModel (a Linear on last_hidden_state averaged over attention_mask)."
+    )
 
 
 def _num_labels(config: _ConfigMixinBase) -> int:
@@ -126,11 +134,21 @@ class _MeanPooledClassifier(_ModelMixinBase):
         owner = packed_owner(position_ids, attention_mask)
         if owner is not None:  # sentences packed end to end in rows (hf_private.data.packing)
             return self._packed_forward(input_ids, inputs_embeds, position_ids, owner, labels, return_dict, **kwargs)
-        outputs = self.base_model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                  position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+        outputs = self.base_model(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
         states = outputs.last_hidden_state
-        mask = (torch.ones(states.shape[:2], device=states.device) if attention_mask is None
-                else attention_mask).unsqueeze(-1).to(states.dtype)
+        mask = (
+            (torch.ones(states.shape[:2], device=states.device) if attention_mask is None else attention_mask)
+            .unsqueeze(-1)
+            .to(states.dtype)
+        )
         pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1)
         return self._classified(pooled, labels, outputs, return_dict)
 
@@ -144,10 +162,18 @@ class _MeanPooledClassifier(_ModelMixinBase):
         group = owner.masked_fill(padding, 0) - padding.long() * (rows + 1)  # padding: -1 - its row
         attend = (group[:, :, None] == group[:, None, :])[:, None]
         mask = torch.zeros(attend.shape, dtype=reference.dtype, device=owner.device).masked_fill(
-            ~attend, torch.finfo(reference.dtype).min)
+            ~attend, torch.finfo(reference.dtype).min
+        )
         positions = position_ids + (self.config.pad_token_id + 1 if self.config.model_type.endswith("roberta") else 0)
-        outputs = self.base_model(input_ids, attention_mask=mask, token_type_ids=torch.zeros_like(position_ids),
-                                  position_ids=positions, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+        outputs = self.base_model(
+            input_ids,
+            attention_mask=mask,
+            token_type_ids=torch.zeros_like(position_ids),
+            position_ids=positions,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
         real = ~padding.flatten()
         states, sentence = outputs.last_hidden_state.flatten(0, 1)[real], owner.flatten()[real]
         sentences = int(sentence.max()) + 1
@@ -158,10 +184,10 @@ class _MeanPooledClassifier(_ModelMixinBase):
     def _classified(self, pooled, labels, outputs, return_dict):
         logits = self.classifier(pooled)
         loss = None if labels is None else self.loss_function(labels, logits, self.config)  # the stock heads' loss
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                          attentions=outputs.attentions)
+        output = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output.to_tuple() if return_dict is False else output
-
 
 
 class MeanPooledBertForSequenceClassification(_MeanPooledClassifier, BertPreTrainedModel):
@@ -207,15 +233,19 @@ def packed_owner(position_ids: torch.Tensor | None, attention_mask: torch.Tensor
     first = real.long().argmax(1)  # each row's first attended token must start a sentence of that row
     rows = torch.arange(real.shape[0], device=real.device)
     if not bool((starts[rows, first] | ~real.any(1)).all()):
-        raise ValueError("Packed sentences need position_ids starting at 0 at each row's first attended token: a "
-                         "row that begins inside a sentence would be pooled with another row's sentence.")
+        raise ValueError(
+            "Packed sentences need position_ids starting at 0 at each row's first attended token: a "
+            "row that begins inside a sentence would be pooled with another row's sentence."
+        )
     owner = starts.flatten().long().cumsum(0).view_as(position_ids) - 1
     return owner.masked_fill(~real, -1)
 
 
 MEAN_POOLED_HEADS = (MeanPooledBertForSequenceClassification, MeanPooledRobertaForSequenceClassification)
 
-for _config, _model in ((MeanPooledBertConfig, MeanPooledBertForSequenceClassification),
-                        (MeanPooledRobertaConfig, MeanPooledRobertaForSequenceClassification)):
+for _config, _model in (
+    (MeanPooledBertConfig, MeanPooledBertForSequenceClassification),
+    (MeanPooledRobertaConfig, MeanPooledRobertaForSequenceClassification),
+):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModelForSequenceClassification.register(_config, _model, exist_ok=True)

@@ -29,6 +29,9 @@ AUXILIARY_MARKER = "hf_private_auxiliary"
 
 def auxiliary_parameter_names(model: nn.Module) -> set[str]:
     """Parameters of modules marked `AUXILIARY_MARKER`: training scaffolding, neither base nor adapter."""
-    return {f"{name}.{param_name}" if name else param_name
-            for name, module in model.named_modules() if getattr(module, AUXILIARY_MARKER, False)
-            for param_name, _ in module.named_parameters()}
+    return {
+        f"{name}.{param_name}" if name else param_name
+        for name, module in model.named_modules()
+        if getattr(module, AUXILIARY_MARKER, False)
+        for param_name, _ in module.named_parameters()
+    }

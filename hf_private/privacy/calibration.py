@@ -77,7 +77,11 @@ def _too_little_noise_jointly(stages: str, eps: float, target: float, accountant
 
 
 def _epsilon_of(
-    delta: float, accountant: str, prior: Sequence[MechanismGroup], name: str, examples_per_user: int | None = None,
+    delta: float,
+    accountant: str,
+    prior: Sequence[MechanismGroup],
+    name: str,
+    examples_per_user: int | None = None,
 ) -> Callable[[float, float, int], float]:
     prior = list(prior)
 
@@ -119,7 +123,11 @@ def _slope(sigma_a: float, eps_a: float, sigma_b: float, eps_b: float) -> float 
 
 
 def _secant_sigma(
-    epsilon: Callable[[float], float], target: float, tolerance: float, sigma: float, slope: float,
+    epsilon: Callable[[float], float],
+    target: float,
+    tolerance: float,
+    sigma: float,
+    slope: float,
     max_sigma: float,
 ) -> float:
     """σ with target − tolerance ≤ ε(σ) ≤ target, by secant steps in (log σ, log ε) from `sigma`.
@@ -155,8 +163,11 @@ def _secant_sigma(
         sigma = guess
     if math.isinf(high):
         raise BudgetError
-    logger.warning("Noise calibration stopped after %d evaluations short of the tolerance; σ=%.6g is feasible.",
-                   _MAX_EVALUATIONS, high)
+    logger.warning(
+        "Noise calibration stopped after %d evaluations short of the tolerance; σ=%.6g is feasible.",
+        _MAX_EVALUATIONS,
+        high,
+    )
     return high
 
 
@@ -189,7 +200,12 @@ def calibrate_noise_multiplier(
         raise ValueError(f"steps must be a positive integer, got {steps}.")
     mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user)
     return calibrate_jointly(
-        target_epsilon, delta, [mechanism], accountant=accountant, prior=prior, tolerance=tolerance,
+        target_epsilon,
+        delta,
+        [mechanism],
+        accountant=accountant,
+        prior=prior,
+        tolerance=tolerance,
         max_noise_multiplier=max_noise_multiplier,
     )
 
@@ -217,8 +233,9 @@ class JointMechanism:
 
     def event(self, scale: float) -> MechanismGroup:
         """The ledger event of this mechanism's releases at σ = noise_ratio · `scale`."""
-        return gaussian_event(self.name, self.noise_ratio * scale, self.sample_rate, self.steps,
-                              examples_per_user=self.examples_per_user)
+        return gaussian_event(
+            self.name, self.noise_ratio * scale, self.sample_rate, self.steps, examples_per_user=self.examples_per_user
+        )
 
 
 def calibrate_jointly(
@@ -264,10 +281,12 @@ def calibrate_jointly(
         eps = under(accountant)(max_scale)
         if len(active) == 1:
             (only,) = active
-            return _too_little_noise(only.noise_ratio * max_scale, eps, target_epsilon, only.steps,
-                                     only.sample_rate, accountant)
-        stages = ", ".join(f"{m.name}: σ={m.noise_ratio * max_scale:g}, q={m.sample_rate:.4g}, {m.steps} steps"
-                           for m in active)
+            return _too_little_noise(
+                only.noise_ratio * max_scale, eps, target_epsilon, only.steps, only.sample_rate, accountant
+            )
+        stages = ", ".join(
+            f"{m.name}: σ={m.noise_ratio * max_scale:g}, q={m.sample_rate:.4g}, {m.steps} steps" for m in active
+        )
         return _too_little_noise_jointly(stages, eps, target_epsilon, accountant)
 
     seed = _seed_of(accountant)

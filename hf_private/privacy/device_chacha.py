@@ -34,8 +34,10 @@ _DIAGONALS = ((0, 5, 10, 15), (1, 6, 11, 12), (2, 7, 8, 13), (3, 4, 9, 14))
 # plaintext XOR the ciphertext (two blocks: a size of 1 would be a special case to a compiler).
 _KNOWN_KEY = bytes(range(32))
 _KNOWN_NONCE = bytes.fromhex("000000000000004a00000000")
-_KNOWN_PLAINTEXT = (b"Ladies and Gentlemen of the class of '99: If I could offer you only one tip for the future, "
-                    b"sunscreen would be it.")
+_KNOWN_PLAINTEXT = (
+    b"Ladies and Gentlemen of the class of '99: If I could offer you only one tip for the future, "
+    b"sunscreen would be it."
+)
 _KNOWN_CIPHERTEXT = bytes.fromhex(
     "6e2e359a2568f98041ba0728dd0d6981e97e7aec1d4360c20a27afccfd9fae0bf91b65c5524733ab8f593dabcd62b357"
     "1639d624e65152ab8f530c359f0861d807ca0dbf500d6a6156a38e088a22b65e52bc514d16ccf806818ce91ab7793736"
@@ -47,8 +49,9 @@ BlockFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.
 
 def words(data: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
     """Little-endian 32-bit words of `data` as an int64 tensor."""
-    return torch.tensor([int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)],
-                        dtype=torch.int64, device=device)
+    return torch.tensor(
+        [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)], dtype=torch.int64, device=device
+    )
 
 
 def _rotate_left(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -71,8 +74,12 @@ def block_words(key: torch.Tensor, nonce: torch.Tensor, first_block: torch.Tenso
     [0, 2³²), on the device of `key`. key: 8 words; nonce: 3 words; first_block: a 0-d tensor."""
     counters = torch.arange(blocks, dtype=torch.int64, device=key.device) + first_block
     zeros = torch.zeros_like(counters)
-    initial = ([zeros + constant for constant in _SIGMA] + [zeros + key[i] for i in range(8)] + [counters]
-               + [zeros + nonce[i] for i in range(3)])
+    initial = (
+        [zeros + constant for constant in _SIGMA]
+        + [zeros + key[i] for i in range(8)]
+        + [counters]
+        + [zeros + nonce[i] for i in range(3)]
+    )
     state = list(initial)
     for _ in range(10):  # 20 rounds: a column round and a diagonal round each time
         for quarter in _COLUMNS:
@@ -82,8 +89,9 @@ def block_words(key: torch.Tensor, nonce: torch.Tensor, first_block: torch.Tenso
     return torch.stack([(word + start) & _MASK for word, start in zip(state, initial)], dim=1)
 
 
-def keystream(function: BlockFunction, key: torch.Tensor, nonce: torch.Tensor, size: int,
-              first_block: int = 0) -> torch.Tensor:
+def keystream(
+    function: BlockFunction, key: torch.Tensor, nonce: torch.Tensor, size: int, first_block: int = 0
+) -> torch.Tensor:
     """`size` keystream bytes of (key, nonce) from block `first_block`, serialized as RFC 8439 §2.3 says (each word
     little-endian, in order): a flat uint8 tensor on the device of `key`."""
     first = torch.tensor(first_block, dtype=torch.int64, device=key.device)
@@ -105,16 +113,19 @@ def block_function(device: torch.device, *, compile: bool) -> BlockFunction | No
     function: BlockFunction = torch.compile(block_words, dynamic=True, fullgraph=True) if compile else block_words
     what = "compiled" if compile else "op-by-op"
     if compile:
-        logger.info("Compiling the ChaCha20 keystream kernel for %s (once per process; torch.compile caches it).",
-                    device)
+        logger.info(
+            "Compiling the ChaCha20 keystream kernel for %s (once per process; torch.compile caches it).", device
+        )
     try:
         matches = _reproduces_rfc8439(function, device)
     except Exception as error:  # any failure to build or run it means: do not use it
-        logger.warning("The %s ChaCha20 keystream cannot run on %s (%s: %s).", what, device,
-                       type(error).__name__, error)
+        logger.warning(
+            "The %s ChaCha20 keystream cannot run on %s (%s: %s).", what, device, type(error).__name__, error
+        )
         return None
     if not matches:
-        logger.warning("The %s ChaCha20 keystream on %s does not reproduce RFC 8439's test vector: not used.", what,
-                       device)
+        logger.warning(
+            "The %s ChaCha20 keystream on %s does not reproduce RFC 8439's test vector: not used.", what, device
+        )
         return None
     return function

@@ -84,12 +84,16 @@ class MechanismGroup:
         if self.mechanism == ELS_POISSON_GAUSSIAN:
             k = self.examples_per_user
             if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-                raise ValueError(f"An ELS event ({self.name!r}) needs examples_per_user, a positive integer (the cap "
-                                 f"k on each user's examples), got {k!r}.")
+                raise ValueError(
+                    f"An ELS event ({self.name!r}) needs examples_per_user, a positive integer (the cap "
+                    f"k on each user's examples), got {k!r}."
+                )
             self.examples_per_user = int(k)
         elif self.examples_per_user is not None:
-            raise ValueError(f"Only an ELS event ({ELS_POISSON_GAUSSIAN!r}) carries examples_per_user ({self.name!r} "
-                             f"is {self.mechanism}).")
+            raise ValueError(
+                f"Only an ELS event ({ELS_POISSON_GAUSSIAN!r}) carries examples_per_user ({self.name!r} "
+                f"is {self.mechanism})."
+            )
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}.")
         if not 0 < self.sample_rate <= 1:
@@ -100,18 +104,31 @@ class MechanismGroup:
             raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm}.")
 
     @classmethod
-    def no_guarantee(cls, name: str, reason: str, steps: int = 1,
-                     max_grad_norm: float | None = None) -> MechanismGroup:
+    def no_guarantee(cls, name: str, reason: str, steps: int = 1, max_grad_norm: float | None = None) -> MechanismGroup:
         """`steps` releases with no finite guarantee (ε = ∞), for `reason`."""
         return cls(name, 0.0, 1.0, steps, max_grad_norm, NO_GUARANTEE, reason)
 
     @classmethod
-    def els(cls, name: str, noise_multiplier: float, sample_rate: float, examples_per_user: int, steps: int = 1,
-            max_grad_norm: float | None = None) -> MechanismGroup:
+    def els(
+        cls,
+        name: str,
+        noise_multiplier: float,
+        sample_rate: float,
+        examples_per_user: int,
+        steps: int = 1,
+        max_grad_norm: float | None = None,
+    ) -> MechanismGroup:
         """`steps` user-level ELS releases: examples Poisson-sampled at `sample_rate`, at most `examples_per_user`
         per user, noise σ·C (see the module docstring)."""
-        return cls(name, noise_multiplier, sample_rate, steps, max_grad_norm, ELS_POISSON_GAUSSIAN,
-                   examples_per_user=examples_per_user)
+        return cls(
+            name,
+            noise_multiplier,
+            sample_rate,
+            steps,
+            max_grad_norm,
+            ELS_POISSON_GAUSSIAN,
+            examples_per_user=examples_per_user,
+        )
 
     @property
     def has_guarantee(self) -> bool:
@@ -162,12 +179,25 @@ class MechanismGroup:
         return self._identity() == other._identity()
 
     def _identity(self) -> tuple:
-        return (self.mechanism, self.name, self.noise_multiplier, self.sample_rate, self.max_grad_norm, self.reason,
-                self.examples_per_user)
+        return (
+            self.mechanism,
+            self.name,
+            self.noise_multiplier,
+            self.sample_rate,
+            self.max_grad_norm,
+            self.reason,
+            self.examples_per_user,
+        )
 
 
-def gaussian_event(name: str, noise_multiplier: float, sample_rate: float, steps: int,
-                   max_grad_norm: float | None = None, examples_per_user: int | None = None) -> MechanismGroup:
+def gaussian_event(
+    name: str,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    max_grad_norm: float | None = None,
+    examples_per_user: int | None = None,
+) -> MechanismGroup:
     """`steps` releases of a Gaussian mechanism: a Poisson-subsampled Gaussian (σ, q), or with `examples_per_user`
     = k a user-level ELS one (σ, per-example rate q, at most k examples per user)."""
     if examples_per_user is None:

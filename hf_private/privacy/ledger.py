@@ -81,7 +81,11 @@ class PrivacyLedger:
 
     @staticmethod
     def _event(
-        name: str, noise_multiplier: float, sample_rate: float, max_grad_norm: float | None, steps: int,
+        name: str,
+        noise_multiplier: float,
+        sample_rate: float,
+        max_grad_norm: float | None,
+        steps: int,
         examples_per_user: int | None = None,
     ) -> MechanismGroup:
         if steps < 1:
@@ -123,16 +127,20 @@ class PrivacyLedger:
         self._bound = None
         reason = self._tail_spends_delta()
         if reason is not None:  # recorded first: the release happened, and the ledger must hold it
-            raise ValueError(f"Recorded {event.steps} release(s) of {event.name!r}, but {reason} Release nothing "
-                             "more under this δ; a plan (PrivacyPlan) refuses such a σ before training.")
+            raise ValueError(
+                f"Recorded {event.steps} release(s) of {event.name!r}, but {reason} Release nothing "
+                "more under this δ; a plan (PrivacyPlan) refuses such a σ before training."
+            )
 
     def _tail_spends_delta(self) -> str | None:
         """Why ε is infinite because of the sampler's finite tail (`rng.tail_mass`), or None when it is not."""
         tail = sampler_tail_delta(self.mechanisms, self.delta)
         if tail < self.delta:
             return None
-        return (f"the noise sampler's finite tail alone spends δ_tail={tail:.3g} ≥ δ={self.delta:.3g} (the noise "
-                "multiplier is too small for this many releases), so there is no finite ε at this δ.")
+        return (
+            f"the noise sampler's finite tail alone spends δ_tail={tail:.3g} ≥ δ={self.delta:.3g} (the noise "
+            "multiplier is too small for this many releases), so there is no finite ε at this δ."
+        )
 
     def guarantee(self) -> tuple[str, str | None]:
         """("formal", None), or ("none", reason) when a recorded release has no finite guarantee (ε = ∞).

@@ -44,8 +44,9 @@ class _Draw:
     the values are on the device and no work of the draw is still queued.
     """
 
-    def __init__(self, generation: int, key: tuple[tuple[int, ...], float], values: torch.Tensor,
-                 sampler: GaussianSampler) -> None:
+    def __init__(
+        self, generation: int, key: tuple[tuple[int, ...], float], values: torch.Tensor, sampler: GaussianSampler
+    ) -> None:
         self.generation, self.key, self.values = generation, key, values
         self.spent = False
         self._error: BaseException | None = None

@@ -122,7 +122,8 @@ def _sigma_floor(events: Sequence[MechanismGroup], delta: float) -> float | None
 
     def fits(sigma: float) -> bool:
         probe = [MechanismGroup("floor", sigma, 1.0, releases)] + [
-            MechanismGroup.els("floor", sigma, q, k, steps) for q, k, steps in els]
+            MechanismGroup.els("floor", sigma, q, k, steps) for q, k, steps in els
+        ]
         return sampler_tail_delta(probe, delta) <= TAIL_SHARE * delta
 
     low, high = 1e-2, 1e6
@@ -152,8 +153,10 @@ class Stage:
     )
     steps: int | None = field(
         default=None,
-        metadata={"help": "Releases of this stage. For a training stage, at most what the plan has left; give at "
-                          "most one of steps and epochs, and neither for the last training stage to run to the end."},
+        metadata={
+            "help": "Releases of this stage. For a training stage, at most what the plan has left; give at "
+            "most one of steps and epochs, and neither for the last training stage to run to the end."
+        },
     )
     epochs: float | None = field(
         default=None,
@@ -164,32 +167,42 @@ class Stage:
     )
     noise_ratio: float | None = field(
         default=None,
-        metadata={"help": "σ = noise_ratio · s, with the one scale s calibrated jointly for all ratio stages "
-                          "(default 1 when neither noise_multiplier nor epsilon_share is given)."},
+        metadata={
+            "help": "σ = noise_ratio · s, with the one scale s calibrated jointly for all ratio stages "
+            "(default 1 when neither noise_multiplier nor epsilon_share is given)."
+        },
     )
     epsilon_share: float | None = field(
         default=None,
-        metadata={"help": "Calibrate this stage alone, before the ratio stages, so that it and every share stage "
-                          "with a smaller share spend ε ≤ epsilon_share · target (DP-FROST's r_ε)."},
+        metadata={
+            "help": "Calibrate this stage alone, before the ratio stages, so that it and every share stage "
+            "with a smaller share spend ε ≤ epsilon_share · target (DP-FROST's r_ε)."
+        },
     )
     training: bool = field(
         default=True,
-        metadata={"help": "True: one release per optimizer step, in schedule order. False: released by the method "
-                          "outside the optimizer steps (DP-FROST's selection rounds); not a training step."},
+        metadata={
+            "help": "True: one release per optimizer step, in schedule order. False: released by the method "
+            "outside the optimizer steps (DP-FROST's selection rounds); not a training step."
+        },
     )
     sensitivity: str = field(
         default="", metadata={"help": "What the noise is scaled to, for logs and the card (e.g. 'flat L2 clip C')."}
     )
     no_guarantee: str | None = field(
         default=None,
-        metadata={"help": "Why this release has no finite guarantee (e.g. DP-FP paper mode). ε becomes ∞; the stage "
-                          "is never calibrated and its events are 'no_guarantee' events."},
+        metadata={
+            "help": "Why this release has no finite guarantee (e.g. DP-FP paper mode). ε becomes ∞; the stage "
+            "is never calibrated and its events are 'no_guarantee' events."
+        },
     )
     examples_per_user: int | None = field(
         default=None,
-        metadata={"help": "User-level DP by example-level sampling (ELS): every user has at most this many examples "
-                          "k, examples are Poisson-sampled at q; the stage's events are 'els_poisson_gaussian' events "
-                          "with k, accounted as a mixture of Gaussians. None: example-level (one unit, one term)."},
+        metadata={
+            "help": "User-level DP by example-level sampling (ELS): every user has at most this many examples "
+            "k, examples are Poisson-sampled at q; the stage's events are 'els_poisson_gaussian' events "
+            "with k, accounted as a mixture of Gaussians. None: example-level (one unit, one term)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -208,10 +221,12 @@ class Stage:
         noise = [k for k in ("noise_multiplier", "noise_ratio", "epsilon_share") if getattr(self, k) is not None]
         if len(noise) > 1:
             raise ValueError(f"Stage {self.name!r}: give at most one of {', '.join(noise)}.")
-        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier)
-                                                      and self.noise_multiplier > 0):
-            raise ValueError(f"Stage {self.name!r}: noise_multiplier must be finite and > 0, got "
-                             f"{self.noise_multiplier}.")
+        if self.noise_multiplier is not None and not (
+            math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0
+        ):
+            raise ValueError(
+                f"Stage {self.name!r}: noise_multiplier must be finite and > 0, got {self.noise_multiplier}."
+            )
         if self.noise_ratio is not None and not (math.isfinite(self.noise_ratio) and self.noise_ratio > 0):
             raise ValueError(f"Stage {self.name!r}: noise_ratio must be finite and > 0, got {self.noise_ratio}.")
         if self.epsilon_share is not None and not 0 < self.epsilon_share <= 1:
@@ -228,8 +243,9 @@ class Stage:
                 raise ValueError(f"Stage {self.name!r} has no guarantee: it has no ELS accounting (examples_per_user).")
             object.__setattr__(self, "examples_per_user", int(k))
 
-    def event(self, noise_multiplier: float, sample_rate: float, steps: int,
-              max_grad_norm: float | None = None) -> MechanismGroup:
+    def event(
+        self, noise_multiplier: float, sample_rate: float, steps: int, max_grad_norm: float | None = None
+    ) -> MechanismGroup:
         """The ledger event of `steps` noised releases of this stage at (σ, q): ELS when `examples_per_user` is set."""
         return gaussian_event(self.name, noise_multiplier, sample_rate, steps, max_grad_norm, self.examples_per_user)
 
@@ -452,25 +468,45 @@ class PrivacyPlan:
                 if stage.calibration == "fixed" and k > 0:
                     prior.append(stage.event(fixed, q, k))
         # The "share" stages, in increasing share (shares differ, _check_stages).
-        shares = sorted((stage.epsilon_share, i) for i, (stage, *_) in enumerate(layout)
-                        if stage.epsilon_share is not None)
+        shares = sorted(
+            (stage.epsilon_share, i) for i, (stage, *_) in enumerate(layout) if stage.epsilon_share is not None
+        )
         for share, i in shares:
             stage, q, k, _ = layout[i]
             if k == 0:
                 continue
             calibrated = sigmas[i] = calibrate_noise_multiplier(
-                share * target, self.delta, q, k, accountant=self.accountant,
-                prior=prior, name=stage.name, tolerance=self.tolerance,
-                max_noise_multiplier=self.max_noise_multiplier, examples_per_user=stage.examples_per_user,
+                share * target,
+                self.delta,
+                q,
+                k,
+                accountant=self.accountant,
+                prior=prior,
+                name=stage.name,
+                tolerance=self.tolerance,
+                max_noise_multiplier=self.max_noise_multiplier,
+                examples_per_user=stage.examples_per_user,
             )
             prior.append(stage.event(calibrated, q, k))
-        joint = [JointMechanism(layout[i][0].name, layout[i][0].noise_ratio or 1.0, layout[i][1], layout[i][2],
-                                layout[i][0].examples_per_user)
-                 for i in ratio]
+        joint = [
+            JointMechanism(
+                layout[i][0].name,
+                layout[i][0].noise_ratio or 1.0,
+                layout[i][1],
+                layout[i][2],
+                layout[i][0].examples_per_user,
+            )
+            for i in ratio
+        ]
         if any(m.steps > 0 for m in joint):
             self._scale = calibrate_jointly(
-                target, self.delta, joint, accountant=self.accountant, prior=prior,
-                tolerance=self.tolerance, max_noise_multiplier=self.max_noise_multiplier,
+                target,
+                self.delta,
+                joint,
+                accountant=self.accountant,
+                prior=prior,
+                tolerance=self.tolerance,
+                max_noise_multiplier=self.max_noise_multiplier,
             )
             for i, m in zip(ratio, joint):
                 sigmas[i] = m.noise_ratio * self._scale
@@ -494,14 +530,18 @@ class PrivacyPlan:
         sigmas = ", ".join(f"{e.name}: σ={e.noise_multiplier:.4g}, {e.steps} releases" for e in events)
         floor = _sigma_floor(events, self.delta)
         if floor is None:
-            fix = ("No σ would do: over this many releases the part that does not shrink with σ (the restriction "
-                   "to the discs, for up to 2³² coordinates per release) is too large alone. Plan fewer steps (a "
-                   "larger batch, fewer epochs)")
+            fix = (
+                "No σ would do: over this many releases the part that does not shrink with σ (the restriction "
+                "to the discs, for up to 2³² coordinates per release) is too large alone. Plan fewer steps (a "
+                "larger batch, fewer epochs)"
+            )
         elif self.target_epsilon is None:
             fix = f"Every σ ≥ {floor:.3g} would do: raise noise_multiplier, or plan fewer steps"
         else:
-            fix = (f"Every σ ≥ {floor:.3g} would do. To raise σ: a smaller target ε, a larger expected batch (a "
-                   "larger q) or more epochs (a larger target ε or a smaller batch lowers σ and makes this worse)")
+            fix = (
+                f"Every σ ≥ {floor:.3g} would do. To raise σ: a smaller target ε, a larger expected batch (a "
+                "larger q) or more epochs (a larger target ε or a smaller batch lowers σ and makes this worse)"
+            )
         raise BudgetError(
             f"The noise sampler's finite tail would take δ_tail={tail:.3g} of δ={self.delta:.3g}, more than "
             f"{TAIL_SHARE:g}·δ ({sigmas}): the sampler never draws beyond {Z_MAX:.3f} std, so at small σ a "
@@ -597,9 +637,17 @@ class PrivacyPlan:
                 continue
             if planned.noise_multiplier is None:  # a calibrated stage planned with no steps: it never runs
                 return allowed
-            k = max_steps_within(self.target_epsilon, self.delta, planned.noise_multiplier, planned.sample_rate,
-                                 accountant=self.accountant, prior=prior, name=planned.name, upper=remaining,
-                                 examples_per_user=planned.stage.examples_per_user)
+            k = max_steps_within(
+                self.target_epsilon,
+                self.delta,
+                planned.noise_multiplier,
+                planned.sample_rate,
+                accountant=self.accountant,
+                prior=prior,
+                name=planned.name,
+                upper=remaining,
+                examples_per_user=planned.stage.examples_per_user,
+            )
             allowed += k
             if k < remaining or last:
                 return allowed
@@ -656,6 +704,7 @@ class PrivacyPlan:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        stages = ", ".join(f"{p.name}(q={p.sample_rate:.4g}, steps={p.steps}, σ={p.noise_multiplier})"
-                           for p in self.planned)
+        stages = ", ".join(
+            f"{p.name}(q={p.sample_rate:.4g}, steps={p.steps}, σ={p.noise_multiplier})" for p in self.planned
+        )
         return f"PrivacyPlan(N={self.dataset_size}, δ={self.delta:.3g}, {self.accountant}, [{stages}])"

@@ -168,8 +168,7 @@ class SecretRandom:
         encryptor = Cipher(algorithms.ChaCha20(self._key, b"\0\0\0\0" + self._nonce(size)), mode=None).encryptor()
         encryptor.update_into(_zeros(size), buffer)  # keystream XOR zeros = keystream
 
-    def device_keystream(self, size: int, function: device_chacha.BlockFunction,
-                         device: torch.device) -> torch.Tensor:
+    def device_keystream(self, size: int, function: device_chacha.BlockFunction, device: torch.device) -> torch.Tensor:
         """`size` fresh keystream bytes (one request, one nonce) made on `device` by `function` (see
         `device_chacha.block_function`): the bytes `fill_` gives for the same request, as a uint8 tensor there.
 
@@ -219,8 +218,13 @@ class GaussianSampler:
     The work per value is fixed — no rejection loop — so its time does not depend on anything private.
     """
 
-    def __init__(self, random: SecretRandom, pairs_per_chunk: int | None = None,
-                 device: torch.device | str = "cpu", keystream: str | None = None):
+    def __init__(
+        self,
+        random: SecretRandom,
+        pairs_per_chunk: int | None = None,
+        device: torch.device | str = "cpu",
+        keystream: str | None = None,
+    ):
         """`keystream`: where the keystream is made. "host": by `random.fill_` on the CPU, copied to an accelerator;
         "device": by ChaCha20 in tensor ops on the device itself (`device_chacha`), compiled on CUDA. By default
         "device" on CUDA if its compiled kernel reproduces RFC 8439 there, else "host". Either gives the same bytes
@@ -315,8 +319,7 @@ class GaussianSampler:
         """Overwrite `tensor` with N(0, std²) draws: the values `add_` would add with the same requests."""
         self._apply(tensor, std, torch.Tensor.copy_)
 
-    def _apply(self, tensor: torch.Tensor, std: float,
-               combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    def _apply(self, tensor: torch.Tensor, std: float, combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
         flat = tensor.view(-1)
         step = 2 * self.pairs
         for start in range(0, flat.numel(), step):

@@ -42,10 +42,18 @@ from .artifacts import (
 logger = get_logger(__name__)
 
 ADAPTER_FORMAT = "hf_private.adapter.v1"
-_HUB_FILES = [ADAPTER_WEIGHTS_NAME, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, MODEL_CONFIG_NAME, "model*.safetensors",
-              FULL_WEIGHTS_INDEX_NAME, DP_CONFIG_NAME, LEDGER_NAME, CARD_NAME]
+_HUB_FILES = [
+    ADAPTER_WEIGHTS_NAME,
+    PEFT_CONFIG_NAME,
+    PEFT_WEIGHTS_NAME,
+    MODEL_CONFIG_NAME,
+    "model*.safetensors",
+    FULL_WEIGHTS_INDEX_NAME,
+    DP_CONFIG_NAME,
+    LEDGER_NAME,
+    CARD_NAME,
+]
 _FINGERPRINT_SAMPLES = 16  # values per frozen tensor: enough to tell two checkpoints apart, cheap for 7B models
-
 
 
 def is_hub_model_id(name: str) -> bool:
@@ -68,7 +76,6 @@ def public_base_name(name: str | None) -> str:
     return name if name and is_hub_model_id(name) else ""
 
 
-
 def adapter_format(model: nn.Module, trained_names: Iterable[str]) -> str:
     """'peft', 'private_adapter' (a strict subset of a plain model's tensors trained) or 'full'."""
     if is_peft_model(model):
@@ -87,7 +94,6 @@ def private_adapter_names(directory: str | os.PathLike) -> set[str]:
         return set()
     with safe_open(os.path.join(directory, ADAPTER_WEIGHTS_NAME), framework="pt") as f:
         return set(f.keys())
-
 
 
 def base_fingerprint(model: nn.Module, exclude: Iterable[str] = ()) -> str:
@@ -145,8 +151,9 @@ def save_private_adapter(model: nn.Module, save_directory: str | os.PathLike, tr
     os.makedirs(save_directory, exist_ok=True)
     path = os.path.join(save_directory, ADAPTER_WEIGHTS_NAME)
     save_file(tensors, path, metadata=metadata)
-    logger.info("Saved %d trained tensors (%d values) to %s.", len(tensors), sum(t.numel() for t in tensors.values()),
-                path)
+    logger.info(
+        "Saved %d trained tensors (%d values) to %s.", len(tensors), sum(t.numel() for t in tensors.values()), path
+    )
     return path
 
 
@@ -213,8 +220,13 @@ def _check_base(model: nn.Module, trained_names: Iterable[str], metadata: dict[s
     frozen_dtype = next((str(p.dtype) for n, p in model.named_parameters() if n not in trained), "")
     base = metadata.get("base_model") or "a local base model or one built from its configuration"
     if metadata.get("base_dtype") and frozen_dtype != metadata["base_dtype"]:
-        logger.warning("The base model is %s but the adapter was trained on %s weights, so the base cannot be "
-                       "verified exactly; make sure it is %s.", frozen_dtype, metadata["base_dtype"], base)
+        logger.warning(
+            "The base model is %s but the adapter was trained on %s weights, so the base cannot be "
+            "verified exactly; make sure it is %s.",
+            frozen_dtype,
+            metadata["base_dtype"],
+            base,
+        )
         return
     raise ValueError(
         f"The base model's frozen weights differ from those {path} was trained on ({base}). The adapter would "
@@ -232,8 +244,11 @@ def _assign(model: nn.Module, state: dict[str, torch.Tensor], *, require_all: bo
             f"{len(unknown)} saved tensors are not in {type(model).__name__} (e.g. {unknown[:3]}): the adapter was "
             "trained on a different architecture."
         )
-    wrong = [f"{k}: saved {tuple(v.shape)} vs model {tuple(targets[k].shape)}"
-             for k, v in state.items() if v.shape != targets[k].shape]
+    wrong = [
+        f"{k}: saved {tuple(v.shape)} vs model {tuple(targets[k].shape)}"
+        for k, v in state.items()
+        if v.shape != targets[k].shape
+    ]
     if wrong:
         raise ValueError(f"Shape mismatch (different num_labels or model size?): {wrong[:3]}")
     with torch.no_grad():
@@ -283,6 +298,11 @@ def _log_guarantee(directory: str) -> None:
 
     privacy = ModelCard.load(readme).data.to_dict().get("privacy") or {}
     if privacy:
-        logger.info("Loaded a private adapter: guarantee %s, ε=%s, δ=%s (%s accountant, unit: %s).",
-                    privacy.get("guarantee"), privacy.get("epsilon"), privacy.get("delta"), privacy.get("accountant"),
-                    privacy.get("unit"))
+        logger.info(
+            "Loaded a private adapter: guarantee %s, ε=%s, δ=%s (%s accountant, unit: %s).",
+            privacy.get("guarantee"),
+            privacy.get("epsilon"),
+            privacy.get("delta"),
+            privacy.get("accountant"),
+            privacy.get("unit"),
+        )

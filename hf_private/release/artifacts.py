@@ -40,23 +40,48 @@ MODEL_CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 # tokenizer and processor (built before training, from public data)
 TOKENIZER_NAMES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
-    "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 # The weights Trainer's own `_load_best_model` looks for (a full model or a PEFT adapter).
-TRAINER_WEIGHTS_NAMES = (FULL_WEIGHTS_NAME, PT_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PEFT_PT_WEIGHTS_NAME,
-                         FULL_WEIGHTS_INDEX_NAME, PT_WEIGHTS_INDEX_NAME)
-PUSHABLE_NAMES = frozenset({
-    # weights: a full model (single file or index), a PEFT adapter, hf_private's adapter of the trained tensors
-    *TRAINER_WEIGHTS_NAMES, PEFT_CONFIG_NAME, ADAPTER_WEIGHTS_NAME,
-    # configurations
-    MODEL_CONFIG_NAME, GENERATION_CONFIG_NAME,
-    *TOKENIZER_NAMES,
-    # the privacy record: method config and state, ledger, card
-    DP_CONFIG_NAME, METHOD_STATE_NAME, LEDGER_NAME, CARD_NAME,
-})
+TRAINER_WEIGHTS_NAMES = (
+    FULL_WEIGHTS_NAME,
+    PT_WEIGHTS_NAME,
+    PEFT_WEIGHTS_NAME,
+    PEFT_PT_WEIGHTS_NAME,
+    FULL_WEIGHTS_INDEX_NAME,
+    PT_WEIGHTS_INDEX_NAME,
+)
+PUSHABLE_NAMES = frozenset(
+    {
+        # weights: a full model (single file or index), a PEFT adapter, hf_private's adapter of the trained tensors
+        *TRAINER_WEIGHTS_NAMES,
+        PEFT_CONFIG_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        # configurations
+        MODEL_CONFIG_NAME,
+        GENERATION_CONFIG_NAME,
+        *TOKENIZER_NAMES,
+        # the privacy record: method config and state, ledger, card
+        DP_CONFIG_NAME,
+        METHOD_STATE_NAME,
+        LEDGER_NAME,
+        CARD_NAME,
+    }
+)
 _WEIGHT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model-\d{5}-of-\d{5}\.bin")
 
 
@@ -73,7 +98,8 @@ def pushable_files(directory: str | os.PathLike[str]) -> list[str]:
 def withheld_files(directory: str | os.PathLike[str]) -> list[str]:
     """What a push leaves behind (folders end in '/'); checkpoint folders, local by design, are not listed."""
     return sorted(
-        e.name if e.is_file() else f"{e.name}/" for e in os.scandir(directory)
+        e.name if e.is_file() else f"{e.name}/"
+        for e in os.scandir(directory)
         if not (e.is_file() and is_pushable(e.name)) and not (e.is_dir() and e.name.startswith("checkpoint-"))
     )
 
@@ -87,4 +113,3 @@ def copy_pushable(source: str | os.PathLike, target: str | os.PathLike) -> None:
 def has_trainer_weights(checkpoint: str | os.PathLike) -> bool:
     """Whether Trainer's `_load_best_model` finds weights to load in `checkpoint` (otherwise it only warns)."""
     return any(os.path.isfile(os.path.join(checkpoint, name)) for name in TRAINER_WEIGHTS_NAMES)
-

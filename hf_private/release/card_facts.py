@@ -52,8 +52,16 @@ class RunFacts:
     global_step: int
 
 
-def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from=None, tags=None, dataset=None,
-               license=None, dataset_tags=None) -> str:
+def write_card(
+    output_dir: str,
+    facts: RunFacts,
+    model_name=None,
+    finetuned_from=None,
+    tags=None,
+    dataset=None,
+    license=None,
+    dataset_tags=None,
+) -> str:
     """README.md of `output_dir`; the keywords are Trainer.create_model_card's (tags and dataset_tags as lists)."""
     report = facts.report
     fmt = facts.adapter_format
@@ -93,8 +101,13 @@ def write_card(output_dir: str, facts: RunFacts, model_name=None, finetuned_from
         library_name="peft" if fmt == "peft" else "transformers",
         tags=tags,
         citations=facts.citations,
-        adapter_note=adapter_note(fmt, facts.trained_tensors, facts.trained_fraction, from_config=not base_model,
-                                  guaranteed=report["guarantee"] == "formal"),
+        adapter_note=adapter_note(
+            fmt,
+            facts.trained_tensors,
+            facts.trained_fraction,
+            from_config=not base_model,
+            guaranteed=report["guarantee"] == "formal",
+        ),
         needs_hf_private=fmt == "private_adapter",
         license=license,
         model_class=type(base).__name__,
@@ -132,8 +145,13 @@ def reloaded_checkpoint(state, metric: str | None, evaluations: Evaluations) -> 
         step = checkpoint_step(state.best_model_checkpoint)
     metric = metric or "loss"
     metric = metric if metric.startswith("eval_") else f"eval_{metric}"
-    return {"step": step, "global_step": state.global_step, "metric": metric, "value": state.best_metric,
-            "evaluations": list(evaluations.values())}  # the entries themselves: evaluate() replaces them
+    return {
+        "step": step,
+        "global_step": state.global_step,
+        "metric": metric,
+        "value": state.best_metric,
+        "evaluations": list(evaluations.values()),
+    }  # the entries themselves: evaluate() replaces them
 
 
 def _released_checkpoint(facts: RunFacts, steps_taken: int, held_out: dict[str, float]) -> dict[str, Any] | None:
@@ -150,14 +168,18 @@ def _drop_stale_evaluations(facts: RunFacts, step: int, held_out: dict[str, floa
     """Held-out results measured before the best checkpoint was reloaded describe other weights: not published."""
     assert facts.reloaded_best is not None  # called only once `_released_checkpoint` found the best one reloaded
     stale = facts.reloaded_best["evaluations"]
-    kept = {prefix: entry for prefix, entry in facts.evaluations.items()
-            if not any(entry is before for before in stale)}
+    kept = {
+        prefix: entry for prefix, entry in facts.evaluations.items() if not any(entry is before for before in stale)
+    }
     if len(kept) == len(facts.evaluations):
         return held_out, notes
     held_out, notes = card_evaluation(kept)
-    return held_out, [*notes, f"Evaluations run during training measured the weights of a later step, not the "
-                              f"released weights of step {step}: they are not published here. Run "
-                              "`trainer.evaluate()` after training to measure the released weights."]
+    return held_out, [
+        *notes,
+        f"Evaluations run during training measured the weights of a later step, not the "
+        f"released weights of step {step}: they are not published here. Run "
+        "`trainer.evaluate()` after training to measure the released weights.",
+    ]
 
 
 def _task_type(model: nn.Module) -> str | None:

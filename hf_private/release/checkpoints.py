@@ -32,8 +32,9 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> s
     return checkpoint
 
 
-def save_private_checkpoint(model: nn.Module, output_dir: str, trained_names: Iterable[str], processing_class,
-                            args) -> None:
+def save_private_checkpoint(
+    model: nn.Module, output_dir: str, trained_names: Iterable[str], processing_class, args
+) -> None:
     """What Trainer's `_save` writes, with the private adapter of the trained tensors in place of the full model."""
     save_private_adapter(model, output_dir, trained_names)
     if processing_class is not None:
@@ -54,8 +55,15 @@ def save_user_cap(output_dir: str, record: dict[str, list[str]], config: Any) ->
     """ELS: which examples every user kept, by content (`user_cap.UserExamples.record`), so a resumed run keeps the
     very same ones whatever the order of its rows."""
     with open(os.path.join(output_dir, USER_CAP_NAME), "w") as f:
-        json.dump({"user_column": config.user_column, "max_examples_per_user": config.max_examples_per_user,
-                   "fingerprint": FINGERPRINT, "users": record}, f)
+        json.dump(
+            {
+                "user_column": config.user_column,
+                "max_examples_per_user": config.max_examples_per_user,
+                "fingerprint": FINGERPRINT,
+                "users": record,
+            },
+            f,
+        )
 
 
 def load_user_cap(checkpoint: str, config: Any) -> dict[str, list[str]]:
@@ -66,18 +74,23 @@ def load_user_cap(checkpoint: str, config: Any) -> dict[str, list[str]]:
         raise FileNotFoundError(
             f"{checkpoint} has no {USER_CAP_NAME}: an example-level-sampled (ELS) user-level run must keep the "
             "examples it drew for every user, or a resumed run could draw others and let a user contribute more "
-            "than max_examples_per_user. Resume from a checkpoint written by this version, or start afresh.")
+            "than max_examples_per_user. Resume from a checkpoint written by this version, or start afresh."
+        )
     with open(path) as f:
         record = json.load(f)
     if record.get("fingerprint") != FINGERPRINT:
-        raise ValueError(f"{path} names the kept examples by row number (an earlier version) or by another "
-                         "fingerprint: in a training set whose rows come in another order those numbers are other "
-                         "examples, and a user could keep more than max_examples_per_user. Start afresh in a new "
-                         "output_dir.")
+        raise ValueError(
+            f"{path} names the kept examples by row number (an earlier version) or by another "
+            "fingerprint: in a training set whose rows come in another order those numbers are other "
+            "examples, and a user could keep more than max_examples_per_user. Start afresh in a new "
+            "output_dir."
+        )
     if (record["user_column"], record["max_examples_per_user"]) != (config.user_column, config.max_examples_per_user):
-        raise ValueError(f"{path} was drawn for user_column={record['user_column']!r}, max_examples_per_user="
-                         f"{record['max_examples_per_user']}; this run has {config.user_column!r}, "
-                         f"{config.max_examples_per_user}. Resume with the same settings.")
+        raise ValueError(
+            f"{path} was drawn for user_column={record['user_column']!r}, max_examples_per_user="
+            f"{record['max_examples_per_user']}; this run has {config.user_column!r}, "
+            f"{config.max_examples_per_user}. Resume with the same settings."
+        )
     return record["users"]
 
 

@@ -82,15 +82,24 @@ def framework_versions() -> dict[str, str]:
     return versions
 
 
-def eval_results_metadata(eval_results: Mapping[str, float], *, task_type: str | None, dataset_name: str,
-                          dataset_type: str) -> list[EvalResult]:
+def eval_results_metadata(
+    eval_results: Mapping[str, float], *, task_type: str | None, dataset_name: str, dataset_type: str
+) -> list[EvalResult]:
     """The held-out results as `model-index` entries (none without a task type the Hub knows)."""
     if not task_type:
         return []
-    return [EvalResult(task_type=task_type, dataset_type=dataset_type, dataset_name=dataset_name,
-                       dataset_split="held-out", metric_type=key.split("_", 1)[-1] if key.startswith("eval_") else key,
-                       metric_name=key, metric_value=float(value))
-            for key, value in eval_results.items()]
+    return [
+        EvalResult(
+            task_type=task_type,
+            dataset_type=dataset_type,
+            dataset_name=dataset_name,
+            dataset_split="held-out",
+            metric_type=key.split("_", 1)[-1] if key.startswith("eval_") else key,
+            metric_name=key,
+            metric_value=float(value),
+        )
+        for key, value in eval_results.items()
+    ]
 
 
 def not_covered(unit: str = "example") -> tuple[str, ...]:
@@ -123,9 +132,11 @@ def sampler_tail_line(report: dict[str, Any]) -> str | None:
     tail = report.get("sampler_tail_delta")
     if "epsilon" not in report or tail is None:
         return None
-    return (f"δ = {report['delta']:.3g} includes {tail:.2g} for the noise sampler's finite tail (no draw beyond "
-            f"{Z_MAX:.2f} std): ε is the accountant's at δ − {tail:.2g}. That analysis is for real numbers; the "
-            "float32 rounding of the noise is not covered, as in other DP-SGD libraries.")
+    return (
+        f"δ = {report['delta']:.3g} includes {tail:.2g} for the noise sampler's finite tail (no draw beyond "
+        f"{Z_MAX:.2f} std): ε is the accountant's at δ − {tail:.2g}. That analysis is for real numbers; the "
+        "float32 rounding of the noise is not covered, as in other DP-SGD libraries."
+    )
 
 
 def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -141,9 +152,22 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
-    for optional in ("trainer", "user_column", "user_sampling", "examples_per_user", "max_examples_per_user",
-                     "sampler_tail_delta", "guarantee_note", "training_epsilon", "forks",
-                     "epsilon_with_forks", "not_a_guarantee", "trainable_fraction", "phases", "method_details"):
+    for optional in (
+        "trainer",
+        "user_column",
+        "user_sampling",
+        "examples_per_user",
+        "max_examples_per_user",
+        "sampler_tail_delta",
+        "guarantee_note",
+        "training_epsilon",
+        "forks",
+        "epsilon_with_forks",
+        "not_a_guarantee",
+        "trainable_fraction",
+        "phases",
+        "method_details",
+    ):
         if report.get(optional) is not None:
             block[optional] = report[optional]
     if audit is not None:
@@ -186,16 +210,18 @@ def build_model_card(
     kind = base_kind(base_model)
     guaranteed = privacy["guarantee"] == "formal"
     title = model_title or default_title(base_model, privacy["method"], model_class, guaranteed)
-    results = eval_results_metadata(eval_results, task_type=task_type, dataset_name=eval_dataset_name,
-                                    dataset_type=eval_dataset_type)
+    results = eval_results_metadata(
+        eval_results, task_type=task_type, dataset_name=eval_dataset_name, dataset_type=eval_dataset_type
+    )
     relation = {"full": "finetune", "peft": "adapter", "private_adapter": "adapter"}.get(adapter_format or "")
     extra: dict[str, Any] = {"base_model_relation": relation} if kind == HUB and relation else {}
     card_data = ModelCardData(
         base_model=base_model if kind == HUB else None,
         license=license or UNKNOWN_LICENSE,
         library_name=library_name,
-        tags=sorted({*(["differential-privacy"] if guaranteed else []), "hf_private", privacy["method"],
-                     *(tags or [])}),
+        tags=sorted(
+            {*(["differential-privacy"] if guaranteed else []), "hf_private", privacy["method"], *(tags or [])}
+        ),
         model_name=title if results else None,
         eval_results=results or None,
         privacy=privacy,
@@ -222,8 +248,14 @@ def build_model_card(
     )
 
 
-def load_snippet(adapter_format: str, model_class: str, base_model: str | None, repo: str | None,
-                 num_labels: int | None = None, model_module: str = "transformers") -> str:
+def load_snippet(
+    adapter_format: str,
+    model_class: str,
+    base_model: str | None,
+    repo: str | None,
+    num_labels: int | None = None,
+    model_module: str = "transformers",
+) -> str:
     """The card's "How to load" code for each save format (see `hf_private.release.adapters`); `model_module` is where
     `model_class` is imported from (hf_private for its own heads).
 
@@ -236,42 +268,77 @@ def load_snippet(adapter_format: str, model_class: str, base_model: str | None, 
         replace.append(f"# REPLACE {REPO_PLACEHOLDER}: this model's Hub id, or the directory holding these files.")
     model_import = f"from {model_module} import {model_class}"
     if adapter_format == "full":
-        return "\n".join([model_import, "", *replace,
-                          f'model = {model_class}.from_pretrained("{repo}")'])
+        return "\n".join([model_import, "", *replace, f'model = {model_class}.from_pretrained("{repo}")'])
     kind = base_kind(base_model)
     base = base_model if kind == HUB else BASE_PLACEHOLDER
     if kind == LOCAL:
-        replace.insert(0, f"# REPLACE {BASE_PLACEHOLDER}: training started from a local model whose path is withheld "
-                          "from this card; load those same weights.")
+        replace.insert(
+            0,
+            f"# REPLACE {BASE_PLACEHOLDER}: training started from a local model whose path is withheld "
+            "from this card; load those same weights.",
+        )
     elif kind == CONFIG:
-        replace.insert(0, f"# REPLACE {BASE_PLACEHOLDER}: training started from a configuration with random weights "
-                          "(not published); the adapter needs those same base weights.")
+        replace.insert(
+            0,
+            f"# REPLACE {BASE_PLACEHOLDER}: training started from a configuration with random weights "
+            "(not published); the adapter needs those same base weights.",
+        )
     base_line = f'base = {model_class}.from_pretrained("{base}"{f", num_labels={num_labels}" if num_labels else ""})'
     if adapter_format == "peft":
-        return "\n".join(["from peft import PeftModel", model_import, "", *replace,
-                          base_line, f'model = PeftModel.from_pretrained(base, "{repo}")'])
-    return "\n".join(["from hf_private import load_private_adapter", model_import, "", *replace, base_line,
-                      f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory'])
+        return "\n".join(
+            [
+                "from peft import PeftModel",
+                model_import,
+                "",
+                *replace,
+                base_line,
+                f'model = PeftModel.from_pretrained(base, "{repo}")',
+            ]
+        )
+    return "\n".join(
+        [
+            "from hf_private import load_private_adapter",
+            model_import,
+            "",
+            *replace,
+            base_line,
+            f'model = load_private_adapter(base, "{repo}")  # also accepts a local directory',
+        ]
+    )
 
 
-def adapter_note(adapter_format: str, trained_tensors: int, trained_fraction: float, from_config: bool = False,
-                 guaranteed: bool = True) -> str:
+def adapter_note(
+    adapter_format: str,
+    trained_tensors: int,
+    trained_fraction: float,
+    from_config: bool = False,
+    guaranteed: bool = True,
+) -> str:
     """One sentence on what the repository holds, so a reader knows what the base model must supply."""
     trained = "trained with differential privacy" if guaranteed else "trained (without a privacy guarantee)"
     if adapter_format == "full":
-        return (f"Every weight was {trained}: the repository holds the full model, plus the method config "
-                f"`{DP_CONFIG_NAME}`.")
-    base = ("The base model's weights (random, from its configuration, and not published) are unchanged" if from_config
-            else "The base model's weights are public and unchanged")
+        return (
+            f"Every weight was {trained}: the repository holds the full model, plus the method config "
+            f"`{DP_CONFIG_NAME}`."
+        )
+    base = (
+        "The base model's weights (random, from its configuration, and not published) are unchanged"
+        if from_config
+        else "The base model's weights are public and unchanged"
+    )
     if adapter_format == "peft":
-        return (f"The repository holds a PEFT adapter (`{PEFT_WEIGHTS_NAME}`, `{PEFT_CONFIG_NAME}`): only the "
-                f"tensors {trained}, plus the method config `{DP_CONFIG_NAME}`. {base}.")
+        return (
+            f"The repository holds a PEFT adapter (`{PEFT_WEIGHTS_NAME}`, `{PEFT_CONFIG_NAME}`): only the "
+            f"tensors {trained}, plus the method config `{DP_CONFIG_NAME}`. {base}."
+        )
     base = base.replace("weights", "other weights", 1)
     training = "differentially private training" if guaranteed else "training"
-    return (f"The repository holds only what {training} changed: {trained_tensors} tensors "
-            f"({100 * trained_fraction:.3g}% of the model's parameters) in `{ADAPTER_WEIGHTS_NAME}`, plus the "
-            f"method config `{DP_CONFIG_NAME}`. {base}; `hf_private.load_private_adapter` puts the trained tensors "
-            "back onto it and checks that the base matches.")
+    return (
+        f"The repository holds only what {training} changed: {trained_tensors} tensors "
+        f"({100 * trained_fraction:.3g}% of the model's parameters) in `{ADAPTER_WEIGHTS_NAME}`, plus the "
+        f"method config `{DP_CONFIG_NAME}`. {base}; `hf_private.load_private_adapter` puts the trained tensors "
+        "back onto it and checks that the base matches."
+    )
 
 
 def write_model_card(card: ModelCard, output_dir: str | os.PathLike) -> str:

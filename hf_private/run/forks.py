@@ -51,4 +51,3 @@ def releases_after(mechanisms: list[MechanismGroup], prefix: list[MechanismGroup
         left = remaining[0].steps - group.steps
         remaining = ([replace(remaining[0], steps=left)] if left else []) + remaining[1:]
     return remaining
-

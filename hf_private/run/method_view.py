@@ -42,9 +42,19 @@ class MethodView:
     """A method's handle on the run (`MethodRun`): sampling, per-example terms, and the noisy release of its planned
     stages; nothing else of the run."""
 
-    def __init__(self, model: nn.Module, plan: PrivacyPlan, passes: TrainingPasses, *, max_grad_norm: float,
-                 noise: GaussianNoise, random: SecretRandom, ledger: Callable[[], PrivacyLedger],
-                 record_release: Callable[[str], None], suspend_training_engine: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: PrivacyPlan,
+        passes: TrainingPasses,
+        *,
+        max_grad_norm: float,
+        noise: GaussianNoise,
+        random: SecretRandom,
+        ledger: Callable[[], PrivacyLedger],
+        record_release: Callable[[str], None],
+        suspend_training_engine: Callable[[], None],
+    ) -> None:
         """`noise` and `random`: secret streams of the method's own, apart from training's; `ledger`: the run's current
         ledger (a resume replaces it); `record_release(stage)`: one release of `stage` into it;
         `suspend_training_engine`: detach the training engine while the method's own one records."""

@@ -65,9 +65,18 @@ class TrainingSteps(TrainingPasses, Protocol):
 class PrivacyRun:
     """A private run's plan, ledger, secret streams, engine, stages and budget (see the module docstring)."""
 
-    def __init__(self, config: MethodConfig, method: DPMethod, model: nn.Module, steps: TrainingSteps,
-                 dataset_size: int, delta: float, expected_batch_size: int,
-                 dataset_fingerprint: str | None = None, unit: str = "example") -> None:
+    def __init__(
+        self,
+        config: MethodConfig,
+        method: DPMethod,
+        model: nn.Module,
+        steps: TrainingSteps,
+        dataset_size: int,
+        delta: float,
+        expected_batch_size: int,
+        dataset_fingerprint: str | None = None,
+        unit: str = "example",
+    ) -> None:
         """`dataset_size`, `delta` (resolved from the config) and `expected_batch_size` as
         `hf_private.trainer.preflight` checked them; `unit` is the privacy unit as the trainer's family names it
         (`hf_private.integrations`)."""
@@ -80,15 +89,24 @@ class PrivacyRun:
         self.delta, self.expected_batch_size = delta, expected_batch_size
         schedule = {"steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
         self.plan = PrivacyPlan(
-            dataset_size, self.expected_batch_size, **schedule, delta=self.delta, accountant=self.accountant,
-            target_epsilon=self.target_epsilon, noise_multiplier=config.noise_multiplier,
+            dataset_size,
+            self.expected_batch_size,
+            **schedule,
+            delta=self.delta,
+            accountant=self.accountant,
+            target_epsilon=self.target_epsilon,
+            noise_multiplier=config.noise_multiplier,
             stages=stages_for(method.stages(), config),
         )
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(dataset_size, self.delta, self.accountant)
         # what the guarantee is about, in the report, the ledger and the card
-        self.subject = {"unit": unit, "trainer": trainer_name(type(steps)),
-                        "base_model": public_base_model(base_model_name(model)), **user_level_facts(config)}
+        self.subject = {
+            "unit": unit,
+            "trainer": trainer_name(type(steps)),
+            "base_model": public_base_model(base_model_name(model)),
+            **user_level_facts(config),
+        }
         self.ledger.subject = dict(self.subject)
         self.optimizer: NoisyOptimizer | None = None
         self._instruments: list[Instrument] = []
@@ -97,9 +115,15 @@ class PrivacyRun:
         self._engine_suspended = False
         self.needs_independence_probe = True  # on the first chunk of ≥ 2, and again after every trainable-set switch
         self.method_view = MethodView(
-            model, self.plan, steps, max_grad_norm=self.max_grad_norm, noise=self.noise("method noise"),
-            random=self.sampling_random("method sampling"), ledger=lambda: self.ledger,
-            record_release=self.record_release, suspend_training_engine=self.suspend_training_engine,
+            model,
+            self.plan,
+            steps,
+            max_grad_norm=self.max_grad_norm,
+            noise=self.noise("method noise"),
+            random=self.sampling_random("method sampling"),
+            ledger=lambda: self.ledger,
+            record_release=self.record_release,
+            suspend_training_engine=self.suspend_training_engine,
         )
         self.forward_mechanisms = method.attach_forward_mechanisms(model, self.noise("forward noise"), self.plan)
         # Every tensor trained in any stage: what a saved adapter must contain.
@@ -158,8 +182,13 @@ class PrivacyRun:
     def noisy_optimizer(self, inner: torch.optim.Optimizer) -> NoisyOptimizer:
         """`inner` behind the noisy step: noise once per logical batch at the stage's σ, each step in the ledger."""
         self.optimizer = NoisyOptimizer(
-            inner, self.engine, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-            expected_batch_size=self.expected_batch_size, noise=self.noise("training noise"), may_step=self.may_step,
+            inner,
+            self.engine,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.expected_batch_size,
+            noise=self.noise("training noise"),
+            may_step=self.may_step,
             on_step=lambda: self.record_release(self.mechanism_name),
         )
         self.method.attach_optimizer(self.optimizer)
@@ -197,8 +226,13 @@ class PrivacyRun:
         self.stage = stage
         self.method.start_stage(self.plan.training_stages.index(stage), self.model)
         self._rebuild_engine()
-        logger.info("Stage %s starts after %d training steps: %d trainable tensors, σ=%.4g.", self.mechanism_name,
-                    self.training_steps(), len(self.engine.parameters), self.noise_multiplier)
+        logger.info(
+            "Stage %s starts after %d training steps: %d trainable tensors, σ=%.4g.",
+            self.mechanism_name,
+            self.training_steps(),
+            len(self.engine.parameters),
+            self.noise_multiplier,
+        )
 
     def before_step(self) -> None:
         """At the start of a logical batch: the method's own releases and re-selection (`DPMethod.before_step`)."""
@@ -263,13 +297,21 @@ class PrivacyRun:
         asked = self._requested_steps
         early = self.training_steps() < asked
         if not self.budget_exhausted and early and not self.has_formal_guarantee:
-            logger.warning("The planned budget allows no further step after %d of %d steps (insecure test mode: the "
-                           "accounting bounds nothing). Stopping training.", self.training_steps(), asked)
+            logger.warning(
+                "The planned budget allows no further step after %d of %d steps (insecure test mode: the "
+                "accounting bounds nothing). Stopping training.",
+                self.training_steps(),
+                asked,
+            )
         elif not self.budget_exhausted and early:
             logger.warning(
                 "Privacy budget reached after %d of the %d steps asked for: ε=%.4g of target %.4g. Stopping training "
-                "so the budget is not exceeded (%s).", self.training_steps(), asked, self.ledger.epsilon(),
-                self.target_epsilon, self._early_stop_reason or "the schedule changed after calibration",
+                "so the budget is not exceeded (%s).",
+                self.training_steps(),
+                asked,
+                self.ledger.epsilon(),
+                self.target_epsilon,
+                self._early_stop_reason or "the schedule changed after calibration",
             )
         self.budget_exhausted = True
 
@@ -289,10 +331,17 @@ class PrivacyRun:
         else:
             self._early_stop_reason = (
                 f"σ={self.noise_multiplier:.4g} was calibrated for the {self.plan.planned_steps} steps planned at "
-                f"construction; TrainingArguments now asks for {asked}")
-        logger.warning("The target ε=%g allows %d training steps in all, fewer than the %d asked for, so training will "
-                       "stop at step %d: %s.", self.target_epsilon, self._step_limit, asked,
-                       self._step_limit, self._early_stop_reason)
+                f"construction; TrainingArguments now asks for {asked}"
+            )
+        logger.warning(
+            "The target ε=%g allows %d training steps in all, fewer than the %d asked for, so training will "
+            "stop at step %d: %s.",
+            self.target_epsilon,
+            self._step_limit,
+            asked,
+            self._step_limit,
+            self._early_stop_reason,
+        )
 
     def _warn_if_config_changed(self, checkpoint: str) -> None:
         """A resume with another dp_config keeps the accounting honest (one ledger), but say what changed."""
@@ -304,8 +353,10 @@ class PrivacyRun:
         if changed:
             logger.warning(
                 "Resuming from %s with a different dp_config: %s. The ledger carries on (ε already spent: %.4g over "
-                "%d releases) and this run's steps add to it under the new settings.", checkpoint,
-                ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changed.items()), self.ledger.epsilon(),
+                "%d releases) and this run's steps add to it under the new settings.",
+                checkpoint,
+                ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changed.items()),
+                self.ledger.epsilon(),
                 self.ledger.total_steps,
             )
 
@@ -319,7 +370,8 @@ class PrivacyRun:
             "Resuming from %s although %s is newer: this starts a second line of training on the same data. Anything "
             "released from the later checkpoints (hub_strategy='every_save' pushes each one) stays public, and its "
             "privacy loss composes with this run's; the report and the card of this run say so%s.",
-            fork["resumed_from"], fork["newer_checkpoint"],
+            fork["resumed_from"],
+            fork["newer_checkpoint"],
             " and count both lines in epsilon_with_forks" if self.has_formal_guarantee else "",
         )
 
@@ -327,14 +379,22 @@ class PrivacyRun:
         """No step is possible at train(): say so; the metrics train() returns."""
         where = f" of {checkpoint}" if checkpoint else ""
         if not self.has_formal_guarantee:
-            logger.warning("The planned budget allows no step after the %d training steps recorded in the ledger%s "
-                           "(insecure test mode), so train() takes no step.", self.training_steps(), where)
+            logger.warning(
+                "The planned budget allows no step after the %d training steps recorded in the ledger%s "
+                "(insecure test mode), so train() takes no step.",
+                self.training_steps(),
+                where,
+            )
             return {"steps_taken": 0}
         epsilon = self.ledger.epsilon()
         logger.warning(
             "The privacy budget is already spent: ε=%.4g of target ε=%.4g after the %d training steps recorded in the "
             "ledger%s, so train() takes no step. Raising target_epsilon would spend more privacy on the same data; "
-            "otherwise use the model as it is.", epsilon, self.target_epsilon, self.training_steps(), where,
+            "otherwise use the model as it is.",
+            epsilon,
+            self.target_epsilon,
+            self.training_steps(),
+            where,
         )
         return {"epsilon": epsilon, "delta": self.delta, "steps_taken": 0}
 
@@ -342,14 +402,23 @@ class PrivacyRun:
         """At the end of train(): ε and δ into its metrics, and the line that says what was spent."""
         report = self.privacy_report()
         if "epsilon" not in report:
-            logger.warning("Trained WITHOUT a differential privacy guarantee after %d steps: %s", report["steps"],
-                           report["guarantee_note"])
+            logger.warning(
+                "Trained WITHOUT a differential privacy guarantee after %d steps: %s",
+                report["steps"],
+                report["guarantee_note"],
+            )
             return
         metrics.update(epsilon=report["epsilon"], delta=report["delta"])
         target = self.target_epsilon
-        logger.info("Trained privately: ε=%.4g%s, δ=%.3g (%s) after %d of %d planned steps.", report["epsilon"],
-                    "" if target is None else f" of target {target:g}", report["delta"], report["accountant"],
-                    report["steps"], self.plan.planned_steps)
+        logger.info(
+            "Trained privately: ε=%.4g%s, δ=%.3g (%s) after %d of %d planned steps.",
+            report["epsilon"],
+            "" if target is None else f" of target {target:g}",
+            report["delta"],
+            report["accountant"],
+            report["steps"],
+            self.plan.planned_steps,
+        )
 
     def epsilon_to_log(self, logs: dict[str, float]) -> None:
         """ε into a training log line and the final metrics: the ε the released steps have spent, the number
@@ -363,8 +432,14 @@ class PrivacyRun:
     def log_plan(self, users: UserIndex | None = None) -> None:
         """The plan, once, from the main process, at WARNING so that transformers' default verbosity shows it: the one
         line a DP user must read. At user level (`users`, the training set's) it says what happens to the data."""
-        for line in plan_lines(self.plan, self._config, self.subject["unit"], users, mechanism=self.mechanism_name,
-                               noise_multiplier=self.noise_multiplier):
+        for line in plan_lines(
+            self.plan,
+            self._config,
+            self.subject["unit"],
+            users,
+            mechanism=self.mechanism_name,
+            noise_multiplier=self.noise_multiplier,
+        ):
             logger.warning("%s", line)
 
     # ------------------------------------------------------------------ report, audits, checkpoints
@@ -378,9 +453,16 @@ class PrivacyRun:
         """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`): every key is described at
         `hf_private.run.report.privacy_report`."""
         trained = self.method.trained_parameter_names(self.model)
-        return privacy_report(self.ledger, self.plan, self._config, self.subject, self.method, self._audits,
-                              noise_multiplier=self.noise_multiplier,
-                              trainable_fraction=round(self.share_of_model(trained), 6))
+        return privacy_report(
+            self.ledger,
+            self.plan,
+            self._config,
+            self.subject,
+            self.method,
+            self._audits,
+            noise_multiplier=self.noise_multiplier,
+            trainable_fraction=round(self.share_of_model(trained), 6),
+        )
 
     def attach_audit(self, result: AuditResult) -> None:
         """Put an audit on the card; one run on the training data (the default) is composed into ε from now on.
@@ -409,7 +491,10 @@ class PrivacyRun:
         if result.audit_data == "private" and target is not None and report["epsilon"] > target:
             logger.warning(
                 "The audit ran on the training data, so its run is composed into the guarantee: ε=%.4g (training "
-                "alone %.4g) now exceeds the target ε=%.4g.", report["epsilon"], report["training_epsilon"], target,
+                "alone %.4g) now exceeds the target ε=%.4g.",
+                report["epsilon"],
+                report["training_epsilon"],
+                target,
             )
         logger.info("Audit attached (%s); the card reports ε=%.4g.", result.declaration, report["epsilon"])
 
@@ -442,8 +527,11 @@ class PrivacyRun:
             if k is None:  # check_privacy_unit: never under ELS
                 raise ValueError("kept_by_users is for ELS runs, which cap every user at max_examples_per_user.")
             examples = UserExamples.of(dataset, index)
-            kept = (examples.kept_from(self._resumed_cap, k) if self._resumed_cap is not None
-                    else cap_examples(index, k, self.sampling_random("user cap")))
+            kept = (
+                examples.kept_from(self._resumed_cap, k)
+                if self._resumed_cap is not None
+                else cap_examples(index, k, self.sampling_random("user cap"))
+            )
             self.kept_examples = share(kept)
             self._user_cap = examples.record(self.kept_examples)
         return self.kept_examples

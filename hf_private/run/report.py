@@ -22,13 +22,23 @@ from ..privacy import MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilo
 # aligned clipped gradients per step to match one noise standard deviation).
 NOISY_UPDATE = 0.05
 
-TEST_MODE_NOTE = ("Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be replayed "
-                  "by anyone who knows the seed, so no privacy loss is bounded.")
+TEST_MODE_NOTE = (
+    "Trained in insecure test mode (DPConfig.noise_seed is set): the noise and sampling can be replayed "
+    "by anyone who knows the seed, so no privacy loss is bounded."
+)
 
 
-def privacy_report(ledger: PrivacyLedger, plan: PrivacyPlan, config: MethodConfig, subject: dict[str, Any],
-                   method: DPMethod, audits: Sequence[AuditResult], *, noise_multiplier: float,
-                   trainable_fraction: float) -> dict[str, Any]:
+def privacy_report(
+    ledger: PrivacyLedger,
+    plan: PrivacyPlan,
+    config: MethodConfig,
+    subject: dict[str, Any],
+    method: DPMethod,
+    audits: Sequence[AuditResult],
+    *,
+    noise_multiplier: float,
+    trainable_fraction: float,
+) -> dict[str, Any]:
     """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`); `noise_multiplier` is the
     current training stage's σ, `trainable_fraction` the share of the model's values the method trains.
 
@@ -85,7 +95,8 @@ def privacy_report(ledger: PrivacyLedger, plan: PrivacyPlan, config: MethodConfi
         report["forks"] = ledger.forks
         if report["guarantee"] == "formal" and all(fork["newer_ledger_found"] for fork in ledger.forks):
             both = [MechanismGroup.from_dict(m) for m in report["mechanisms"]] + [
-                MechanismGroup.from_dict(m) for fork in ledger.forks for m in fork["newer_releases"]]
+                MechanismGroup.from_dict(m) for fork in ledger.forks for m in fork["newer_releases"]
+            ]
             report["epsilon_with_forks"] = compute_epsilon(both, report["delta"], ledger.accountant)
     if report["guarantee"] == "formal":
         return report
@@ -102,24 +113,33 @@ def without_guarantee(report: dict[str, Any], figures: dict[str, dict[str, Any]]
         figures["accounting_with_a_secret_seed"] = {
             "value": epsilon,
             "what": f"What the {report['accountant']} accountant gives for these mechanisms at δ: it would bound "
-                    "the privacy loss had all the noise and sampling come from a secret key. Some came from a "
-                    "test seed (this run's or a composed audit's), which replays them, so it bounds nothing.",
+            "the privacy loss had all the noise and sampling come from a secret key. Some came from a "
+            "test seed (this run's or a composed audit's), which replays them, so it bounds nothing.",
         }
     if figures:
         report["not_a_guarantee"] = figures
     return report
 
 
-def plan_lines(plan: PrivacyPlan, config: MethodConfig, unit: str, users: UserIndex | None, *, mechanism: str,
-               noise_multiplier: float) -> list[str]:
+def plan_lines(
+    plan: PrivacyPlan,
+    config: MethodConfig,
+    unit: str,
+    users: UserIndex | None,
+    *,
+    mechanism: str,
+    noise_multiplier: float,
+) -> list[str]:
     """The plan as the run announces it, at WARNING: the one line a DP user must read, then, when σ over the expected
     batch leaves the update mostly noise, what to change. `unit` is the privacy unit (`subject["unit"]`); at user
     level (`users`, the training set's) the plan also says what happens to the data."""
     units = f"{sampled_unit(config, unit)}s"  # what N and the batch count
     data = "" if users is None else " " + user_level_plan(config, users, plan.steps_per_epoch)
     if not plan.has_guarantee:
-        return [f"Training plan WITHOUT a privacy guarantee ({mechanism}): N={plan.dataset_size:d} {units}, "
-                f"q={plan.sample_rate:.5g}, {plan.planned_steps:d} steps. {plan.guarantee[1]}{data}"]
+        return [
+            f"Training plan WITHOUT a privacy guarantee ({mechanism}): N={plan.dataset_size:d} {units}, "
+            f"q={plan.sample_rate:.5g}, {plan.planned_steps:d} steps. {plan.guarantee[1]}{data}"
+        ]
     target, clip, batch = config.target_epsilon, config.max_grad_norm, plan.expected_batch_size
     if config.noise_seed is not None:  # calibrated as usual, but the known seed replays the noise
         calibrated = "" if target is None else f" (calibrated as for target {target:g})"
@@ -127,19 +147,22 @@ def plan_lines(plan: PrivacyPlan, config: MethodConfig, unit: str, users: UserIn
             f"Training plan in insecure test mode, WITHOUT a privacy guarantee ({mechanism}): N={plan.dataset_size:d} "
             f"{units}, q={plan.sample_rate:.5g}, {plan.planned_steps:d} steps, noise multiplier "
             f"σ={noise_multiplier:.4g}{calibrated}, clip norm C={clip:.4g}. DPConfig.noise_seed replays the noise and "
-            f"sampling: never publish this model as private.{data}"]
+            f"sampling: never publish this model as private.{data}"
+        ]
     else:
         targeted = "" if target is None else f", target ε={target:g}"
         lines = [
             f"Private training plan ({mechanism}): N={plan.dataset_size:d} {units}, sampling rate "
             f"q={plan.sample_rate:.5g} (expected logical batch {batch:d} {units}), {plan.planned_steps:d} steps, "
             f"noise multiplier σ={noise_multiplier:.4g}, clip norm C={clip:.4g}, δ={plan.delta:.3g}, "
-            f"{plan.accountant} accountant{targeted}.{data}"]
+            f"{plan.accountant} accountant{targeted}.{data}"
+        ]
     noise_per_batch = noise_multiplier / batch
     if noise_per_batch > NOISY_UPDATE:
         lines.append(
             f"The model will be mostly noise: σ={noise_multiplier:.4g} over an expected batch of {batch:d} {units} "
             f"puts noise of {noise_per_batch:.3g}·C on every coordinate of each averaged update (learning usually "
             f"needs well under {NOISY_UPDATE:g}·C). Use a larger logical batch (per_device_train_batch_size × "
-            "gradient_accumulation_steps), fewer epochs, more data, or a larger target ε.")
+            "gradient_accumulation_steps), fewer epochs, more data, or a larger target ε."
+        )
     return lines

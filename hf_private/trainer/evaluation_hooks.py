@@ -40,8 +40,9 @@ class EvaluationHooks(_Trainer):
         assert isinstance(self.eval_dataset, dict), "only a dict of evaluation sets names its sets"
         return self.eval_dataset[dataset]
 
-    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
-                 **kwargs: Any) -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval", **kwargs: Any
+    ) -> dict[str, float]:
         """The class's evaluate, recording its metrics and whether the card may call them held-out.
 
         Only metrics computed here reach the card, each with the verdict on the very set that produced it (a dict
@@ -50,11 +51,16 @@ class EvaluationHooks(_Trainer):
         dataset = self._set_read(eval_dataset)
         if isinstance(dataset, dict) or dataset is None:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
-        metrics = self._evaluations.record(metric_key_prefix, partial(
-            super().evaluate, eval_dataset, ignore_keys, metric_key_prefix, **kwargs))
+        metrics = self._evaluations.record(
+            metric_key_prefix, partial(super().evaluate, eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
+        )
         settings = self.privacy_run.collapse_settings(self.args.learning_rate)
-        self._evaluations.predictions.warn_if_collapsed(metric_key_prefix, self.model, settings, reduce=(
-            partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None))
+        self._evaluations.predictions.warn_if_collapsed(
+            metric_key_prefix,
+            self.model,
+            settings,
+            reduce=(partial(self.accelerator.reduce, reduction="sum") if self.args.world_size > 1 else None),
+        )
         return metrics
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:

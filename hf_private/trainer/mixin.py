@@ -58,28 +58,43 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
     """Placed first in the MRO by `privatize`: a Trainer (sub)class plus `dp_config`; every other keyword is the
     class's own."""
 
-
-    def __init__(self, *trainer_args: Any, dp_config: MethodConfig, per_example_loss: PerExampleLoss | None = None,
-                 packed_row_tokens: int | str | None = "auto",
-                 packed_forward_tokens: int | None = PACKED_FORWARD_TOKENS, **trainer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *trainer_args: Any,
+        dp_config: MethodConfig,
+        per_example_loss: PerExampleLoss | None = None,
+        packed_row_tokens: int | str | None = "auto",
+        packed_forward_tokens: int | None = PACKED_FORWARD_TOKENS,
+        **trainer_kwargs: Any,
+    ) -> None:
         names = _positional_names(type(self))  # DPOTrainer's second positional parameter is ref_model
         given = {**dict(zip(names, trainer_args)), **trainer_kwargs}
         model, args = given.get("model"), given.get("args")
         # before Trainer, which creates the Hub repo when push_to_hub is set (see preflight)
-        checked = check_before_trainer(type(self), PrivateTrainingMixin, model, args, dp_config, per_example_loss,
-                                       given.get("train_dataset"),
-                                       {k: v for k, v in given.items() if k not in ("model", "args")})
+        checked = check_before_trainer(
+            type(self),
+            PrivateTrainingMixin,
+            model,
+            args,
+            dp_config,
+            per_example_loss,
+            given.get("train_dataset"),
+            {k: v for k, v in given.items() if k not in ("model", "args")},
+        )
         # packed chunks: rows of whole examples, several to a forward (hf_private.data.packing)
-        self.packed_row_tokens, self.packed_forward_tokens = check_packing_tokens(packed_row_tokens,
-                                                                                  packed_forward_tokens)
+        self.packed_row_tokens, self.packed_forward_tokens = check_packing_tokens(
+            packed_row_tokens, packed_forward_tokens
+        )
         self.dp_method = dp_config.build_method()
         warn_if_cls_head_on_mean_encoder(checked.model)
         self.dataset_size = checked.dataset_size
         model = self.dp_method.wrap_model(checked.model)  # after every check: a refused run leaves the model as it was
         self.dp_method.prepare_model(model)
-        if "model" in names[:len(trainer_args)]:
-            trainer_args = tuple(model if name == "model" else value for name, value in zip(names, trainer_args)
-                                 ) + trainer_args[len(names):]
+        if "model" in names[: len(trainer_args)]:
+            trainer_args = (
+                tuple(model if name == "model" else value for name, value in zip(names, trainer_args))
+                + trainer_args[len(names) :]
+            )
         else:
             trainer_kwargs["model"] = model
         super().__init__(*trainer_args, **trainer_kwargs)
@@ -89,21 +104,39 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
         # the privacy unit, chosen once; its users read again if the trainer prepared a new dataset (TRL tokenizes)
         users = checked.users if self.train_dataset is given.get("train_dataset") else None
-        self.units = units_for(dp_config, self.args, self.train_dataset, users=users, cap=lambda index: (
-            self.privacy_run.kept_by_users(index, self.train_dataset, self._from_main_process)))
+        self.units = units_for(
+            dp_config,
+            self.args,
+            self.train_dataset,
+            users=users,
+            cap=lambda index: self.privacy_run.kept_by_users(index, self.train_dataset, self._from_main_process),
+        )
         # what the private path's functions resolve to, compared again before training and before every step
         self._private_path = private_path_functions(self, per_example_loss is not None)
         self.per_example_loss = per_example_loss or checked.family.per_unit_loss(self.args)
         self.custom_per_example_loss = per_example_loss is not None  # packed chunks need the family's own loss
-        self.privacy_run = PrivacyRun(dp_config, self.dp_method, self.model, self, self.dataset_size, checked.delta,
-                                      expected, getattr(self.train_dataset, "_fingerprint", None), checked.unit)
+        self.privacy_run = PrivacyRun(
+            dp_config,
+            self.dp_method,
+            self.model,
+            self,
+            self.dataset_size,
+            checked.delta,
+            expected,
+            getattr(self.train_dataset, "_fingerprint", None),
+            checked.unit,
+        )
         # the logged loss is a mean per example: under ULS a sampled user brings up to k examples
         self._examples_per_batch = self.units.examples_per_batch(self.sample_rate, expected)
         self.add_callback(LogicalBatchBoundaries(self))
         self._set_signature_columns_if_needed()  # a list: Trainer leaves it unannotated, set to None in its __init__
-        training_rows = TrainingRows(self.train_dataset, self._signature_columns,  # type: ignore[arg-type]
-                                     [*self.label_names, *checked.family.derived_columns],
-                                     pad_token_id(self.processing_class), checked.family.unmarked_units(self.args))
+        training_rows = TrainingRows(
+            self.train_dataset,
+            self._signature_columns,  # type: ignore[arg-type]
+            [*self.label_names, *checked.family.derived_columns],
+            pad_token_id(self.processing_class),
+            checked.family.unmarked_units(self.args),
+        )
         self._evaluations = Evaluations(training_rows, self.eval_dataset)
         self.privacy_run.log_plan(self.units.users)
         log_ignored_labels(checked.labels)
@@ -131,11 +164,21 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
         lengths = self.units.chunk_lengths(self.train_dataset, self.processing_class, dataset, collate)
-        sampler = self.units.poisson_sampler(dataset, self.sample_rate, self.steps_per_epoch,
-                                             self.args.gradient_accumulation_steps,
-                                             self.privacy_run.sampling_random("training sampling"), lengths)
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        sampler = self.units.poisson_sampler(
+            dataset,
+            self.sample_rate,
+            self.steps_per_epoch,
+            self.args.gradient_accumulation_steps,
+            self.privacy_run.sampling_random("training sampling"),
+            lengths,
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
 
     def poisson_chunks(self, dataset: Any, sample_rate: float, random: SecretRandom) -> list[list[int]]:
         """This process's share of one Poisson sample of units (a method's own release, e.g. DP-FROST's selection),
@@ -184,10 +227,14 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         The first chunk of ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for
         unit independence, together with a probe chunk from the training set."""
         total = torch.zeros((), device=self.args.device)
-        for chunk in chunks.physical_chunks(inputs, model, self.args.per_device_train_batch_size,
-                                            partial(self.trainer_family.rows_per_unit, model),
-                                            packed_row_tokens=self.packed_row_tokens,
-                                            packed_forward_tokens=self.packed_forward_tokens):
+        for chunk in chunks.physical_chunks(
+            inputs,
+            model,
+            self.args.per_device_train_batch_size,
+            partial(self.trainer_family.rows_per_unit, model),
+            packed_row_tokens=self.packed_row_tokens,
+            packed_forward_tokens=self.packed_forward_tokens,
+        ):
             with engine.recording(len(chunk.units), chunk.unit_rows, packed=chunk.layout):
                 total = total + self._chunk_step(model, chunk.inputs)
             engine.finish_backward()
@@ -220,19 +267,23 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         with self.compute_loss_context_manager():
             return self.summed_loss(model, inputs)[0]
 
-    def _probe_example_independence(self, model: nn.Module, chunk: PhysicalChunk,
-                                    engine: PerExampleGradientEngine) -> None:
+    def _probe_example_independence(
+        self, model: nn.Module, chunk: PhysicalChunk, engine: PerExampleGradientEngine
+    ) -> None:
         """Units recomputed alone must get the norms they had in this chunk and in a chunk of training examples
         spread over their lengths, collated as training chunks are."""
         dataset, collate = self.training_data()
         indices = self.units.in_unit_order(
-            spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size)))
+            spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
+        )
         probe, probe_units = chunks.unit_sizes_of(collate([dataset[i] for i in indices]))
         probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        probed = [(self._prepare_inputs(chunk.inputs), sum(chunk.units), chunk.rows_per_example, _grouped(chunk.units)),
-                  (probe, len(indices), probe_rows, _grouped(probe_units))]
+        probed = [
+            (self._prepare_inputs(chunk.inputs), sum(chunk.units), chunk.rows_per_example, _grouped(chunk.units)),
+            (probe, len(indices), probe_rows, _grouped(probe_units)),
+        ]
         probe_example_independence(engine, model, probed, self._training_loss, low_precision)
         self.privacy_run.needs_independence_probe = False
 
@@ -277,7 +328,7 @@ def _grouped(units: list[int]) -> list[int] | None:
 def _positional_names(cls: type) -> list[str]:
     """The names the trainer gives its positional parameters: those of the nearest `__init__` after the mixin that
     names them (a subclass that passes `*args` on is skipped; its own keywords pass through untouched)."""
-    for klass in cls.__mro__[cls.__mro__.index(PrivateTrainingMixin) + 1:]:
+    for klass in cls.__mro__[cls.__mro__.index(PrivateTrainingMixin) + 1 :]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue

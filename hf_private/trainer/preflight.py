@@ -67,9 +67,16 @@ class Preflight:
     users: UserIndex | None = None  # at user level: the users of the training set as it was given
 
 
-def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Module | None,
-                         args: TrainingArguments | None, dp_config: MethodConfig, per_example_loss: Any,
-                         train_dataset: Any, trainer_kwargs: dict[str, Any]) -> Preflight:
+def check_before_trainer(
+    trainer_class: type[Trainer],
+    mixin: type,
+    model: nn.Module | None,
+    args: TrainingArguments | None,
+    dp_config: MethodConfig,
+    per_example_loss: Any,
+    train_dataset: Any,
+    trainer_kwargs: dict[str, Any],
+) -> Preflight:
     """Every refusal that needs no built Trainer, before it creates the Hub repo and before the model is touched."""
     custom_loss = per_example_loss is not None
     family = family_of(trainer_class)
@@ -101,14 +108,21 @@ def check_before_trainer(trainer_class: type[Trainer], mixin: type, model: nn.Mo
     return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, model, users)
 
 
-def check_built_trainer(trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any,
-                        checked: Preflight) -> int:
+def check_built_trainer(
+    trainer: Trainer, args_given: bool, dp_config: MethodConfig, per_example_loss: Any, checked: Preflight
+) -> int:
     """What needs the built Trainer (its default arguments, its accelerator's parallelism, the world size); returns
     the expected logical batch (per_device_train_batch_size × gradient_accumulation_steps × world_size)."""
     if not args_given:
         assert trainer.model is not None  # check_before_trainer refused a missing model and model_init
-        check_arguments(trainer.args, dp_config.max_grad_norm, per_example_loss is not None, type(trainer),
-                        checked.family, trainer.model)
+        check_arguments(
+            trainer.args,
+            dp_config.max_grad_norm,
+            per_example_loss is not None,
+            type(trainer),
+            checked.family,
+            trainer.model,
+        )
         check_user_level_arguments(trainer.args, dp_config)
     check_parallelism(trainer)
     check_collated_labels(trainer, checked.family.labels_entry)  # labels as the first training batch carries them
@@ -158,8 +172,10 @@ _PRIVATE_CHUNK_FUNCTIONS = {
     "physical_chunks": "it cuts each Poisson chunk into physical chunks of whole units, each clipped as one",
     "unit_sizes_of": "it reads how many examples each unit of a collated batch has",
 }
-_BATCH_LOSS = ("a batch-mean loss shrinks every example's signal by the batch size against the noise, and a "
-               "batch-level loss (a normaliser, hard-example mining) couples examples")
+_BATCH_LOSS = (
+    "a batch-mean loss shrinks every example's signal by the batch size against the noise, and a "
+    "batch-level loss (a normaliser, hard-example mining) couples examples"
+)
 
 
 def check_dp_config(dp_config: Any) -> None:
@@ -207,8 +223,9 @@ def private_path_functions(trainer: HoldsPrivacyUnits, custom_loss: bool) -> dic
     trainer is built, compared by `check_private_path_unchanged` before training and before every step."""
     names = [*_PRIVATE_PATH_METHODS, *([] if custom_loss else ["compute_loss"])]
     functions = {name: inspect.getattr_static(type(trainer), name, None) for name in names}
-    functions |= {f"units.{name}": inspect.getattr_static(type(trainer.units), name, None)
-                  for name in _PRIVATE_UNIT_METHODS}
+    functions |= {
+        f"units.{name}": inspect.getattr_static(type(trainer.units), name, None) for name in _PRIVATE_UNIT_METHODS
+    }
     functions |= {f"chunks.{name}": getattr(chunks, name) for name in _PRIVATE_CHUNK_FUNCTIONS}
     check_private_path_unchanged(trainer, functions)
     return functions
@@ -231,9 +248,11 @@ def check_private_path_unchanged(trainer: HoldsPrivacyUnits, functions: dict[str
         )
 
 
-_PRIVATE_PATH_REASONS = {**_PRIVATE_PATH_METHODS,
-                         **{f"units.{name}": reason for name, reason in _PRIVATE_UNIT_METHODS.items()},
-                         **{f"chunks.{name}": reason for name, reason in _PRIVATE_CHUNK_FUNCTIONS.items()}}
+_PRIVATE_PATH_REASONS = {
+    **_PRIVATE_PATH_METHODS,
+    **{f"units.{name}": reason for name, reason in _PRIVATE_UNIT_METHODS.items()},
+    **{f"chunks.{name}": reason for name, reason in _PRIVATE_CHUNK_FUNCTIONS.items()},
+}
 
 
 def _patch(trainer: HoldsPrivacyUnits, name: str, recorded: Any) -> tuple[str, Any] | None:
@@ -293,8 +312,14 @@ def check_trainer_kwargs(kwargs: dict[str, Any], family: TrainerFamily, dp_confi
 _LOCAL_LOGGERS = ("none", "tensorboard", "codecarbon")
 
 
-def check_arguments(args: TrainingArguments, max_grad_norm: float, custom_loss: bool, trainer_class: type[Trainer],
-                    family: TrainerFamily, model: nn.Module) -> None:
+def check_arguments(
+    args: TrainingArguments,
+    max_grad_norm: float,
+    custom_loss: bool,
+    trainer_class: type[Trainer],
+    family: TrainerFamily,
+    model: nn.Module,
+) -> None:
     """The training settings (the trainer family's own first), then what a run may publish."""
     check_family_settings(args, family, model)
     check_training_args(args, max_grad_norm, custom_loss, trainer_class)
@@ -306,12 +331,14 @@ def check_family_settings(args: TrainingArguments, family: TrainerFamily, model:
     for setting in family.refused_settings:
         if setting.is_on(args, model):
             value = getattr(args, setting.name, None)
-            raise ValueError(f"{setting.name}={value!r} is not supported by private {family.name} training: "
-                             f"{setting.reason}")
+            raise ValueError(
+                f"{setting.name}={value!r} is not supported by private {family.name} training: {setting.reason}"
+            )
 
 
-def check_training_args(args: TrainingArguments, max_grad_norm: float, custom_loss: bool,
-                        trainer_class: type[Trainer] = Trainer) -> None:
+def check_training_args(
+    args: TrainingArguments, max_grad_norm: float, custom_loss: bool, trainer_class: type[Trainer] = Trainer
+) -> None:
     """Refuse what cannot be honoured; replace Trainer's gradient clipping by the per-example clip, saying so."""
     if args.fp16:
         raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
@@ -359,7 +386,8 @@ def _warn_remote_logging(args: TrainingArguments) -> None:
         logger.warning(
             "report_to=%s receives every log line, including the training loss, which is computed on the private "
             "data without noise and is not covered by the privacy guarantee; a hosted service keeps it outside this "
-            "machine. Use report_to='tensorboard' or 'none', or keep those runs private.", remote,
+            "machine. Use report_to='tensorboard' or 'none', or keep those runs private.",
+            remote,
         )
 
 
@@ -373,11 +401,14 @@ def _replace_trainer_clipping(args: TrainingArguments, max_grad_norm: float) -> 
         logger.warning(
             "TrainingArguments.max_grad_norm=%g is not used: PrivateTrainer clips each example's gradient to the DP "
             "config's max_grad_norm C=%g instead (clipping the summed gradient is not private). To clip at %g, pass "
-            "it to the DP config (e.g. DPConfig(max_grad_norm=%g)).", value, max_grad_norm, value, value,
+            "it to the DP config (e.g. DPConfig(max_grad_norm=%g)).",
+            value,
+            max_grad_norm,
+            value,
+            value,
         )
     else:
-        logger.info("Trainer's clipping of the summed gradient is off; each example is clipped to C=%g.",
-                    max_grad_norm)
+        logger.info("Trainer's clipping of the summed gradient is off; each example is clipped to C=%g.", max_grad_norm)
     args.max_grad_norm = 0.0
 
 
@@ -449,7 +480,8 @@ def check_user_level_method(dp_config: MethodConfig) -> None:
         raise ValueError(
             f"{type(dp_config).__name__} as configured has no formal guarantee (stages {lacking}), for a record or a "
             "user, so privacy_unit='user' would label a guarantee that does not exist. Use DPFPConfig(mode='sound') "
-            "(its DP-SGD head is clipped per user) or another method.")
+            "(its DP-SGD head is clipped per user) or another method."
+        )
 
 
 def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig) -> None:
@@ -457,8 +489,10 @@ def check_user_level_arguments(args: TrainingArguments, dp_config: MethodConfig)
     if dp_config.privacy_unit != "user":
         return
     if getattr(args, "train_sampling_strategy", "random") == "group_by_length":
-        raise ValueError("train_sampling_strategy='group_by_length' is not supported at privacy_unit='user': chunks "
-                         "hold whole users, not examples sorted by length. Use the default 'random'.")
+        raise ValueError(
+            "train_sampling_strategy='group_by_length' is not supported at privacy_unit='user': chunks "
+            "hold whole users, not examples sorted by length. Use the default 'random'."
+        )
 
 
 # ---------------------------------------------------------------------- dataset and labels
@@ -520,17 +554,16 @@ def check_parallelism(trainer: Trainer) -> None:
     """One process per device, each holding the whole model: what Trainer's accelerator set up, read on the built
     Trainer."""
     if trainer.args.n_gpu > 1:
-        raise ValueError(
-            f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}"
-        )
+        raise ValueError(f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ValueError(
-            "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: "
-            + _SUPPORTED_PARALLELISM
+            "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: " + _SUPPORTED_PARALLELISM
         )
     if trainer.is_model_parallel or trainer.is_distributed_loading_by_transformers:  # Trainer's own reading
-        raise ValueError("Model or tensor parallelism (one model split over several devices) is not supported: "
-                         + _SUPPORTED_PARALLELISM)
+        raise ValueError(
+            "Model or tensor parallelism (one model split over several devices) is not supported: "
+            + _SUPPORTED_PARALLELISM
+        )
 
 
 # Where launchers put the number of processes: torchrun and accelerate's multi-GPU launcher, then MPI (the variables
@@ -539,9 +572,11 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_
 # Set by every `accelerate launch` (simple, multi-GPU, ...) in the processes it starts.
 _ACCELERATE_LAUNCH_VARIABLE = "ACCELERATE_MIXED_PRECISION"
 
-_FIX = ("Start several processes with `accelerate launch --multi_gpu --num_processes N` (on CPU with use_cpu=True, "
-        "`--use_cpu true` in the recipe, or ACCELERATE_USE_CPU=1): `--cpu` always starts a single process, and "
-        "accelerate refuses it together with --multi_gpu.")
+_FIX = (
+    "Start several processes with `accelerate launch --multi_gpu --num_processes N` (on CPU with use_cpu=True, "
+    "`--use_cpu true` in the recipe, or ACCELERATE_USE_CPU=1): `--cpu` always starts a single process, and "
+    "accelerate refuses it together with --multi_gpu."
+)
 
 
 def check_process_count(world_size: int) -> None:
@@ -564,5 +599,8 @@ def check_process_count(world_size: int) -> None:
         return
     logger.warning(
         "The launch asked for %s, but this run has %d: the logical batch (per_device_train_batch_size × "
-        "gradient_accumulation_steps × processes) is smaller than planned. %s", asked, world_size, _FIX,
+        "gradient_accumulation_steps × processes) is smaller than planned. %s",
+        asked,
+        world_size,
+        _FIX,
     )

@@ -56,8 +56,13 @@ def privatize(trainer_class: type[Trainer]) -> type[Trainer]:
         return trainer_class
     if trainer_class not in _PRIVATE_CLASSES:
         name = f"Private{trainer_class.__name__}"
-        _PRIVATE_CLASSES[trainer_class] = type(name, (PrivateTrainingMixin, trainer_class), {
-            "__module__": __name__, "__qualname__": name,
-            "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
-        })
+        _PRIVATE_CLASSES[trainer_class] = type(
+            name,
+            (PrivateTrainingMixin, trainer_class),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"`{trainer_class.__name__}` plus `dp_config` (see `hf_private.privatize`).",
+            },
+        )
     return _PRIVATE_CLASSES[trainer_class]

@@ -43,19 +43,36 @@ class AllowListedUpload:
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
-    def __call__(self, repo_id: str, folder: str, *, commit_message: str | None, token: str | None,
-                 revision: str | None, run_as_future: Literal[True, False]) -> CommitInfo | Future[CommitInfo]:
+    def __call__(
+        self,
+        repo_id: str,
+        folder: str,
+        *,
+        commit_message: str | None,
+        token: str | None,
+        revision: str | None,
+        run_as_future: Literal[True, False],
+    ) -> CommitInfo | Future[CommitInfo]:
         """`run_as_future` is a bool, spelled as its two values: `upload_folder` is typed once for each."""
         files = pushable_files(folder)
         new = [name for name in withheld_files(folder) if name not in self._warned]
         if new:
-            logger.warning("Not pushing %s from %s: only released artefacts leave the machine (see "
-                           "hf_private.release.artifacts.PUSHABLE_NAMES).", ", ".join(new), folder)
+            logger.warning(
+                "Not pushing %s from %s: only released artefacts leave the machine (see "
+                "hf_private.release.artifacts.PUSHABLE_NAMES).",
+                ", ".join(new),
+                folder,
+            )
             self._warned.update(new)
         logger.info("Pushing %s to %s.", ", ".join(files), repo_id)
         return hf_api().upload_folder(
-            repo_id=repo_id, folder_path=folder, commit_message=commit_message, token=token, revision=revision,
-            run_as_future=run_as_future, allow_patterns=[glob.escape(name) for name in files],
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            token=token,
+            revision=revision,
+            run_as_future=run_as_future,
+            allow_patterns=[glob.escape(name) for name in files],
         )
 
 
@@ -110,8 +127,9 @@ class ReleaseHooks(_Trainer):
             if self.args.should_save:
                 withhold_local_base_path(output_dir)
         elif self.args.should_save:
-            save_private_checkpoint(self.model, output_dir, self.privacy_run.trained_parameter_names,
-                                    self.processing_class, self.args)
+            save_private_checkpoint(
+                self.model, output_dir, self.privacy_run.trained_parameter_names, self.processing_class, self.args
+            )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if has_private_adapter(resume_from_checkpoint):
@@ -129,11 +147,19 @@ class ReleaseHooks(_Trainer):
             super()._load_best_model()
             if not best or not has_trainer_weights(best):
                 return  # Trainer only warned that it could not find them: the weights are still the last step's
-        self._reloaded_best = reloaded_checkpoint(self.state, self.args.metric_for_best_model,
-                                                  self._evaluations.results)
+        self._reloaded_best = reloaded_checkpoint(
+            self.state, self.args.metric_for_best_model, self._evaluations.results
+        )
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs: Any):
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ):
         """`Trainer.push_to_hub`: save, write the card, then upload only the output directory's allow-listed files
         (Trainer would upload the whole directory)."""
         args = self.args
@@ -155,8 +181,12 @@ class ReleaseHooks(_Trainer):
         self.create_model_card(model_name=model_name, **kwargs)
         self._finish_current_push()
         return self._upload_to_hub(
-            self._hub_repo, self._output_dir, commit_message=commit_message, token=token,
-            revision=revision if revision is not None else args.hub_revision, run_as_future=not blocking,
+            self._hub_repo,
+            self._output_dir,
+            commit_message=commit_message,
+            token=token,
+            revision=revision if revision is not None else args.hub_revision,
+            run_as_future=not blocking,
         )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
@@ -166,38 +196,78 @@ class ReleaseHooks(_Trainer):
         args = self.args
         running = self.push_in_progress  # the previous push, while its uploads are not all done
         running = None if running is None or running.is_done() else running
-        if (not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END
-                or (running is not None and not args.hub_always_push)):
+        if (
+            not self.is_world_process_zero()
+            or args.hub_strategy == HubStrategy.END
+            or (running is not None and not args.hub_always_push)
+        ):
             return
         self.callback_handler.on_push_begin(args, self.state, self.control)
         copy_pushable(checkpoint_folder, self._output_dir)
-        progress = (f"step {self.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
-                    else f"epoch {int(self.state.epoch)}")
-        job = self._upload_to_hub(self._hub_repo, self._output_dir,
-                                  commit_message=f"Training in progress, {progress}", token=args.hub_token,
-                                  revision=args.hub_revision, run_as_future=True)
+        progress = (
+            f"step {self.state.global_step}"
+            if args.save_strategy == SaveStrategy.STEPS
+            else f"epoch {int(self.state.epoch)}"
+        )
+        job = self._upload_to_hub(
+            self._hub_repo,
+            self._output_dir,
+            commit_message=f"Training in progress, {progress}",
+            token=args.hub_token,
+            revision=args.hub_revision,
+            run_as_future=True,
+        )
         # transformers types PushInProgress's jobs as one Future; they are a list of them, as its own Trainer passes
         if running is not None:
             running.jobs.append(job)  # type: ignore[union-attr]
         else:
             self.push_in_progress = PushInProgress([job])  # type: ignore[arg-type]
 
-    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
-                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+    def create_model_card(
+        self,
+        language=None,
+        license=None,
+        tags=None,
+        model_name=None,
+        finetuned_from=None,
+        tasks=None,
+        dataset_tags=None,
+        dataset=None,
+        dataset_args=None,
+    ) -> None:
         if self.is_world_process_zero():
-            self._write_card(self._output_dir, model_name=model_name, finetuned_from=finetuned_from,
-                             tags=[tags] if isinstance(tags, str) else tags, dataset=dataset, license=license,
-                             dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags)
+            self._write_card(
+                self._output_dir,
+                model_name=model_name,
+                finetuned_from=finetuned_from,
+                tags=[tags] if isinstance(tags, str) else tags,
+                dataset=dataset,
+                license=license,
+                dataset_tags=[dataset_tags] if isinstance(dataset_tags, str) else dataset_tags,
+            )
 
     def _write_card(self, output_dir: str, **publication: Any) -> None:
         """README.md, built by `release.card_facts` from what this run knows (the keywords: create_model_card's)."""
         run = self.privacy_run
         trained = run.trained_parameter_names
-        write_card(output_dir, RunFacts(
-            report=run.privacy_report(), audit=run.audit, model=run.model, adapter_format=self.adapter_format,
-            trained_tensors=len(trained), trained_fraction=run.share_of_model(trained),
-            citations=run.method.citations(), hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None),
-            planned_steps=run.planned_steps, expected_batch_size=run.expected_batch_size,
-            learning_rate=self.args.learning_rate, optimizer=optimizer_name(self.optimizer),
-            evaluations=self._evaluations.results, reloaded_best=getattr(self, "_reloaded_best", None),
-            global_step=self.state.global_step), **publication)
+        write_card(
+            output_dir,
+            RunFacts(
+                report=run.privacy_report(),
+                audit=run.audit,
+                model=run.model,
+                adapter_format=self.adapter_format,
+                trained_tensors=len(trained),
+                trained_fraction=run.share_of_model(trained),
+                citations=run.method.citations(),
+                hub_id=self.args.hub_model_id or getattr(self, "hub_model_id", None),
+                planned_steps=run.planned_steps,
+                expected_batch_size=run.expected_batch_size,
+                learning_rate=self.args.learning_rate,
+                optimizer=optimizer_name(self.optimizer),
+                evaluations=self._evaluations.results,
+                reloaded_best=getattr(self, "_reloaded_best", None),
+                global_step=self.state.global_step,
+            ),
+            **publication,
+        )

@@ -25,6 +25,24 @@ class _FromRun:
 class RunAttributes:
     """The run's state and actions, each a `_FromRun` under the trainer's public name (the mixin inherits this)."""
 
-    (plan, ledger, engine, stage, delta, expected_batch_size, sample_rate, steps_per_epoch, planned_steps,
-     noise_multiplier, mechanism_name, has_formal_guarantee, training_steps, trained_parameter_names, record_release,
-     suspend_training_engine, privacy_report, attach_audit, audit) = (_FromRun() for _ in range(19))
+    (
+        plan,
+        ledger,
+        engine,
+        stage,
+        delta,
+        expected_batch_size,
+        sample_rate,
+        steps_per_epoch,
+        planned_steps,
+        noise_multiplier,
+        mechanism_name,
+        has_formal_guarantee,
+        training_steps,
+        trained_parameter_names,
+        record_release,
+        suspend_training_engine,
+        privacy_report,
+        attach_audit,
+        audit,
+    ) = (_FromRun() for _ in range(19))

@@ -53,8 +53,14 @@ BATCH = 128
 # Natural per-example gradient norms of the tiny BERT are ≈ 1.1, so C = 0.01 clips every example hard, as in real DP
 # fine-tuning: skipping the clip is then a gross bug (×100 sensitivity) that an audit must be able to see.
 CLIP = 0.01
-AUDIT_ARGS = dict(per_device_train_batch_size=BATCH, num_train_epochs=3, learning_rate=0.5, optim="sgd",
-                  weight_decay=0.0, logging_steps=10_000)
+AUDIT_ARGS = dict(
+    per_device_train_batch_size=BATCH,
+    num_train_epochs=3,
+    learning_rate=0.5,
+    optim="sgd",
+    weight_decay=0.0,
+    logging_steps=10_000,
+)
 CANARIES, K_PLUS = 300, 100
 
 
@@ -89,8 +95,10 @@ def test_the_gaussian_profile_reads_the_gdp_literature():
     assert gdp_epsilon(0.0, 1e-5) == 0.0
 
 
-@pytest.mark.parametrize("canaries, guesses, correct", [(1000, 200, 150), (1000, 200, 170), (1000, 200, 200),
-                                                         (300, 100, 80), (10_000, 2_000, 2_000)])
+@pytest.mark.parametrize(
+    "canaries, guesses, correct",
+    [(1000, 200, 150), (1000, 200, 170), (1000, 200, 200), (300, 100, 80), (10_000, 2_000, 2_000)],
+)
 def test_the_gdp_bound_certifies_at_least_the_epsilon_delta_bound_on_the_same_guesses(canaries, guesses, correct):
     """A μ whose ε at δ is below the (ε, δ) bound has δ_μ(ε_lb) ≤ δ there, so it is rejected too."""
     epsilon = one_run_epsilon_lower_bound(canaries, guesses, correct, DELTA)
@@ -100,14 +108,16 @@ def test_the_gdp_bound_certifies_at_least_the_epsilon_delta_bound_on_the_same_gu
 
 def test_the_gdp_bound_is_the_edge_of_rejection_and_chance_refutes_nothing():
     mu = one_run_mu_lower_bound(500, 100, 90, DELTA)
-    assert (one_run_gdp_p_value(500, 100, 90, mu * 0.99, DELTA) < 0.05
-            <= one_run_gdp_p_value(500, 100, 90, mu * 1.01, DELTA))
+    assert (
+        one_run_gdp_p_value(500, 100, 90, mu * 0.99, DELTA)
+        < 0.05
+        <= one_run_gdp_p_value(500, 100, 90, mu * 1.01, DELTA)
+    )
     assert one_run_mu_lower_bound(1000, 200, 112, DELTA) == 0.0
     assert one_run_gdp_p_value(500, 100, 0, 1.0, DELTA) == 1.0
 
 
-def _gdp_refutations(shift: float, mu: float, trials: int, level: float, canaries: int = 1000,
-                     k: int = 100) -> int:
+def _gdp_refutations(shift: float, mu: float, trials: int, level: float, canaries: int = 1000, k: int = 100) -> int:
     """Of `trials` one-run audits of a mechanism whose every canary's score is N(shift, 1) when included (probability
     ½), N(0, 1) otherwise (exactly shift-GDP per canary), how many refute "μ-GDP" at `level` (k top and k bottom
     guesses). The p-value depends on the trial only through the number of correct guesses: computed once per count."""
@@ -146,13 +156,21 @@ def test_error_rate_bound_of_a_perfect_test_is_limited_by_the_trials():
 
 
 # ---------------------------------------------------------------- one-run canary audit (Tier 2)
-def _audit(output_dir, config_cls=DPConfig, seed: int = 0, canaries: int = CANARIES,
-           k_plus: int | None = K_PLUS) -> AuditResult:
+def _audit(
+    output_dir, config_cls=DPConfig, seed: int = 0, canaries: int = CANARIES, k_plus: int | None = K_PLUS
+) -> AuditResult:
     dp = config_cls(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000 + seed)
     tok = tiny.tokenizer()
     return run_audit(
-        tiny.bert, tiny.sentiment_dataset(400, seed=1), dp, training_args(output_dir, **AUDIT_ARGS),
-        canaries=canaries, k_plus=k_plus, seed=seed, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        tiny.bert,
+        tiny.sentiment_dataset(400, seed=1),
+        dp,
+        training_args(output_dir, **AUDIT_ARGS),
+        canaries=canaries,
+        k_plus=k_plus,
+        seed=seed,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
     )
 
 
@@ -187,9 +205,10 @@ def test_bitfit_passes_the_audit(tmp_path):
     # two sets of CANARIES: `included` counts both (it may exceed `canaries`), and the summary says so
     assert result.canary_sets == ("token", "gradient")
     assert 0.3 * 2 * CANARIES < result.included < 0.7 * 2 * CANARIES
-    assert (f"Canaries: 2 sets of {CANARIES} (token and gradient canaries), each included in the training set "
-            f"independently with probability 1/2: {result.included} of {2 * CANARIES} included.") == \
-        result.canary_summary()
+    assert (
+        f"Canaries: 2 sets of {CANARIES} (token and gradient canaries), each included in the training set "
+        f"independently with probability 1/2: {result.included} of {2 * CANARIES} included."
+    ) == result.canary_summary()
 
 
 def test_too_few_trainable_coordinates_for_gradient_canaries_skip_the_white_box_score_with_a_warning(tmp_path, caplog):
@@ -197,9 +216,16 @@ def test_too_few_trainable_coordinates_for_gradient_canaries_skip_the_white_box_
     dp = BitFitConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000)
     tok = tiny.tokenizer()
     with caplog.at_level(logging.WARNING, logger="hf_private"):
-        result = run_audit(tiny.bert, tiny.sentiment_dataset(100, seed=1), dp,
-                           training_args(tmp_path, **{**AUDIT_ARGS, "num_train_epochs": 1}), canaries=1000, seed=0,
-                           data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+        result = run_audit(
+            tiny.bert,
+            tiny.sentiment_dataset(100, seed=1),
+            dp,
+            training_args(tmp_path, **{**AUDIT_ARGS, "num_train_epochs": 1}),
+            canaries=1000,
+            seed=0,
+            data_collator=DataCollatorWithPadding(tok),
+            processing_class=tok,
+        )
     assert [b.score for b in result.bounds] == ["black-box"] and result.bounds[0].confidence == 0.95
     assert "706 trainable coordinates cannot give 1000 gradient canaries" in caplog.text
 
@@ -258,16 +284,30 @@ def _language_model_audit(output_dir, trainer: str) -> AuditResult:
     common = dict(canaries=CANARIES, k_plus=K_PLUS, seed=0)
     if trainer == "causal-lm":
         tok = tiny.tokenizer()
-        return run_audit(tiny.gpt2, tiny.lm_dataset(400, seed=1), dp, training_args(output_dir, **AUDIT_ARGS),
-                         data_collator=DataCollatorForLanguageModeling(tok, mlm=False), processing_class=tok, **common)
+        return run_audit(
+            tiny.gpt2,
+            tiny.lm_dataset(400, seed=1),
+            dp,
+            training_args(output_dir, **AUDIT_ARGS),
+            data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+            processing_class=tok,
+            **common,
+        )
     from trl import SFTConfig, SFTTrainer
 
     from hf_private import privatize
     from tests.support.helpers import TRL_TEST_ARGS
 
     args = SFTConfig(str(output_dir), **{**TRL_TEST_ARGS, "max_length": None}, **AUDIT_ARGS)
-    return run_audit(tiny.llama, tiny.lm_dataset(400, seed=1), dp, args, trainer_class=privatize(SFTTrainer),
-                     processing_class=tiny.chat_tokenizer(), **common)
+    return run_audit(
+        tiny.llama,
+        tiny.lm_dataset(400, seed=1),
+        dp,
+        args,
+        trainer_class=privatize(SFTTrainer),
+        processing_class=tiny.chat_tokenizer(),
+        **common,
+    )
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["sound", "noise-not-added"])
@@ -300,6 +340,7 @@ SELECTION_TRIALS, TRIALS = 500, 2000
 
 def gaussian_mechanism_epsilon(sigma: float, delta: float) -> float:
     """Exact ε(δ) of one Gaussian mechanism with noise σ·sensitivity (Balle & Wang 2018)."""
+
     def delta_of(eps):
         return stats.norm.cdf(0.5 / sigma - eps * sigma) - math.exp(eps) * stats.norm.cdf(-0.5 / sigma - eps * sigma)
 
@@ -326,8 +367,15 @@ def _one_step_epsilon(output_dir) -> float:
     for name, p in model.named_parameters():  # the pooler and head only: thousands of trials must stay fast
         p.requires_grad_(name.startswith(("bert.pooler", "classifier")))
     dp = DPConfig(noise_multiplier=STEP_SIGMA, max_grad_norm=STEP_CLIP, noise_seed=0)
-    trainer = make_trainer(output_dir, model=model, dp=dp, learning_rate=1.0, optim="sgd", weight_decay=0.0,
-                           per_device_train_batch_size=STEP_BATCH)
+    trainer = make_trainer(
+        output_dir,
+        model=model,
+        dp=dp,
+        learning_rate=1.0,
+        optim="sgd",
+        weight_decay=0.0,
+        per_device_train_batch_size=STEP_BATCH,
+    )
     trainer.create_optimizer()
     model, engine, params = trainer.model, trainer.engine, [p for _, p in trainer.engine.parameters]
     data = tiny.sentiment_dataset(9, seed=5)
@@ -351,12 +399,19 @@ def _one_step_epsilon(output_dir) -> float:
         return torch.dot(released.double() - base.double(), direction.double()).item()
 
     def trials(count):
-        return (torch.tensor([statistic(without) for _ in range(count)]),
-                torch.tensor([statistic(with_canary) for _ in range(count)]))
+        return (
+            torch.tensor([statistic(without) for _ in range(count)]),
+            torch.tensor([statistic(with_canary) for _ in range(count)]),
+        )
 
     def best(negatives, positives, threshold):
-        return epsilon_from_error_rates(int((negatives > threshold).sum()), len(negatives),
-                                        int((positives <= threshold).sum()), len(positives), DELTA)
+        return epsilon_from_error_rates(
+            int((negatives > threshold).sum()),
+            len(negatives),
+            int((positives <= threshold).sum()),
+            len(positives),
+            DELTA,
+        )
 
     neg, pos = trials(SELECTION_TRIALS)
     threshold = max(torch.cat([neg, pos]).tolist(), key=lambda t: best(neg, pos, t))
@@ -404,16 +459,29 @@ def test_audit_reaches_the_card_as_a_lower_bound_not_the_guarantee(tmp_path, dps
 
 
 def test_audit_entry_keeps_its_lower_bound_label():
-    report = {"guarantee": "formal", "epsilon": 2.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 10,
-              "mechanisms": []}
-    block = privacy_metadata(report, "dp-sgd", audit={"kind": "guarantee", "epsilon_lower_bound": 0.1,
-                                                      "audit_data": "public"})
+    report = {
+        "guarantee": "formal",
+        "epsilon": 2.0,
+        "delta": 1e-5,
+        "accountant": "prv",
+        "dataset_size": 10,
+        "mechanisms": [],
+    }
+    block = privacy_metadata(
+        report, "dp-sgd", audit={"kind": "guarantee", "epsilon_lower_bound": 0.1, "audit_data": "public"}
+    )
     assert block["audit"]["kind"] == "empirical lower bound (not the guarantee)" and block["epsilon"] == 2.0
 
 
 def test_card_refuses_a_private_audit_missing_from_epsilon():
-    report = {"guarantee": "formal", "epsilon": 2.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 10,
-              "mechanisms": []}
+    report = {
+        "guarantee": "formal",
+        "epsilon": 2.0,
+        "delta": 1e-5,
+        "accountant": "prv",
+        "dataset_size": 10,
+        "mechanisms": [],
+    }
     for entry in ({"epsilon_lower_bound": 0.1}, {"epsilon_lower_bound": 0.1, "audit_data": "private"}):
         with pytest.raises(ValueError, match="attach_audit"):
             privacy_metadata(report, "dp-sgd", audit=entry)
@@ -427,10 +495,15 @@ def _tiny_audit(output_dir, audit_data: str, dataset=None) -> AuditResult:
     """A formal (secret-noise) audit, small and fast: 10 canaries, 3 steps."""
     tok = tiny.tokenizer()
     return run_audit(
-        tiny.bert, dataset if dataset is not None else tiny.sentiment_dataset(64, seed=1),
-        DPConfig(noise_multiplier=1.0, max_grad_norm=1.0), training_args(output_dir, max_steps=3,
-                                                                        per_device_train_batch_size=16),
-        canaries=10, k_plus=2, seed=0, audit_data=audit_data, data_collator=DataCollatorWithPadding(tok),
+        tiny.bert,
+        dataset if dataset is not None else tiny.sentiment_dataset(64, seed=1),
+        DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        training_args(output_dir, max_steps=3, per_device_train_batch_size=16),
+        canaries=10,
+        k_plus=2,
+        seed=0,
+        audit_data=audit_data,
+        data_collator=DataCollatorWithPadding(tok),
         processing_class=tok,
     )
 
@@ -492,8 +565,9 @@ def test_audit_cannot_reach_the_card_without_its_composition(tmp_path, dpsgd_aud
     trainer = make_trainer(tmp_path, max_steps=1)
     with pytest.raises(TypeError, match="AuditResult"):
         trainer.audit = dpsgd_audit.card_entry()  # the old way: a card entry alone, ε untouched
-    declared = dataclasses.replace(dpsgd_audit, audit_data="disjoint",
-                                   dataset_fingerprint=trainer.train_dataset._fingerprint)
+    declared = dataclasses.replace(
+        dpsgd_audit, audit_data="disjoint", dataset_fingerprint=trainer.train_dataset._fingerprint
+    )
     with pytest.raises(ValueError, match="same fingerprint"):
         trainer.attach_audit(declared)
     with pytest.raises(ValueError, match="audit_data"):
@@ -509,9 +583,26 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
     output, ledger = tmp_path / "audit.json", PrivacyLedger(1000, 1e-5)
     ledger.record("dp-sgd", 1.0, 0.05, 1.0, steps=50)
     ledger.save(tmp_path / "ledger.json")
-    status = main(["--demo_size", "200", "--canaries", "40", "--epochs", "1", "--batch_size", "20", "--seed", "0",
-                   "--output_dir", str(tmp_path / "run"), "--output", str(output), "--ledger",
-                   str(tmp_path / "ledger.json")])
+    status = main(
+        [
+            "--demo_size",
+            "200",
+            "--canaries",
+            "40",
+            "--epochs",
+            "1",
+            "--batch_size",
+            "20",
+            "--seed",
+            "0",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--output",
+            str(output),
+            "--ledger",
+            str(tmp_path / "ledger.json"),
+        ]
+    )
     result = json.loads(output.read_text())
     assert status == 0 and result["refutes_claim"] is False
     assert result["canaries"] == 40 and result["k_plus"] == 8 and result["claimed_epsilon"] <= 2.0
@@ -531,11 +622,26 @@ def test_command_line_demo_writes_the_result(tmp_path, capsys):
 
 def _result(lower: float, claimed: float, ceiling: float, claim: str = "epsilon") -> AuditResult:
     return AuditResult(
-        epsilon_lower_bound=lower, confidence=0.95, claimed_epsilon=claimed, delta=DELTA, method="dp-sgd",
-        canaries=1000, included=1002, k_plus=200, k_minus=0, bounds=(), date="today", audit_data="private",
-        mechanisms=(), accountant="prv", guarantee="formal" if claim == "epsilon" else "none",
-        dataset_fingerprint=None, claim=claim, ceiling=AuditCeiling(ceiling, 1.0, ceiling),
-        canary_sets=("token", "gradient"))
+        epsilon_lower_bound=lower,
+        confidence=0.95,
+        claimed_epsilon=claimed,
+        delta=DELTA,
+        method="dp-sgd",
+        canaries=1000,
+        included=1002,
+        k_plus=200,
+        k_minus=0,
+        bounds=(),
+        date="today",
+        audit_data="private",
+        mechanisms=(),
+        accountant="prv",
+        guarantee="formal" if claim == "epsilon" else "none",
+        dataset_fingerprint=None,
+        claim=claim,
+        ceiling=AuditCeiling(ceiling, 1.0, ceiling),
+        canary_sets=("token", "gradient"),
+    )
 
 
 def test_the_verdict_says_what_the_audit_showed_and_what_it_could_have():
@@ -543,14 +649,21 @@ def test_the_verdict_says_what_the_audit_showed_and_what_it_could_have():
         "Verdict: no refutation. ε_lb = 0 at 95% confidence against the claimed ε = 2: the audit found no evidence "
         "against it; a lower bound, not a measure of privacy. A bound of 0 means the guesses were no better than "
         "chance explains. The largest ε this audit could have refuted is 3.95 (every guess right with 1,000 canaries "
-        "and 200 guesses).")
-    assert _result(0.5, 8.0, 3.95).verdict().endswith(
-        "The largest ε this audit could have refuted is 3.95 (every guess right with 1,000 canaries and 200 guesses), "
-        "below 8: no outcome of it could have refuted the claim.")
+        "and 200 guesses)."
+    )
+    assert (
+        _result(0.5, 8.0, 3.95)
+        .verdict()
+        .endswith(
+            "The largest ε this audit could have refuted is 3.95 (every guess right with 1,000 canaries and 200 "
+            "guesses), below 8: no outcome of it could have refuted the claim."
+        )
+    )
     assert "bound of 0" not in _result(0.5, 8.0, 3.95).verdict()
     assert _result(3.27, 2.0, 3.95).verdict() == (
         "Verdict: REFUTED. ε_lb = 3.27 at 95% confidence against the claimed ε = 2: more canaries were guessed right "
-        "than a run with that privacy allows, except with probability 5%; the training or its accounting is broken.")
+        "than a run with that privacy allows, except with probability 5%; the training or its accounting is broken."
+    )
     no_guarantee = _result(3.27, 2.0, 3.95, claim="clt_epsilon").verdict()
     assert "the tested figure clt_epsilon (not a guarantee) = 2" in no_guarantee and "claimed ε" not in no_guarantee
     assert _result(0.0, 2.0, 3.95).canary_summary().endswith("1,002 of 2,000 included.")
@@ -563,18 +676,24 @@ def test_the_command_line_chooses_the_head_as_sentence_classifier_does(tmp_path)
     from hf_private.models.heads import MeanPooledBertForSequenceClassification
 
     checkpoint = tmp_path / "mean-pooling"
-    BertModel(BertConfig(vocab_size=tiny.VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32)).save_pretrained(checkpoint)
+    BertModel(
+        BertConfig(
+            vocab_size=tiny.VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    ).save_pretrained(checkpoint)
     tiny.tokenizer().save_pretrained(checkpoint)
-    (checkpoint / "modules.json").write_text(json.dumps([
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (checkpoint / "modules.json").write_text(
+        json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
     (checkpoint / "1_Pooling").mkdir()
     (checkpoint / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     train = tmp_path / "train.csv"
     train.write_text("sentence,label\ngood film,1\nbad film,0\n")
     common = ["--model_name_or_path", str(checkpoint), "--train_file", str(train)]
-    heads = {head: type(_task_from_files(_parser().parse_args([*common, *flag]))[0]())
-             for head, flag in (("auto", []), ("cls", ["--head", "cls"]), ("mean", ["--head", "mean"]))}
+    heads = {
+        head: type(_task_from_files(_parser().parse_args([*common, *flag]))[0]())
+        for head, flag in (("auto", []), ("cls", ["--head", "cls"]), ("mean", ["--head", "mean"]))
+    }
     assert heads["auto"] is heads["mean"] is MeanPooledBertForSequenceClassification
     assert heads["cls"].__name__ == "BertForSequenceClassification"
 
@@ -588,22 +707,41 @@ def test_python_dash_m_runs_without_runtime_warning():
     """`import hf_private` imports the audit package and its cli the trainer; running either as a script would load
     it twice, so `python -m hf_private.audit` runs the package's __main__."""
     root = pathlib.Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "hf_private.audit", "--help"],
-                          cwd=root, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "hf_private.audit", "--help"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: hf-private-audit" in done.stdout
 
 
 # ---------------------------------------------------------------- at user level: every canary a user of its own
 def _user_level_audit(output_dir, seed: int = 0) -> AuditResult:
-    dp = DPConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000 + seed,
-                  privacy_unit="user", user_column="user_id", examples_per_user=4)
+    dp = DPConfig(
+        target_epsilon=CLAIMED_EPSILON,
+        target_delta=DELTA,
+        max_grad_norm=CLIP,
+        noise_seed=1000 + seed,
+        privacy_unit="user",
+        user_column="user_id",
+        examples_per_user=4,
+    )
     tok = tiny.tokenizer()
     data = tiny.sentiment_dataset(400, seed=1)
     data = data.add_column("user_id", [i // 4 for i in range(len(data))])  # 100 users of 4 examples
     return run_audit(
-        tiny.bert, data, dp, training_args(output_dir, **AUDIT_ARGS), canaries=CANARIES, k_plus=K_PLUS, seed=seed,
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        tiny.bert,
+        data,
+        dp,
+        training_args(output_dir, **AUDIT_ARGS),
+        canaries=CANARIES,
+        k_plus=K_PLUS,
+        seed=seed,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
     )
 
 

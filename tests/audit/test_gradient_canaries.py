@@ -86,8 +86,9 @@ def test_a_sampled_canary_adds_its_inserted_gradient_clipped_and_nothing_of_its_
     engine = PerExampleGradientEngine(model, clip)
     engine.attach()
     params = trainable_parameters(model)
-    canary = GradientCanaries(first, tuple(n for n, _ in params), torch.tensor([5]), torch.tensor([17]),
-                              torch.tensor([-1.0]))
+    canary = GradientCanaries(
+        first, tuple(n for n, _ in params), torch.tensor([5]), torch.tensor([17]), torch.tensor([-1.0])
+    )
     model.train()
     collate = DataCollatorWithPadding(tiny.tokenizer())
     rows = [dict(r) for r in tiny.sentiment_dataset(3, seed=2)]
@@ -125,9 +126,16 @@ def _method_audit(output_dir, method: str) -> AuditResult:
     config_cls, model_kwargs = METHODS[method]
     dp = config_cls(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000)
     tok = tiny.tokenizer()
-    return run_audit(functools.partial(tiny.bert, **model_kwargs), tiny.sentiment_dataset(400, seed=1), dp,
-                     training_args(output_dir, **AUDIT_ARGS), canaries=DEFAULT_CANARIES, seed=0,
-                     data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+    return run_audit(
+        functools.partial(tiny.bert, **model_kwargs),
+        tiny.sentiment_dataset(400, seed=1),
+        dp,
+        training_args(output_dir, **AUDIT_ARGS),
+        canaries=DEFAULT_CANARIES,
+        seed=0,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+    )
 
 
 @pytest.mark.parametrize("bug", [None, *sorted(BUGS)], ids=["sound", *sorted(BUGS)])
@@ -149,9 +157,17 @@ def test_a_dp_sgd_run_can_be_audited_with_gradient_canaries_too(tmp_path, monkey
     tok = tiny.tokenizer()
 
     def audit(path):
-        return run_audit(tiny.bert, tiny.sentiment_dataset(400, seed=1), dp, training_args(path, **AUDIT_ARGS),
-                         canaries=DEFAULT_CANARIES, seed=0, scores=("white-box-gradient",),
-                         data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+        return run_audit(
+            tiny.bert,
+            tiny.sentiment_dataset(400, seed=1),
+            dp,
+            training_args(path, **AUDIT_ARGS),
+            canaries=DEFAULT_CANARIES,
+            seed=0,
+            scores=("white-box-gradient",),
+            data_collator=DataCollatorWithPadding(tok),
+            processing_class=tok,
+        )
 
     sound = audit(tmp_path / "sound")
     assert [b.score for b in sound.bounds] == ["white-box-gradient"] and not sound.refutes_claim
@@ -163,15 +179,30 @@ def test_a_dp_sgd_run_can_be_audited_with_gradient_canaries_too(tmp_path, monkey
 def test_gradient_canaries_audit_a_user_level_run(tmp_path, monkeypatch):
     """At user level every gradient canary is a user of its own, one example in a unit of the user's rows: DP-LoRA
     under ULS (100 users of 4 examples) is not refuted, and refuted unnoised."""
-    dp = DPLoRAConfig(target_epsilon=CLAIMED_EPSILON, target_delta=DELTA, max_grad_norm=CLIP, noise_seed=1000,
-                      privacy_unit="user", user_column="user_id", examples_per_user=4)
+    dp = DPLoRAConfig(
+        target_epsilon=CLAIMED_EPSILON,
+        target_delta=DELTA,
+        max_grad_norm=CLIP,
+        noise_seed=1000,
+        privacy_unit="user",
+        user_column="user_id",
+        examples_per_user=4,
+    )
     tok = tiny.tokenizer()
     data = tiny.sentiment_dataset(400, seed=1)
     data = data.add_column("user_id", [i // 4 for i in range(len(data))])
 
     def audit(path):
-        return run_audit(tiny.bert, data, dp, training_args(path, **AUDIT_ARGS), canaries=DEFAULT_CANARIES, seed=0,
-                         data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+        return run_audit(
+            tiny.bert,
+            data,
+            dp,
+            training_args(path, **AUDIT_ARGS),
+            canaries=DEFAULT_CANARIES,
+            seed=0,
+            data_collator=DataCollatorWithPadding(tok),
+            processing_class=tok,
+        )
 
     sound = audit(tmp_path / "sound")
     assert sound.bounds[0].score == "white-box-gradient"

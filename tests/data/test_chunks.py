@@ -82,7 +82,7 @@ def test_a_packed_chunk_holds_whole_units_laid_out_in_rows_of_whole_units():
     assert [chunk.layout.rows for chunk in chunks] == [2, 2]  # each chunk's units in rows of their own
     first = 0
     for chunk in chunks:
-        examples = tokens[first:first + sum(chunk.units)]
+        examples = tokens[first : first + sum(chunk.units)]
         layout = chunk.layout
         assert layout.lengths.tolist() == [len(t) for t in examples]
         # every example's tokens whole, in order, wherever its row put them

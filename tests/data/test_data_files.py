@@ -34,8 +34,13 @@ def test_audit_cli_reads_files_through_the_same_reader(tmp_path):
     path = tmp_path / "train.tsv"
     path.write_text(TSV)
     tiny.tokenizer().save_pretrained(tmp_path / "model")
-    options = argparse.Namespace(model_name_or_path=str(tmp_path / "model"), train_file=str(path),
-                                 text_column="sentence", label_column="label", max_seq_length=16)
+    options = argparse.Namespace(
+        model_name_or_path=str(tmp_path / "model"),
+        train_file=str(path),
+        text_column="sentence",
+        label_column="label",
+        max_seq_length=16,
+    )
     _, data, _ = _task_from_files(options)
     assert len(data) == 3 and data["label"] == [1, 0, 0]
     with pytest.raises(SystemExit, match="--train_file: .*does not exist"):

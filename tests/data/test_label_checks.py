@@ -42,7 +42,7 @@ def test_the_count_is_logged_after_the_plan(tmp_path, caplog):
         make_trainer(tmp_path, dataset=data)
     messages = [r.getMessage() for r in caplog.records]
     plan = next(i for i, m in enumerate(messages) if "training plan" in m.lower())
-    assert "labels: 5 of 96 examples are -100 (ignored: no loss, no gradient)." in messages[plan + 1:]
+    assert "labels: 5 of 96 examples are -100 (ignored: no loss, no gradient)." in messages[plan + 1 :]
 
 
 # ---------------------------------------------------------------------- mistakes refused at construction, with the fix
@@ -52,9 +52,11 @@ def test_labels_under_another_name_are_refused_at_construction_and_the_named_fix
         make_trainer(tmp_path, dataset=data)
     message = str(refused.value)
     assert "train_dataset has columns ['input_ids', 'attention_mask', 'sentiment']" in message
-    assert ("BertForSequenceClassification.forward does not read ['sentiment'], so Trainer drops them before "
-            "collating: if one holds the labels, rename it, e.g. train_dataset = train_dataset.rename_column("
-            "'sentiment', 'label').") in message
+    assert (
+        "BertForSequenceClassification.forward does not read ['sentiment'], so Trainer drops them before "
+        "collating: if one holds the labels, rename it, e.g. train_dataset = train_dataset.rename_column("
+        "'sentiment', 'label')."
+    ) in message
     assert make_trainer(tmp_path, dataset=data.rename_column("sentiment", "label")).planned_steps > 0
 
 
@@ -84,8 +86,7 @@ def test_token_labels_and_dataset_items_are_read_and_a_text_column_gets_no_mappi
     assert string_labels(items) == ("labels", ["B-PER", "I-PER", "O"], "tokens")
     with pytest.raises(ValueError, match=r"over its tokens.*\[label2id\[t\] for t in row\['labels'\]\]"):
         refuse_string_labels(items, tiny.bert())
-    assert string_labels(Dataset.from_dict({"labels": [["O"], ["B-PER", "O"]]})) == ("labels", ["B-PER", "O"],
-                                                                                    "tokens")
+    assert string_labels(Dataset.from_dict({"labels": [["O"], ["B-PER", "O"]]})) == ("labels", ["B-PER", "O"], "tokens")
     assert string_labels(tiny.sentiment_dataset(8)) is None and string_labels([{"label": 1}]) is None
     texts = Dataset.from_dict({"label": [f"review {i}" for i in range(MAX_CLASS_NAMES_SHOWN + 1)]})
     with pytest.raises(ValueError, match="not class names") as refused:
@@ -104,14 +105,20 @@ class _DrawingCollator(DataCollatorWithPadding):
 def test_mutation_collating_at_construction_leaves_every_random_stream_as_it_was(tmp_path, monkeypatch):
     """The first example is collated when the trainer is built; a collator that draws must not shift the seeded
     streams training then reads (dropout, masks). Without `_random_state_kept` the states differ."""
+
     def states():
         return torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
 
     def build(collator_class):
         tok = tiny.tokenizer()
-        PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path), train_dataset=tiny.sentiment_dataset(96),
-                       data_collator=collator_class(tok), processing_class=tok,
-                       dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0))
+        PrivateTrainer(
+            model=tiny.bert(),
+            args=training_args(tmp_path),
+            train_dataset=tiny.sentiment_dataset(96),
+            data_collator=collator_class(tok),
+            processing_class=tok,
+            dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        )
         return states()
 
     plain, drawing = build(DataCollatorWithPadding), build(_DrawingCollator)

@@ -58,8 +58,9 @@ def padded_batch(features: list[dict]) -> dict:
     return dict(DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False)(features))
 
 
-def engine_results(model, batch: dict, clip: float,
-                   rows: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def engine_results(
+    model, batch: dict, clip: float, rows: list[int] | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(per-example norms, clipped sums) of one chunk, read from a fresh engine; a packed chunk laid out in `rows`
     (examples per row) as the trainer lays it out, a packed causal LM's loss as the trainer computes it, any other
     model's from one output per example."""
@@ -105,8 +106,7 @@ def test_a_packed_chunk_says_how_long_each_example_is_and_slices_by_examples():
 
 
 def test_a_packed_chunk_laid_out_in_rows_pads_each_row_with_a_segment_of_its_own():
-    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [10, 11, 12, 13]},
-                {"input_ids": [14]}]
+    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [10, 11, 12, 13]}, {"input_ids": [14]}]
     batch = packed_batch(features)
     rows = lay_out_rows(batch, [2, 1, 1], mask_padding=True)
     assert rows["input_ids"].tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 0], [14, 0, 0, 0, 0]]
@@ -115,7 +115,10 @@ def test_a_packed_chunk_laid_out_in_rows_pads_each_row_with_a_segment_of_its_own
     assert rows["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
     layout = packed_layout(rows)
     assert (layout.rows, layout.width, layout.owner().tolist()) == (
-        3, 5, [[0, 0, 0, 1, 1], [2, 2, 2, 2, -1], [3, -1, -1, -1, -1]])
+        3,
+        5,
+        [[0, 0, 0, 1, 1], [2, 2, 2, 2, -1], [3, -1, -1, -1, -1]],
+    )
     assert "attention_mask" not in lay_out_rows(batch, [2, 1, 1], mask_padding=False)
     for start, stop in ((0, 2), (1, 3), (3, 4)):  # slicing the rows gives what slicing the one row gives
         laid, row = slice_packed(rows, start, stop), slice_packed(batch, start, stop)
@@ -124,16 +127,32 @@ def test_a_packed_chunk_laid_out_in_rows_pads_each_row_with_a_segment_of_its_own
         PackedLayout(batch[PACKED_LENGTHS_KEY], [2, 1])
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"])}, "carries an attention_mask"),
-    (lambda b: {k: torch.cat([v, v.new_zeros(1, 3)], 1) if torch.is_tensor(v) and v.dim() == 2 else v
-                for k, v in b.items()}, "runs of position_ids restarting at 0 for 4 examples"),  # padded row
-    (lambda b: {k: v.reshape(2, -1) if k != "labels" and torch.is_tensor(v) else v.reshape(2, -1)
-                for k, v in b.items()}, "The packed batch has 2 rows"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"])}, "carries an attention_mask"),
+        (
+            lambda b: {
+                k: torch.cat([v, v.new_zeros(1, 3)], 1) if torch.is_tensor(v) and v.dim() == 2 else v
+                for k, v in b.items()
+            },
+            "runs of position_ids restarting at 0 for 4 examples",
+        ),  # padded row
+        (
+            lambda b: {
+                k: v.reshape(2, -1) if k != "labels" and torch.is_tensor(v) else v.reshape(2, -1) for k, v in b.items()
+            },
+            "The packed batch has 2 rows",
+        ),
+    ],
+)
 def test_padded_split_or_masked_packed_rows_are_refused(change, message):
-    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}, {"input_ids": [11, 12, 13]},
-                {"input_ids": [14, 15, 16]}]
+    features = [
+        {"input_ids": [5, 6, 7]},
+        {"input_ids": [8, 9, 10]},
+        {"input_ids": [11, 12, 13]},
+        {"input_ids": [14, 15, 16]},
+    ]
     batch = dict(DataCollatorWithFlattening()(features))
     assert packed_lengths(batch, 4).tolist() == [3, 3, 3, 3]
     with pytest.raises(ValueError, match=message):
@@ -212,8 +231,9 @@ def test_the_equality_test_fails_when_rows_are_read_as_one(monkeypatch):
     features = _features(6)
     model = build("llama", lora=False)
     padded_norms, _ = engine_results(model, padded_batch(features), clip=0.5)
-    monkeypatch.setattr(PackedLayout, "token_index",
-                        lambda self, device="cpu": torch.arange(self.tokens, device=device))
+    monkeypatch.setattr(
+        PackedLayout, "token_index", lambda self, device="cpu": torch.arange(self.tokens, device=device)
+    )
     packed_norms, _ = engine_results(model, packed_batch(features), 0.5, ROWS["rows"])
     assert not torch.allclose(packed_norms, padded_norms, rtol=1e-3)
 
@@ -231,8 +251,9 @@ def test_attention_across_packed_examples_changes_the_norms(monkeypatch, rows):
 
 
 # ---------------------------------------------------------------------- through the public API
-def released_update(tmp_path, name: str, lora: bool, features: list[dict], collator, clip: float,
-                    **trainer_kwargs) -> torch.Tensor:
+def released_update(
+    tmp_path, name: str, lora: bool, features: list[dict], collator, clip: float, **trainer_kwargs
+) -> torch.Tensor:
     """Σ of the clipped per-example gradients plus the replayed noise: one SGD step at q = 1, (W₀ − W₁)·B/lr."""
     from datasets import Dataset
 
@@ -241,11 +262,22 @@ def released_update(tmp_path, name: str, lora: bool, features: list[dict], colla
     before = torch.cat([p.detach().flatten() for p in trained]).double()
     dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in features]})
     trainer = PrivateTrainer(
-        model=model, args=training_args(tmp_path, per_device_train_batch_size=len(features), max_steps=1,
-                                        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-                                        weight_decay=0.0),
-        train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED), **trainer_kwargs)
+        model=model,
+        args=training_args(
+            tmp_path,
+            per_device_train_batch_size=len(features),
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+        ),
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
+        **trainer_kwargs,
+    )
     assert trainer.sample_rate == 1.0
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trained]).double()
@@ -254,8 +286,11 @@ def released_update(tmp_path, name: str, lora: bool, features: list[dict], colla
 
 # PrivateTrainer's packing budgets for 8 examples of 5-11 tokens: one row; rows of <= 24 tokens in one forward; and
 # those rows in forwards of <= 48 padded tokens
-ROW_TOKENS = {"one-row": {"packed_row_tokens": None}, "rows": {"packed_row_tokens": 24},
-              "forwards": {"packed_row_tokens": 24, "packed_forward_tokens": 48}}
+ROW_TOKENS = {
+    "one-row": {"packed_row_tokens": None},
+    "rows": {"packed_row_tokens": 24},
+    "forwards": {"packed_row_tokens": 24, "packed_forward_tokens": 48},
+}
 
 
 @pytest.mark.parametrize("rows", sorted(ROW_TOKENS))
@@ -263,10 +298,17 @@ ROW_TOKENS = {"one-row": {"packed_row_tokens": None}, "rows": {"packed_row_token
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_packed_and_padded_training_release_equal_updates(tmp_path, name, lora, rows):
     features = _features(8)
-    padded = released_update(tmp_path / "padded", name, lora, features,
-                             DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False), clip=0.5)
-    packed = released_update(tmp_path / "packed", name, lora, features, DataCollatorWithFlattening(), clip=0.5,
-                             **ROW_TOKENS[rows])
+    padded = released_update(
+        tmp_path / "padded",
+        name,
+        lora,
+        features,
+        DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
+        clip=0.5,
+    )
+    packed = released_update(
+        tmp_path / "packed", name, lora, features, DataCollatorWithFlattening(), clip=0.5, **ROW_TOKENS[rows]
+    )
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
 
 
@@ -278,10 +320,12 @@ CLIP = 0.01  # below every example's gradient norm here
 def test_adding_one_example_to_a_packed_batch_moves_the_release_by_at_most_C(tmp_path, name, rows):
     mates = _features(7)
     added = _features(1, seed=5)
-    with_it = released_update(tmp_path / "with", name, False, mates + added, DataCollatorWithFlattening(), CLIP,
-                              **ROW_TOKENS[rows])
-    without = released_update(tmp_path / "without", name, False, mates, DataCollatorWithFlattening(), CLIP,
-                              **ROW_TOKENS[rows])
+    with_it = released_update(
+        tmp_path / "with", name, False, mates + added, DataCollatorWithFlattening(), CLIP, **ROW_TOKENS[rows]
+    )
+    without = released_update(
+        tmp_path / "without", name, False, mates, DataCollatorWithFlattening(), CLIP, **ROW_TOKENS[rows]
+    )
     moved = float((with_it - without).norm())
     assert 0.5 * CLIP < moved <= CLIP * (1 + 1e-4)
 
@@ -291,14 +335,24 @@ def test_a_stock_encoder_head_with_packed_batches_is_refused(tmp_path, collator)
     from datasets import Dataset
 
     data = tiny.sentiment_dataset(16)
-    columns = {"input_ids": data["input_ids"]} if collator is DataCollatorWithFlattening else {
-        "input_ids": data["input_ids"], "label": data["label"]}
+    columns = (
+        {"input_ids": data["input_ids"]}
+        if collator is DataCollatorWithFlattening
+        else {"input_ids": data["input_ids"], "label": data["label"]}
+    )
     trainer = PrivateTrainer(
-        model=tiny.bert(), args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
-        train_dataset=Dataset.from_dict(columns), data_collator=collator(), processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0))
-    with pytest.raises(ValueError, match="Packed batches are supported for causal LMs and hf_private's mean-pooled "
-                                         "classifiers .*not BertForSequenceClassification"):
+        model=tiny.bert(),
+        args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
+        train_dataset=Dataset.from_dict(columns),
+        data_collator=collator(),
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
+    with pytest.raises(
+        ValueError,
+        match="Packed batches are supported for causal LMs and hf_private's mean-pooled "
+        "classifiers .*not BertForSequenceClassification",
+    ):
         trainer.train()
     assert trainer.ledger.total_steps == 0
 
@@ -359,7 +413,9 @@ def test_a_packed_row_that_begins_inside_a_sentence_is_refused():
     with pytest.raises(ValueError, match="starting at 0 at each row's first attended token"):
         packed_owner(positions)
     assert packed_owner(positions, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0]])).tolist() == [
-        [0, 0, 1, 1], [-1, 2, 2, -1]]
+        [0, 0, 1, 1],
+        [-1, 2, 2, -1],
+    ]
 
 
 def test_the_encoder_equality_fails_when_a_rows_padding_is_pooled(monkeypatch):
@@ -379,11 +435,22 @@ def classifier_update(tmp_path, sentences: list[dict], collator, clip: float, **
     model = tiny.mean_pooled_bert()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
     trainer = PrivateTrainer(
-        model=model, args=training_args(tmp_path, per_device_train_batch_size=len(sentences), max_steps=1,
-                                        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-                                        weight_decay=0.0),
-        train_dataset=Dataset.from_list(sentences), data_collator=collator, processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED), **trainer_kwargs)
+        model=model,
+        args=training_args(
+            tmp_path,
+            per_device_train_batch_size=len(sentences),
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+        ),
+        train_dataset=Dataset.from_list(sentences),
+        data_collator=collator,
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
+        **trainer_kwargs,
+    )
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
     return (before - after) * len(sentences)
@@ -398,10 +465,14 @@ def test_packed_sentences_train_a_mean_pooled_classifier_as_padded_ones_do(tmp_p
     padded = classifier_update(tmp_path / "padded", sentences, DataCollatorWithPadding(tiny.tokenizer()), 0.5)
     packed = classifier_update(tmp_path / "packed", sentences, PackedClassificationCollator(), 0.5, **row_tokens)
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
-    moved = float((classifier_update(tmp_path / "more", sentences + _sentences(1, seed=4),
-                                     PackedClassificationCollator(), CLIP, **row_tokens)
-                   - classifier_update(tmp_path / "less", sentences, PackedClassificationCollator(), CLIP,
-                                       **row_tokens)).norm())
+    moved = float(
+        (
+            classifier_update(
+                tmp_path / "more", sentences + _sentences(1, seed=4), PackedClassificationCollator(), CLIP, **row_tokens
+            )
+            - classifier_update(tmp_path / "less", sentences, PackedClassificationCollator(), CLIP, **row_tokens)
+        ).norm()
+    )
     assert 0.5 * CLIP < moved <= CLIP * (1 + 1e-4)
 
 
@@ -412,18 +483,22 @@ def test_the_trainers_probe_refuses_packed_examples_that_attend_to_each_other(tm
 
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     trainer = PrivateTrainer(
-        model=tiny.llama(), args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
+        model=tiny.llama(),
+        args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
         train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]}),
-        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0))
+        data_collator=DataCollatorWithFlattening(),
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
     with pytest.raises(ValueError, match="depends on the other examples"):
         trainer.train()
     assert trainer.ledger.total_steps == 0
 
 
 # ---------------------------------------------------------------------- TRL's padding-free SFT, users
-def sft_update(tmp_path, padding_free: bool, rows: list[dict], packed_row_tokens: int | None = 128,
-               **config) -> torch.Tensor:
+def sft_update(
+    tmp_path, padding_free: bool, rows: list[dict], packed_row_tokens: int | None = 128, **config
+) -> torch.Tensor:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -432,13 +507,25 @@ def sft_update(tmp_path, padding_free: bool, rows: list[dict], packed_row_tokens
 
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    args = SFTConfig(str(tmp_path), **{**TRL_TEST_ARGS, "max_length": None, **config}, padding_free=padding_free,
-                     per_device_train_batch_size=len(rows), max_steps=1, learning_rate=1.0, optim="sgd",
-                     lr_scheduler_type="constant", weight_decay=0.0)
-    trainer = privatize(SFTTrainer)(model, args, train_dataset=Dataset.from_list(rows),
-                                    processing_class=tiny.chat_tokenizer(),
-                                    dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=0.05, noise_seed=SEED),
-                                    packed_row_tokens=packed_row_tokens)
+    args = SFTConfig(
+        str(tmp_path),
+        **{**TRL_TEST_ARGS, "max_length": None, **config},
+        padding_free=padding_free,
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+    )
+    trainer = privatize(SFTTrainer)(
+        model,
+        args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=0.2, max_grad_norm=0.05, noise_seed=SEED),
+        packed_row_tokens=packed_row_tokens,
+    )
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
     return (before - after) * len(rows)
@@ -469,12 +556,20 @@ def test_trl_bfd_packing_counts_sequences_not_packed_rows(tmp_path):
     from hf_private import privatize
     from tests.support.helpers import TRL_TEST_ARGS
 
-    args = SFTConfig(str(tmp_path), **{**TRL_TEST_ARGS, "max_length": 64}, packing=True,
-                     per_device_train_batch_size=4, max_steps=2)
-    trainer = privatize(SFTTrainer)(tiny.llama(), args, train_dataset=Dataset.from_list(tiny.prompt_completions(24)),
-                                    processing_class=tiny.chat_tokenizer(), dp_config=DPConfig(noise_multiplier=1.0))
-    assert len(trainer.train_dataset) == trainer.dataset_size == 24 and "seq_lengths" not in \
-        trainer.train_dataset.column_names
+    args = SFTConfig(
+        str(tmp_path), **{**TRL_TEST_ARGS, "max_length": 64}, packing=True, per_device_train_batch_size=4, max_steps=2
+    )
+    trainer = privatize(SFTTrainer)(
+        tiny.llama(),
+        args,
+        train_dataset=Dataset.from_list(tiny.prompt_completions(24)),
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
+    assert (
+        len(trainer.train_dataset) == trainer.dataset_size == 24
+        and "seq_lengths" not in trainer.train_dataset.column_names
+    )
     trainer.train()
     assert trainer.ledger.total_steps == 2 and trainer.sample_rate == pytest.approx(4 / 24)
 
@@ -484,19 +579,23 @@ def test_packed_chunks_group_a_users_examples(tmp_path):
     from datasets import Dataset
 
     features = _features(24)
-    dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in features],
-                                 "user_id": [i % 6 for i in range(24)]})
+    dataset = Dataset.from_dict(
+        {"input_ids": [f["input_ids"] for f in features], "user_id": [i % 6 for i in range(24)]}
+    )
     dp = DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=3)
     trainer = PrivateTrainer(
-        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=3, max_steps=2),
-        train_dataset=dataset, data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
-        dp_config=dp)
+        model=tiny.gpt2(),
+        args=training_args(tmp_path, per_device_train_batch_size=3, max_steps=2),
+        train_dataset=dataset,
+        data_collator=DataCollatorWithFlattening(),
+        processing_class=tiny.tokenizer(),
+        dp_config=dp,
+    )
     trainer.train()
     assert trainer.privacy_report()["unit"] == "user" and trainer.ledger.total_steps == 2
 
 
-def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_padded_chunks_are(tmp_path,
-                                                                                                 monkeypatch):
+def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_padded_chunks_are(tmp_path, monkeypatch):
     """q < 1: some Poisson chunks hold more examples than per_device_train_batch_size and are cut into pieces, a
     packed row by its examples' tokens; three steps end at the padded run's weights."""
     from datasets import Dataset
@@ -505,16 +604,25 @@ def test_a_poisson_chunk_larger_than_the_device_batch_is_sliced_by_examples_as_p
 
     sliced = []
     real = hf_private.data.chunks.slice_packed
-    monkeypatch.setattr(hf_private.data.chunks, "slice_packed",
-                        lambda batch, start, stop: sliced.append(stop - start) or real(batch, start, stop))
+    monkeypatch.setattr(
+        hf_private.data.chunks,
+        "slice_packed",
+        lambda batch, start, stop: sliced.append(stop - start) or real(batch, start, stop),
+    )
     dataset = Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]})
     weights = []
     for collator in (DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False), DataCollatorWithFlattening()):
         model = tiny.gpt2()
-        PrivateTrainer(model=model, args=training_args(tmp_path / str(len(weights)), per_device_train_batch_size=3,
-                                                       gradient_accumulation_steps=2, max_steps=3),
-                       train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),
-                       dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=0.1, noise_seed=SEED)).train()
+        PrivateTrainer(
+            model=model,
+            args=training_args(
+                tmp_path / str(len(weights)), per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3
+            ),
+            train_dataset=dataset,
+            data_collator=collator,
+            processing_class=tiny.tokenizer(),
+            dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=0.1, noise_seed=SEED),
+        ).train()
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert len(sliced) > 6  # more pieces than the 3 × 2 chunks: some chunk was cut
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)
@@ -526,12 +634,15 @@ def test_packed_chunks_are_cut_from_length_sorted_poisson_batches(tmp_path, pack
     batch by length before cutting chunks when the collator packs (as group_by_length does for padded ones)."""
     from datasets import Dataset
 
-    collator = DataCollatorWithFlattening() if packing else DataCollatorForLanguageModeling(tiny.tokenizer(),
-                                                                                            mlm=False)
+    collator = DataCollatorWithFlattening() if packing else DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False)
     trainer = PrivateTrainer(
-        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=4),
+        model=tiny.gpt2(),
+        args=training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=4),
         train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(64)]}),
-        data_collator=collator, processing_class=tiny.tokenizer(), dp_config=DPConfig(noise_multiplier=1.0))
+        data_collator=collator,
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
     sampler = trainer.get_train_dataloader().batch_sampler
     assert (sampler.lengths is not None) == packing
     if packing:
@@ -546,10 +657,15 @@ def test_a_packed_chunk_runs_as_rows_of_whole_units_within_the_token_budget():
     lengths = torch.tensor([5, 7, 300, 4, 4, 4, 9])
     # a forward of at most 4 units, in rows of at most 16 tokens (300 alone; 4+4 then 9 > 16)
     assert list(packed_pieces([1] * 7, lengths, units_per_piece=4, row_tokens=16)) == [
-        (0, 4, [1, 1, 1, 1], [2, 1, 1]), (4, 7, [1, 1, 1], [2, 1])]
+        (0, 4, [1, 1, 1, 1], [2, 1, 1]),
+        (4, 7, [1, 1, 1], [2, 1]),
+    ]
     # at most 40 padded tokens a forward: 300 alone; rows of 12 and 8 padded to 12; 8 + 9 fits no row of 12, 3 × 12 < 40
     assert list(packed_pieces([1] * 7, lengths, 7, 16, forward_tokens=40)) == [
-        (0, 2, [1, 1], [2]), (2, 3, [1], [1]), (3, 7, [1, 1, 1, 1], [3, 1])]
+        (0, 2, [1, 1], [2]),
+        (2, 3, [1], [1]),
+        (3, 7, [1, 1, 1, 1], [3, 1]),
+    ]
     # varlen kernels (a batch of one row): a forward per row
     pieces = list(packed_pieces([1] * 7, lengths, units_per_piece=4, row_tokens=16, forward_tokens=0))
     assert [(a, b, rows) for a, b, _, rows in pieces] == [(0, 2, [2]), (2, 3, [1]), (3, 6, [3]), (6, 7, [1])]
@@ -557,7 +673,10 @@ def test_a_packed_chunk_runs_as_rows_of_whole_units_within_the_token_budget():
     # each user's examples in one row, even past the budget (12 tokens > 10)
     assert users == [(0, 7, [2, 1, 3, 1], [2, 1, 3, 1])]
     assert [(a, b, rows) for a, b, _, rows in packed_pieces([1] * 7, lengths, 3, None)] == [
-        (0, 3, [3]), (3, 6, [3]), (6, 7, [1])]
+        (0, 3, [3]),
+        (3, 6, [3]),
+        (6, 7, [1]),
+    ]
 
 
 def _recorded_layouts(monkeypatch) -> list[PackedLayout]:
@@ -582,23 +701,30 @@ def _train_packed_gpt2(tmp_path, **trainer_kwargs) -> list[dict]:
         model=trainer_kwargs.pop("model", None) or tiny.gpt2(),
         args=training_args(tmp_path, per_device_train_batch_size=16, max_steps=2),
         train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in features]}),
-        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0), **trainer_kwargs)
+        data_collator=DataCollatorWithFlattening(),
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+        **trainer_kwargs,
+    )
     trainer.train()
     return features
 
 
-@pytest.mark.parametrize("row_tokens, forward_tokens, attention", [
-    (24, 48, "sdpa"), (24, 48, "eager"), (24, None, "sdpa"), (None, None, "sdpa"), ("auto", 256, "sdpa")])
-def test_the_trainer_runs_a_packed_chunk_as_rows_of_at_most_packed_row_tokens(tmp_path, monkeypatch, row_tokens,
-                                                                              forward_tokens, attention):
+@pytest.mark.parametrize(
+    "row_tokens, forward_tokens, attention",
+    [(24, 48, "sdpa"), (24, 48, "eager"), (24, None, "sdpa"), (None, None, "sdpa"), ("auto", 256, "sdpa")],
+)
+def test_the_trainer_runs_a_packed_chunk_as_rows_of_at_most_packed_row_tokens(
+    tmp_path, monkeypatch, row_tokens, forward_tokens, attention
+):
     """Under masked attention a chunk's rows share a forward: each within the row budget, each forward within the
     padded-token budget (a wider row alone), at most a chunk of examples."""
     recorded = _recorded_layouts(monkeypatch)
     model = tiny.gpt2()
     model.config._attn_implementation = attention
-    features = _train_packed_gpt2(tmp_path, model=model, packed_row_tokens=row_tokens,
-                                  packed_forward_tokens=forward_tokens)
+    features = _train_packed_gpt2(
+        tmp_path, model=model, packed_row_tokens=row_tokens, packed_forward_tokens=forward_tokens
+    )
     longest = max(len(f["input_ids"]) for f in features)
     rows = {"auto": 32}.get(row_tokens, row_tokens)
     widest = max(max(layout.row_tokens) for layout in recorded)
@@ -619,30 +745,40 @@ def test_varlen_attention_runs_each_packed_row_alone(tmp_path, monkeypatch, row_
     recorded = _recorded_layouts(monkeypatch)
     _train_packed_gpt2(tmp_path, packed_row_tokens=row_tokens)
     assert recorded and all(layout.rows == 1 for layout in recorded)
-    assert max(layout.tokens for layout in recorded) <= 24 if row_tokens == 24 else max(
-        layout.examples for layout in recorded) > 2
+    assert (
+        max(layout.tokens for layout in recorded) <= 24
+        if row_tokens == 24
+        else max(layout.examples for layout in recorded) > 2
+    )
 
 
 def test_only_eager_and_sdpa_attention_share_a_forward_between_packed_rows():
     from hf_private.data.packing import rows_share_a_forward
 
     model = tiny.llama()
-    for attention, shared in (("sdpa", True), ("eager", True), ("flash_attention_2", False),
-                              ("flex_attention", False)):
+    for attention, shared in (("sdpa", True), ("eager", True), ("flash_attention_2", False), ("flex_attention", False)):
         model.config._attn_implementation = attention
         assert rows_share_a_forward(model) is shared
         assert rows_share_a_forward(get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2))) is shared
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"packed_row_tokens": 0}, "packed_row_tokens must be an integer >= 1 or None or 'auto', got 0"),
-    ({"packed_row_tokens": "wide"}, "packed_row_tokens must be .* got 'wide'"),
-    ({"packed_forward_tokens": True}, "packed_forward_tokens must be an integer >= 1 or None, got True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"packed_row_tokens": 0}, "packed_row_tokens must be an integer >= 1 or None or 'auto', got 0"),
+        ({"packed_row_tokens": "wide"}, "packed_row_tokens must be .* got 'wide'"),
+        ({"packed_forward_tokens": True}, "packed_forward_tokens must be an integer >= 1 or None, got True"),
+    ],
+)
 def test_packing_budgets_must_be_positive_ints(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        PrivateTrainer(model=tiny.gpt2(), args=training_args(tmp_path), train_dataset=tiny.lm_dataset(8),
-                       dp_config=DPConfig(noise_multiplier=1.0), **kwargs)
+        PrivateTrainer(
+            model=tiny.gpt2(),
+            args=training_args(tmp_path),
+            train_dataset=tiny.lm_dataset(8),
+            dp_config=DPConfig(noise_multiplier=1.0),
+            **kwargs,
+        )
 
 
 def test_a_custom_per_example_loss_is_refused_for_a_packed_causal_lm(tmp_path):
@@ -650,10 +786,14 @@ def test_a_custom_per_example_loss_is_refused_for_a_packed_causal_lm(tmp_path):
     from datasets import Dataset
 
     trainer = PrivateTrainer(
-        model=tiny.gpt2(), args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
+        model=tiny.gpt2(),
+        args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1),
         train_dataset=Dataset.from_dict({"input_ids": [f["input_ids"] for f in _features(16)]}),
-        data_collator=DataCollatorWithFlattening(), processing_class=tiny.tokenizer(),
-        dp_config=DPConfig(noise_multiplier=1.0), per_example_loss=default_per_example_loss)
+        data_collator=DataCollatorWithFlattening(),
+        processing_class=tiny.tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+        per_example_loss=default_per_example_loss,
+    )
     with pytest.raises(ValueError, match="cannot say which packed example each token belongs to"):
         trainer.train()
     assert trainer.ledger.total_steps == 0

@@ -88,9 +88,7 @@ def test_no_duplicates_within_a_batch_and_indices_in_range():
 def test_ranks_are_disjoint_shards_with_poisson_union(shared_seed: bool):
     n, q, steps, world = 2001, 0.05, 400, 2
     seeds = [4] * world if shared_seed else [4 + r for r in range(world)]
-    samplers = [
-        PoissonBatchSampler(n, q, steps, rank=r, world_size=world, random=_gen(seeds[r])) for r in range(world)
-    ]
+    samplers = [PoissonBatchSampler(n, q, steps, rank=r, world_size=world, random=_gen(seeds[r])) for r in range(world)]
     per_rank = [_logical_batches(s) for s in samplers]
     union_sizes = []
     for step in range(steps):

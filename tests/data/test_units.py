@@ -21,8 +21,16 @@ LENGTHS = [3, 1, 4, 1, 5, 9, 2]
 
 def args(**overrides) -> SimpleNamespace:
     """What a unit reads of TrainingArguments."""
-    return SimpleNamespace(**{"process_index": 0, "world_size": 1, "per_device_train_batch_size": 2,
-                              "train_sampling_strategy": "random", "length_column_name": "length", **overrides})
+    return SimpleNamespace(
+        **{
+            "process_index": 0,
+            "world_size": 1,
+            "per_device_train_batch_size": 2,
+            "train_sampling_strategy": "random",
+            "length_column_name": "length",
+            **overrides,
+        }
+    )
 
 
 def dataset() -> Dataset:
@@ -38,8 +46,7 @@ def random() -> SecretRandom:
 
 
 def user_config(sampling: str, **fields) -> DPConfig:
-    return DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling=sampling,
-                    **fields)
+    return DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling=sampling, **fields)
 
 
 def not_capped(users: UserIndex) -> np.ndarray:
@@ -47,11 +54,14 @@ def not_capped(users: UserIndex) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- the choice, made once from the config
-@pytest.mark.parametrize("config, unit", [
-    (DPConfig(noise_multiplier=1.0), ExampleUnits),
-    (user_config("user", examples_per_user=2), UserUnits),
-    (user_config("example", max_examples_per_user=2), CappedUserUnits),
-])
+@pytest.mark.parametrize(
+    "config, unit",
+    [
+        (DPConfig(noise_multiplier=1.0), ExampleUnits),
+        (user_config("user", examples_per_user=2), UserUnits),
+        (user_config("example", max_examples_per_user=2), CappedUserUnits),
+    ],
+)
 def test_the_config_chooses_the_unit(config, unit):
     units = units_for(config, args(), dataset(), not_capped)
     assert type(units) is unit
@@ -89,8 +99,9 @@ def test_example_units_sort_chunks_by_length_when_asked():
 
 def test_example_units_shard_the_sample_over_processes():
     data = dataset()
-    shards = [ExampleUnits(args(process_index=rank, world_size=2)).poisson_sample(data, 1.0, random())
-              for rank in (0, 1)]
+    shards = [
+        ExampleUnits(args(process_index=rank, world_size=2)).poisson_sample(data, 1.0, random()) for rank in (0, 1)
+    ]
     assert shards == [[[0, 2], [4, 6]], [[1, 3], [5]]]
 
 
@@ -98,8 +109,9 @@ def test_capped_user_units_sort_the_kept_examples_by_their_own_lengths():
     """Regression: the lengths were read from the whole training set (7 here) for a view of the kept rows (5), and
     ELS with group_by_length or a packing collator stopped with 'lengths has 7 entries for 5 examples'."""
     kept = np.array([0, 2, 3, 4, 6])
-    units = CappedUserUnits(args(train_sampling_strategy="group_by_length"), UserIndex.of(dataset(), "user_id"),
-                            lambda users: kept)
+    units = CappedUserUnits(
+        args(train_sampling_strategy="group_by_length"), UserIndex.of(dataset(), "user_id"), lambda users: kept
+    )
     view, _ = units.training_view(dataset(), collate)
     lengths = units.chunk_lengths(dataset(), None, view, collate)
     assert lengths.tolist() == [LENGTHS[i] for i in kept]

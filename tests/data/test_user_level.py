@@ -42,17 +42,28 @@ def with_users(dataset: Dataset, users: list) -> Dataset:
 
 
 # ---------------------------------------------------------------------- the config's rules
-@pytest.mark.parametrize("fields, message", [
-    ({"user_column": "user_id"}, "user_column='user_id' is set but privacy_unit='example'"),
-    ({"privacy_unit": "person"}, "privacy_unit must be 'example' or 'user'"),
-    ({"privacy_unit": "user"}, "privacy_unit='user' needs user_column"),
-    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "batch"}, "user_sampling must be 'user'"),
-    ({"privacy_unit": "user", "user_column": "u", "examples_per_user": 0}, "examples_per_user must be an integer"),
-    ({"privacy_unit": "user", "user_column": "u", "max_examples_per_user": 4}, "max_examples_per_user is ELS's"),
-    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example"}, "needs max_examples_per_user"),
-    ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example", "max_examples_per_user": 2,
-      "examples_per_user": 3}, "examples_per_user is ULS's"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"user_column": "user_id"}, "user_column='user_id' is set but privacy_unit='example'"),
+        ({"privacy_unit": "person"}, "privacy_unit must be 'example' or 'user'"),
+        ({"privacy_unit": "user"}, "privacy_unit='user' needs user_column"),
+        ({"privacy_unit": "user", "user_column": "u", "user_sampling": "batch"}, "user_sampling must be 'user'"),
+        ({"privacy_unit": "user", "user_column": "u", "examples_per_user": 0}, "examples_per_user must be an integer"),
+        ({"privacy_unit": "user", "user_column": "u", "max_examples_per_user": 4}, "max_examples_per_user is ELS's"),
+        ({"privacy_unit": "user", "user_column": "u", "user_sampling": "example"}, "needs max_examples_per_user"),
+        (
+            {
+                "privacy_unit": "user",
+                "user_column": "u",
+                "user_sampling": "example",
+                "max_examples_per_user": 2,
+                "examples_per_user": 3,
+            },
+            "examples_per_user is ULS's",
+        ),
+    ],
+)
 def test_the_unit_fields_are_checked_when_the_config_is_built(fields, message):
     with pytest.raises(ValueError, match=message):
         DPConfig(noise_multiplier=1.0, **fields)
@@ -63,7 +74,7 @@ def test_the_index_numbers_users_in_first_seen_order_and_refuses_examples_withou
     index = UserIndex.of(Dataset.from_dict({"user_id": ["b", "a", "b", "c", "a", "b"]}), "user_id")
     assert index.users == 3 and index.examples == 6 and index.user_of.tolist() == [0, 1, 0, 2, 1, 0]
     order, starts = index.grouped()
-    assert [order[starts[u]:starts[u + 1]].tolist() for u in range(3)] == [[0, 2, 5], [1, 4], [3]]
+    assert [order[starts[u] : starts[u + 1]].tolist() for u in range(3)] == [[0, 2, 5], [1, 4], [3]]
     with pytest.raises(ValueError, match="2 training examples have no user in column 'user_id'"):
         UserIndex.of(Dataset.from_dict({"user_id": ["a", None, "b", None]}), "user_id")
     with pytest.raises(ValueError, match="user_column='author' is not a column"):
@@ -82,14 +93,17 @@ def test_users_are_compared_by_value_whatever_the_datasets_format(data_format):
 NAN = float("nan")
 
 
-@pytest.mark.parametrize("ids, message", [
-    (["1", 1, "2", 2], r"mixes string ids \(rows 0, 2\) and integer ids \(rows 1, 3\)"),
-    ([1.0, NAN, 2.0, NAN], r"2 training examples have no user in column 'user_id' \(rows 1, 3\)"),
-    ([1.0, 1.5, 2.0], r"a float id that is not a whole number in column 'user_id' \(row 1\)"),
-    ([1, None, 2], r"no user in column 'user_id' \(row 1\)"),
-    ([True, False], r"a boolean, not an id, in column 'user_id' \(rows 0, 1\)"),
-    ([[1], [2]], r"a list, not an integer or string id, in column 'user_id' \(rows 0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (["1", 1, "2", 2], r"mixes string ids \(rows 0, 2\) and integer ids \(rows 1, 3\)"),
+        ([1.0, NAN, 2.0, NAN], r"2 training examples have no user in column 'user_id' \(rows 1, 3\)"),
+        ([1.0, 1.5, 2.0], r"a float id that is not a whole number in column 'user_id' \(row 1\)"),
+        ([1, None, 2], r"no user in column 'user_id' \(row 1\)"),
+        ([True, False], r"a boolean, not an id, in column 'user_id' \(rows 0, 1\)"),
+        ([[1], [2]], r"a list, not an integer or string id, in column 'user_id' \(rows 0, 1\)"),
+    ],
+)
 @pytest.mark.parametrize("data_format", [None, "torch"])
 def test_ids_that_are_not_one_plain_value_are_refused_with_their_rows(ids, message, data_format):
     rows = [{"user_id": torch.tensor(i) if data_format and isinstance(i, float) else i} for i in ids]
@@ -109,14 +123,20 @@ def _heavy_tailed_users(users: int, seed: int = 0) -> UserIndex:
 
 def test_uls_samples_users_at_rate_q_with_at_most_k_of_their_own_examples_never_split():
     index = _heavy_tailed_users(400)
-    sampler = UserPoissonSampler(index, sample_rate=0.05, steps_per_epoch=200, examples_per_user=3, num_chunks=3,
-                                 random=SecretRandom(test_seed=SEED))
+    sampler = UserPoissonSampler(
+        index,
+        sample_rate=0.05,
+        steps_per_epoch=200,
+        examples_per_user=3,
+        num_chunks=3,
+        random=SecretRandom(test_seed=SEED),
+    )
     chunks = list(sampler)
     assert len(chunks) == len(sampler) == 600
     sampled_users = []
     for step in range(200):
         users_in_step = []
-        for chunk in chunks[3 * step:3 * step + 3]:
+        for chunk in chunks[3 * step : 3 * step + 3]:
             owners = index.user_of[chunk]
             runs = [owners[0]] + [u for prev, u in zip(owners, owners[1:]) if u != prev] if len(chunk) else []
             assert len(runs) == len(set(runs))  # each user's examples consecutive, once
@@ -133,8 +153,9 @@ def test_two_ranks_draw_the_users_one_process_draws_between_them():
     index = _heavy_tailed_users(100, seed=1)
 
     def draw(rank: int, world: int) -> list[list[int]]:
-        sampler = UserPoissonSampler(index, 0.3, 5, examples_per_user=2, rank=rank, world_size=world,
-                                     random=SecretRandom(test_seed=SEED))
+        sampler = UserPoissonSampler(
+            index, 0.3, 5, examples_per_user=2, rank=rank, world_size=world, random=SecretRandom(test_seed=SEED)
+        )
         return [sorted(chunk) for chunk in sampler]
 
     alone, first, second = draw(0, 1), draw(0, 2), draw(1, 2)
@@ -150,8 +171,9 @@ def _user_rows(n_users: int, per_user: int, offset: int = 0) -> tuple[Dataset, l
 
 
 def user_trainer(tmp_path, dataset: Dataset, users: list, dp: DPConfig | None = None, **args):
-    dp = dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id",
-                        examples_per_user=4)
+    dp = dp or DPConfig(
+        noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id", examples_per_user=4
+    )
     return make_trainer(tmp_path, dataset=with_users(dataset, users), dp=dp, **args)
 
 
@@ -160,8 +182,11 @@ def test_trains_at_user_level_and_the_card_names_the_user_the_column_and_k(tmp_p
     with caplog.at_level("INFO", logger="transformers"):
         trainer = user_trainer(tmp_path, data, users, per_device_train_batch_size=4, num_train_epochs=1)
     assert trainer.dataset_size == 24 and trainer.sample_rate == pytest.approx(4 / 24)
-    assert "Private training plan (dp-sgd): N=24 users, sampling rate q=0.16667 (expected logical batch 4 users)" \
-        in caplog.text and "expected batch of 4 users" in caplog.text
+    assert (
+        "Private training plan (dp-sgd): N=24 users, sampling rate q=0.16667 (expected logical batch 4 users)"
+        in caplog.text
+        and "expected batch of 4 users" in caplog.text
+    )
     trainer.train()
     report = trainer.privacy_report()
     assert report["unit"] == "user" and report["user_column"] == "user_id" and report["examples_per_user"] == 4
@@ -187,20 +212,29 @@ def _plan(caplog, build) -> str:
     return plans[0]
 
 
-@pytest.mark.parametrize("k, takes", [
-    (1, "every sampled user contributes one of their examples (examples_per_user=1), drawn at random"),
-    (4, "every sampled user contributes the sum of up to examples_per_user=4 of their examples"),
-])
+@pytest.mark.parametrize(
+    "k, takes",
+    [
+        (1, "every sampled user contributes one of their examples (examples_per_user=1), drawn at random"),
+        (4, "every sampled user contributes the sum of up to examples_per_user=4 of their examples"),
+    ],
+)
 def test_the_uls_plan_says_which_examples_train_and_what_an_epoch_counts(tmp_path, caplog, k, takes):
     """Issue 45: ULS with k = 1 used one example per sampled user per step, and num_train_epochs counted users,
     silently."""
     data, users = _user_rows(24, 3)
-    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id",
-                  examples_per_user=k)
+    dp = DPConfig(
+        noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_column="user_id", examples_per_user=k
+    )
     plan = _plan(caplog, lambda: user_trainer(tmp_path, data, users, dp=dp, per_device_train_batch_size=4))
-    for said in ("N=24 users", "(expected logical batch 4 users)", takes,
-                 "num_train_epochs counts passes over the 24 users (6 steps an epoch, each user sampled about once), "
-                 "not over the 72 examples", "The logged loss is a mean per example."):
+    for said in (
+        "N=24 users",
+        "(expected logical batch 4 users)",
+        takes,
+        "num_train_epochs counts passes over the 24 users (6 steps an epoch, each user sampled about once), "
+        "not over the 72 examples",
+        "The logged loss is a mean per example.",
+    ):
         assert said in plan
 
 
@@ -209,8 +243,13 @@ def test_the_els_plan_counts_the_kept_examples_as_examples_and_says_how_many_wer
     data = tiny.sentiment_dataset(60)
     users = [i % 12 for i in range(60)]  # 12 users of 5 examples: 24 kept
     plan = _plan(caplog, lambda: user_trainer(tmp_path, data, users, dp=els_config(), per_device_train_batch_size=6))
-    for said in ("N=24 examples", "(expected logical batch 6 examples)", "max_examples_per_user=2",
-                 "24 of the 60 training examples are kept", "passes over the kept examples"):
+    for said in (
+        "N=24 examples",
+        "(expected logical batch 6 examples)",
+        "max_examples_per_user=2",
+        "24 of the 60 training examples are kept",
+        "passes over the kept examples",
+    ):
         assert said in plan
     assert "users" not in plan.split("Example-level sampling")[0]
 
@@ -226,8 +265,9 @@ def test_the_uls_loss_is_logged_per_example_not_per_user(tmp_path):
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     per_example = float(torch.nn.functional.cross_entropy(logits, batch["labels"]))
-    trainer = user_trainer(tmp_path, data, users, model=model, per_device_train_batch_size=4, max_steps=40,
-                           learning_rate=0.0)
+    trainer = user_trainer(
+        tmp_path, data, users, model=model, per_device_train_batch_size=4, max_steps=40, learning_rate=0.0
+    )
     trainer.train()
     logged = float(np.mean([entry["loss"] for entry in trainer.state.log_history if "loss" in entry]))
     assert logged == pytest.approx(per_example, rel=0.3)
@@ -253,25 +293,48 @@ def independent_epsilon(privacy: dict) -> float:
     return accountant.get_epsilon(privacy["delta"] - privacy.get("sampler_tail_delta", 0.0))
 
 
-def released_sum(tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int,
-                 data_format: str | None = None) -> torch.Tensor:
+def released_sum(
+    tmp_path, dataset: Dataset, users: list, dp: DPConfig, units: int, data_format: str | None = None
+) -> torch.Tensor:
     """Σ of the clipped per-unit gradients plus the replayed noise, read off one SGD step at q = 1 (`units`: the
     expected batch, every user under ULS, every kept example under ELS; `data_format`: the dataset's, e.g. "torch")."""
     model = tiny.bert()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    trainer = make_trainer(tmp_path, model=model, dataset=with_users(dataset, users).with_format(data_format), dp=dp,
-                           per_device_train_batch_size=units, max_steps=1, learning_rate=1.0, optim="sgd",
-                           lr_scheduler_type="constant", weight_decay=0.0)
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        dataset=with_users(dataset, users).with_format(data_format),
+        dp=dp,
+        per_device_train_batch_size=units,
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+    )
     assert trainer.sample_rate == 1.0
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
     return (before - after) * units
 
 
-def uls_released_sum(tmp_path, dataset: Dataset, users: list, clip: float, k: int, data_format: str | None = None,
-                     units: int | None = None) -> torch.Tensor:
-    dp = DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED, privacy_unit="user",
-                  user_column="user_id", examples_per_user=k)
+def uls_released_sum(
+    tmp_path,
+    dataset: Dataset,
+    users: list,
+    clip: float,
+    k: int,
+    data_format: str | None = None,
+    units: int | None = None,
+) -> torch.Tensor:
+    dp = DPConfig(
+        noise_multiplier=0.2,
+        max_grad_norm=clip,
+        noise_seed=SEED,
+        privacy_unit="user",
+        user_column="user_id",
+        examples_per_user=k,
+    )
     return released_sum(tmp_path, dataset, users, dp, units or len(set(users)), data_format)
 
 
@@ -292,8 +355,9 @@ def sensitivity(tmp_path, clip: float, k: int, data_format: str | None = None, r
     data, users = _with_added()
 
     def release(name: str, dataset: Dataset, ids: list) -> torch.Tensor:
-        return uls_released_sum(tmp_path / name, dataset, ids, clip, k, data_format,
-                                units=len(ids) if rows_as_units else None)
+        return uls_released_sum(
+            tmp_path / name, dataset, ids, clip, k, data_format, units=len(ids) if rows_as_units else None
+        )
 
     return float((release("with", data, users) - release("without", MATES, MATE_USERS)).norm())
 
@@ -323,8 +387,9 @@ def test_the_sensitivity_test_fails_when_a_users_examples_are_clipped_apart(tmp_
 def torch_formatted_users(tmp_path, data: Dataset, users: list) -> int:
     """The users a user-level trainer counts in `data` with `users` as its user column, in the torch format."""
     dp = DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=1)
-    trainer = make_trainer(tmp_path, dataset=with_users(data, users).with_format("torch"), dp=dp,
-                           per_device_train_batch_size=2)
+    trainer = make_trainer(
+        tmp_path, dataset=with_users(data, users).with_format("torch"), dp=dp, per_device_train_batch_size=2
+    )
     return trainer.dataset_size
 
 
@@ -356,8 +421,10 @@ def test_a_users_contribution_does_not_depend_on_the_other_users(tmp_path):
     contributions = []
     for name, mates, mate_users in (("a", MATES, MATE_USERS), ("b", OTHER_MATES, OTHER_MATE_USERS)):
         both = concatenate_datasets([mates, ADDED])
-        contributions.append(uls_released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
-                             - uls_released_sum(tmp_path / name, mates, mate_users, HUGE, 10))
+        contributions.append(
+            uls_released_sum(tmp_path / f"{name}+", both, mate_users + ADDED_USERS, HUGE, 10)
+            - uls_released_sum(tmp_path / name, mates, mate_users, HUGE, 10)
+        )
     assert contributions[0].norm() > 0
     torch.testing.assert_close(contributions[0], contributions[1], rtol=0, atol=1e-3 * float(contributions[0].norm()))
 
@@ -372,19 +439,28 @@ def _trl_at_user_level(kind: str, tmp_path):
 
     if kind == "sft":
         users = [u % 7 for u in range(24)]
-        args = SFTConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1,
-                         assistant_only_loss=True)
-        build = partial(privatize(SFTTrainer), tiny.llama(), args,
-                        train_dataset=with_users(tiny.conversations(24), users))
+        args = SFTConfig(
+            str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=3, num_train_epochs=1, assistant_only_loss=True
+        )
+        build = partial(
+            privatize(SFTTrainer), tiny.llama(), args, train_dataset=with_users(tiny.conversations(24), users)
+        )
         k = 2
     else:
         users = [u % 5 for u in range(24)]
         args = DPOConfig(str(tmp_path), **TRL_TEST_ARGS, per_device_train_batch_size=2, num_train_epochs=1)
-        build = partial(privatize(DPOTrainer), tiny.llama(), tiny.llama(), args,
-                        train_dataset=with_users(tiny.preference_pairs(24), users))
+        build = partial(
+            privatize(DPOTrainer),
+            tiny.llama(),
+            tiny.llama(),
+            args,
+            train_dataset=with_users(tiny.preference_pairs(24), users),
+        )
         k = 3
-    trainer = build(processing_class=tiny.chat_tokenizer(), dp_config=DPConfig(
-        noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=k))
+    trainer = build(
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", examples_per_user=k),
+    )
     return trainer, len(set(users)), f"trl.{kind.upper()}Trainer"
 
 
@@ -445,8 +521,16 @@ def test_the_cap_keeps_at_most_k_examples_of_each_user_drawn_secretly():
 
 
 def els_config(**fields) -> DPConfig:
-    return DPConfig(**{"noise_multiplier": 1.0, "privacy_unit": "user", "user_column": "user_id",
-                       "user_sampling": "example", "max_examples_per_user": 2, **fields})
+    return DPConfig(
+        **{
+            "noise_multiplier": 1.0,
+            "privacy_unit": "user",
+            "user_column": "user_id",
+            "user_sampling": "example",
+            "max_examples_per_user": 2,
+            **fields,
+        }
+    )
 
 
 def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
@@ -459,8 +543,9 @@ def test_els_trains_on_the_capped_examples_and_accounts_for_the_user(tmp_path):
     assert report["unit"] == "user" and report["user_sampling"] == "example" and report["max_examples_per_user"] == 2
     assert [m["examples_per_user"] for m in report["mechanisms"]] == [2]
     assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
-    record = user_trainer(tmp_path / "k1", data, users, dp=els_config(max_examples_per_user=1),
-                          per_device_train_batch_size=3, max_steps=4)
+    record = user_trainer(
+        tmp_path / "k1", data, users, dp=els_config(max_examples_per_user=1), per_device_train_batch_size=3, max_steps=4
+    )
     record.train()
     # the same σ and q: a user with two examples in reach costs more than one with one
     assert report["epsilon"] > record.privacy_report()["epsilon"]
@@ -478,8 +563,12 @@ def test_els_one_user_moves_the_release_by_at_most_k_C_and_the_test_fails_withou
     both = concatenate_datasets([MATES, ADDED])
 
     def moved(name: str) -> float:
-        return float((els_released_sum(tmp_path / f"{name}+", both, MATE_USERS + ADDED_USERS, CLIP, 3)
-                      - els_released_sum(tmp_path / name, MATES, MATE_USERS, CLIP, 3)).norm())
+        return float(
+            (
+                els_released_sum(tmp_path / f"{name}+", both, MATE_USERS + ADDED_USERS, CLIP, 3)
+                - els_released_sum(tmp_path / name, MATES, MATE_USERS, CLIP, 3)
+            ).norm()
+        )
 
     capped = moved("capped")
     assert CLIP < capped <= 3 * CLIP * (1 + 1e-4)  # the user's 3 kept examples, each clipped to C
@@ -490,8 +579,9 @@ def test_els_one_user_moves_the_release_by_at_most_k_C_and_the_test_fails_withou
 def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
     data = tiny.sentiment_dataset(60)
     users = [i % 12 for i in range(60)]
-    settings = dict(dp=els_config(target_epsilon=4.0, noise_multiplier=None), max_steps=6,
-                    per_device_train_batch_size=6)
+    settings = dict(
+        dp=els_config(target_epsilon=4.0, noise_multiplier=None), max_steps=6, per_device_train_batch_size=6
+    )
     interrupted = user_trainer(tmp_path, data, users, **settings, save_strategy="steps", save_steps=3)
     interrupted.add_callback(_Kill(at_step=4))
     with pytest.raises(KeyboardInterrupt):
@@ -512,8 +602,13 @@ REVERSED = list(range(39, -1, -1))
 
 def interrupted_els_run(tmp_path) -> dict:
     """An ELS run at k = 1 on OWNER_DATA killed after its checkpoint-1: the settings to resume it with."""
-    settings = dict(dp=els_config(max_examples_per_user=1), max_steps=3, per_device_train_batch_size=3,
-                    save_strategy="steps", save_steps=1)
+    settings = dict(
+        dp=els_config(max_examples_per_user=1),
+        max_steps=3,
+        per_device_train_batch_size=3,
+        save_strategy="steps",
+        save_steps=1,
+    )
     interrupted = user_trainer(tmp_path, OWNER_DATA, OWNER_USERS, **settings)
     interrupted.add_callback(_Kill(at_step=2))
     with pytest.raises(KeyboardInterrupt):
@@ -556,9 +651,12 @@ def test_an_els_resume_with_the_rows_reordered_keeps_the_same_examples_and_the_c
 def test_an_els_resume_on_changed_rows_is_refused_naming_the_users_and_rows(tmp_path):
     settings = interrupted_els_run(tmp_path)
     changed = OWNER_DATA.map(lambda row, i: {"label": 1 - row["label"]} if i == 30 else {}, with_indices=True)
-    with pytest.raises(ValueError, match=r"not the one the checkpoint's ELS cap was drawn on. Users whose examples "
-                                         r"differ from all of the checkpoint's: 1 of 21 \(first seen at rows 9; 1 rows "
-                                         r"between them\). The checkpoint's users not found: 1\."):
+    with pytest.raises(
+        ValueError,
+        match=r"not the one the checkpoint's ELS cap was drawn on. Users whose examples "
+        r"differ from all of the checkpoint's: 1 of 21 \(first seen at rows 9; 1 rows "
+        r"between them\). The checkpoint's users not found: 1\.",
+    ):
         resume_reordered(tmp_path, settings, changed)
 
 
@@ -576,8 +674,9 @@ def test_a_user_cap_naming_rows_is_refused(tmp_path):
 
     from hf_private.release.checkpoints import load_user_cap
 
-    (tmp_path / "user_cap.json").write_text(json.dumps({"user_column": "user_id", "max_examples_per_user": 1,
-                                                        "kept": [0, 3]}))  # an earlier version's
+    (tmp_path / "user_cap.json").write_text(
+        json.dumps({"user_column": "user_id", "max_examples_per_user": 1, "kept": [0, 3]})
+    )  # an earlier version's
     with pytest.raises(ValueError, match="names the kept examples by row number"):
         load_user_cap(str(tmp_path), types.SimpleNamespace(user_column="user_id", max_examples_per_user=1))
 
@@ -587,8 +686,15 @@ def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_p
     every release, selection and training alike, is a mixture-of-Gaussians event with k."""
     data = tiny.sentiment_dataset(60)
     users = [i % 12 for i in range(60)]
-    dp = FrostConfig(noise_multiplier=1.0, privacy_unit="user", user_column="user_id", user_sampling="example",
-                     max_examples_per_user=2, unfreeze_ratio=0.3, selection_sample_rate=0.25)
+    dp = FrostConfig(
+        noise_multiplier=1.0,
+        privacy_unit="user",
+        user_column="user_id",
+        user_sampling="example",
+        max_examples_per_user=2,
+        unfreeze_ratio=0.3,
+        selection_sample_rate=0.25,
+    )
     trainer = user_trainer(tmp_path, data, users, dp=dp, per_device_train_batch_size=6, max_steps=3)
     trainer.train()
     report = trainer.privacy_report()
@@ -598,9 +704,18 @@ def test_dp_frost_under_els_accounts_its_selection_rounds_for_the_user_too(tmp_p
 
 # ---------------------------------------------------------------------- methods with releases of their own (ULS)
 def frost_uls(clip: float, k: int, **fields) -> FrostConfig:
-    return FrostConfig(**{"noise_multiplier": 1.0, "max_grad_norm": clip, "privacy_unit": "user",
-                          "user_column": "user_id", "examples_per_user": k, "unfreeze_ratio": 0.3,
-                          "selection_sample_rate": 0.25, **fields})
+    return FrostConfig(
+        **{
+            "noise_multiplier": 1.0,
+            "max_grad_norm": clip,
+            "privacy_unit": "user",
+            "user_column": "user_id",
+            "examples_per_user": k,
+            "unfreeze_ratio": 0.3,
+            "selection_sample_rate": 0.25,
+            **fields,
+        }
+    )
 
 
 def test_dp_frost_under_uls_samples_users_in_its_selection_rounds(tmp_path, monkeypatch):
@@ -619,8 +734,14 @@ def test_dp_frost_under_uls_samples_users_in_its_selection_rounds(tmp_path, monk
         return chunks
 
     monkeypatch.setattr(MethodView, "poisson_sample", spy)
-    trainer = user_trainer(tmp_path, data, users, dp=frost_uls(1.0, 3, selection_sample_rate=0.5),
-                           per_device_train_batch_size=4, max_steps=2)
+    trainer = user_trainer(
+        tmp_path,
+        data,
+        users,
+        dp=frost_uls(1.0, 3, selection_sample_rate=0.5),
+        per_device_train_batch_size=4,
+        max_steps=2,
+    )
     assert trainer.dataset_size == index.users == 12
     trainer.train()
     assert drawn and all(1 <= n <= 3 for sizes in drawn for n in sizes)
@@ -633,8 +754,9 @@ def test_dp_frost_under_uls_samples_users_in_its_selection_rounds(tmp_path, monk
     assert independent_epsilon(report) == pytest.approx(report["epsilon"], rel=0.03)
 
 
-def first_selection_release(tmp_path, dataset: Dataset, users: list, clip: float, k: int,
-                            monkeypatch) -> tuple[torch.Tensor, float]:
+def first_selection_release(
+    tmp_path, dataset: Dataset, users: list, clip: float, k: int, monkeypatch
+) -> tuple[torch.Tensor, float]:
     """The first noisy magnitudes DP-FROST releases (q_ps = 1, noise replayed under the test seed) and the
     sensitivity the reducer claimed for them."""
     from hf_private.run.method_view import MethodView
@@ -649,9 +771,14 @@ def first_selection_release(tmp_path, dataset: Dataset, users: list, clip: float
 
     with monkeypatch.context() as patch:
         patch.setattr(MethodView, "release", spy)
-        trainer = make_trainer(tmp_path, model=tiny.bert(), dataset=with_users(dataset, users),
-                               dp=frost_uls(clip, k, selection_sample_rate=1.0, selection_rounds=1, noise_seed=SEED),
-                               per_device_train_batch_size=len(set(users)), max_steps=1)
+        trainer = make_trainer(
+            tmp_path,
+            model=tiny.bert(),
+            dataset=with_users(dataset, users),
+            dp=frost_uls(clip, k, selection_sample_rate=1.0, selection_rounds=1, noise_seed=SEED),
+            per_device_train_batch_size=len(set(users)),
+            max_steps=1,
+        )
         trainer.train()
     return releases[0]
 

@@ -179,8 +179,11 @@ def _trainer_case(name):
     tok = tiny.tokenizer()
     lm_collator = DataCollatorForLanguageModeling(tok, mlm=False, pad_to_multiple_of=SEQ)
     if name == "bert":
-        return tiny.bert(), tiny.sentiment_dataset(48), DataCollatorWithPadding(tok, padding="max_length",
-                                                                                 max_length=SEQ)
+        return (
+            tiny.bert(),
+            tiny.sentiment_dataset(48),
+            DataCollatorWithPadding(tok, padding="max_length", max_length=SEQ),
+        )
     if name == "gpt2":
         return tiny.gpt2(), tiny.lm_dataset(48), lm_collator
     return _lora(tiny.llama(), "CAUSAL_LM"), tiny.lm_dataset(48), lm_collator
@@ -201,13 +204,19 @@ def test_private_trainer_trains_with_bf16_on_cpu(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(independence, "check_example_independence", recorded_probe)
     trainer = PrivateTrainer(
-        model=model, args=training_args(tmp_path, bf16=True, max_steps=3, per_device_train_batch_size=8),
-        train_dataset=dataset, data_collator=collator, processing_class=tiny.tokenizer(),
+        model=model,
+        args=training_args(tmp_path, bf16=True, max_steps=3, per_device_train_batch_size=8),
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=tiny.tokenizer(),
         dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0),
     )
     output_dtypes = set()
-    handles = [m.register_forward_hook(lambda m, a, out: output_dtypes.add(out.dtype) if m.training else None)
-               for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    handles = [
+        m.register_forward_hook(lambda m, a, out: output_dtypes.add(out.dtype) if m.training else None)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m.weight.requires_grad
+    ]
     before = snapshot(model)
     trainer.train()
     for handle in handles:

@@ -105,8 +105,9 @@ def _unit_reference(model, batch, units, clip_quantile: float = 0.5):
     model.zero_grad()
     norms = torch.stack([torch.sqrt(sum(g.double().pow(2).sum() for g in unit)) for unit in grads]).to(params[0].dtype)
     clip = float(norms.quantile(clip_quantile))
-    sums = [sum(min(1.0, clip / (n.item() + 1e-6)) * unit[i] for n, unit in zip(norms, grads))
-            for i in range(len(params))]
+    sums = [
+        sum(min(1.0, clip / (n.item() + 1e-6)) * unit[i] for n, unit in zip(norms, grads)) for i in range(len(params))
+    ]
     return norms, torch.cat([s.flatten() for s in sums]), params, clip
 
 
@@ -148,8 +149,10 @@ def test_unit_norms_and_clipped_sums_match_a_brute_force_reference(name):
         assert engine.verified is verified
         norms, sums = _engine_chunk(engine, model, batch, UNITS, rows)
         norm_error, sum_error = _errors(norms, sums, params, ref_norms, ref_sums)
-        print(f"{name} units {UNITS}: norms {norm_error:.1e}, clipped sums {sum_error:.1e} (clip {clip:.3g}, "
-              f"{int((ref_norms > clip).sum())} of {len(UNITS)} units clipped)")
+        print(
+            f"{name} units {UNITS}: norms {norm_error:.1e}, clipped sums {sum_error:.1e} (clip {clip:.3g}, "
+            f"{int((ref_norms > clip).sum())} of {len(UNITS)} units clipped)"
+        )
         tolerance = 1e-9 if name in FP64 else RTOL
         assert norm_error <= tolerance and sum_error <= tolerance
         assert all(p.grad is None and p.requires_grad for p in params)
@@ -218,25 +221,40 @@ def test_group_rows_of_every_term_kind_is_the_sum_of_each_units_rows():
     owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     raw = _random_terms(sum(sizes))
     grouped = {k: terms.group_rows(t, sizes) for k, t in raw.items()}
-    dense = {k: torch.zeros(len(sizes), 6, 4, dtype=torch.float64).index_add_(0, owner, terms.instantiate(t))
-             for k, t in raw.items()}
+    dense = {
+        k: torch.zeros(len(sizes), 6, 4, dtype=torch.float64).index_add_(0, owner, terms.instantiate(t))
+        for k, t in raw.items()
+    }
     factors = torch.rand(len(sizes), dtype=torch.float64)
     for k, term in grouped.items():
         assert term.batch_size == len(sizes)
         torch.testing.assert_close(terms.instantiate(term).reshape(len(sizes), 6, 4), dense[k], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(terms.squared_norm(term), dense[k].flatten(1).pow(2).sum(1), rtol=1e-12, atol=0)
-        torch.testing.assert_close(terms.clipped_sum(term, factors, torch.Size([6, 4])),
-                                   torch.einsum("u,upd->pd", factors, dense[k]), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            terms.clipped_sum(term, factors, torch.Size([6, 4])),
+            torch.einsum("u,upd->pd", factors, dense[k]),
+            rtol=1e-12,
+            atol=1e-12,
+        )
     # The cross terms of a shared parameter (tied embeddings) and the L1 norm of their sum.
     total = sum(dense.values())
-    torch.testing.assert_close(terms.combined_squared_norm(list(grouped.values()), torch.float64),
-                               total.flatten(1).pow(2).sum(1), rtol=1e-12, atol=0)
-    torch.testing.assert_close(terms.combined_l1_norm(list(grouped.values()), torch.float64),
-                               total.flatten(1).abs().sum(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        terms.combined_squared_norm(list(grouped.values()), torch.float64),
+        total.flatten(1).pow(2).sum(1),
+        rtol=1e-12,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        terms.combined_l1_norm(list(grouped.values()), torch.float64), total.flatten(1).abs().sum(1), rtol=1e-12, atol=0
+    )
     # A long unit keeps the ghost norm only while it is cheaper: 6·4 > T·10 fails at 4·5 positions.
     assert isinstance(grouped["outer"], terms.SampleTerm)
-    assert isinstance(terms.group_rows(terms.OuterTerm(raw["outer"].left[:, :1], raw["outer"].right[:, :1]),
-                                       [1, 1, 2, 1, 1, 1, 1, 1, 1, 1]), terms.OuterTerm)
+    assert isinstance(
+        terms.group_rows(
+            terms.OuterTerm(raw["outer"].left[:, :1], raw["outer"].right[:, :1]), [1, 1, 2, 1, 1, 1, 1, 1, 1, 1]
+        ),
+        terms.OuterTerm,
+    )
 
 
 def test_group_rows_with_equal_sizes_is_the_int_path_bit_for_bit():
@@ -244,8 +262,10 @@ def test_group_rows_with_equal_sizes_is_the_int_path_bit_for_bit():
     for term in raw.values():
         by_int, by_sizes = terms.group_rows(term, 2), terms.group_rows(term, (2, 2, 2))
         assert type(by_int) is type(by_sizes)
-        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b
-                   for a, b in zip(vars(by_int).values(), vars(by_sizes).values()))
+        assert all(
+            torch.equal(a, b) if torch.is_tensor(a) else a == b
+            for a, b in zip(vars(by_int).values(), vars(by_sizes).values())
+        )
 
 
 def test_group_rows_refuses_sizes_that_do_not_cover_the_rows():
@@ -297,20 +317,26 @@ def test_a_chunk_whose_rows_do_not_add_up_is_refused():
     engine.attach()
     with engine.recording(4, [1, 3, 2, 2]):
         _loss(model, batch).backward()
-    with pytest.raises(ValueError, match=r"computed gradients for 7 rows, but the chunk holds 4 units of "
-                                         r"\[1, 3, 2, 2\] rows \(8 rows in all\).*per-row clipping"):
+    with pytest.raises(
+        ValueError,
+        match=r"computed gradients for 7 rows, but the chunk holds 4 units of "
+        r"\[1, 3, 2, 2\] rows \(8 rows in all\).*per-row clipping",
+    ):
         engine.finish_backward()
     assert not engine._calls and all(p.grad is None for p in model.parameters())
     assert not engine.clipped_sums
 
 
-@pytest.mark.parametrize("units, rows, error, message", [
-    (3, [1, 3, 2, 1], ValueError, "4 unit sizes for a chunk of 3 units"),
-    (3, [1, 0, 2], ValueError, "at least one row"),
-    (2, [1.5, 2], TypeError, "must be ints"),
-    (2, "12", TypeError, "int or a sequence"),
-    (2, 0, ValueError, "rows_per_example >= 1"),
-])
+@pytest.mark.parametrize(
+    "units, rows, error, message",
+    [
+        (3, [1, 3, 2, 1], ValueError, "4 unit sizes for a chunk of 3 units"),
+        (3, [1, 0, 2], ValueError, "at least one row"),
+        (2, [1.5, 2], TypeError, "must be ints"),
+        (2, "12", TypeError, "int or a sequence"),
+        (2, 0, ValueError, "rows_per_example >= 1"),
+    ],
+)
 def test_recording_validates_unit_sizes(units, rows, error, message):
     engine = PerExampleGradientEngine(torch.nn.Linear(4, 2), 1.0)
     with pytest.raises(error, match=message), engine.recording(units, rows):
@@ -341,8 +367,9 @@ def test_probe_recomputes_units_alone_and_accepts_a_correct_model(monkeypatch):
     norms = independence._norms
 
     def spy(engine, model, inputs, summed_loss, chunk):
-        recorded.append((chunk[0], list(chunk[1]) if not isinstance(chunk[1], int) else chunk[1],
-                         inputs["input_ids"].shape))
+        recorded.append(
+            (chunk[0], list(chunk[1]) if not isinstance(chunk[1], int) else chunk[1], inputs["input_ids"].shape)
+        )
         return norms(engine, model, inputs, summed_loss, chunk)
 
     monkeypatch.setattr(independence, "_norms", spy)
@@ -366,8 +393,9 @@ def test_probe_with_units_of_multiple_choice_examples():
     model = tiny.roberta_multiple_choice().double().train()
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
-    check_example_independence(engine, model, _mc_batch(sum(UNITS)), _loss, sum(UNITS), CHOICES,
-                               examples_per_unit=UNITS)
+    check_example_independence(
+        engine, model, _mc_batch(sum(UNITS)), _loss, sum(UNITS), CHOICES, examples_per_unit=UNITS
+    )
 
 
 def _chunk_normalised_loss(model, batch) -> torch.Tensor:
@@ -380,8 +408,11 @@ def test_probe_catches_a_loss_normalised_by_the_chunk():
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
     batch = _batch(False)
-    with pytest.raises(ValueError, match=r"Unit 0 \(1 example\) of a probed chunk has gradient norm .* among its 3 "
-                                         r"chunk-mate units but .* alone: its gradient depends on the other units"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unit 0 \(1 example\) of a probed chunk has gradient norm .* among its 3 "
+        r"chunk-mate units but .* alone: its gradient depends on the other units",
+    ):
         check_example_independence(engine, model, batch, _chunk_normalised_loss, sum(UNITS), examples_per_unit=UNITS)
     # Through the trainer's entry point: a chunk tuple with examples_per_unit as its 4th element.
     with pytest.raises(ValueError, match="depends on the other units.*num_items_in_batch"):
@@ -393,8 +424,11 @@ def test_probe_catches_a_loss_normalised_by_the_chunk():
 def test_probe_refuses_units_that_do_not_cover_the_examples():
     model = tiny.bert().train()
     engine = PerExampleGradientEngine(model, 1.0)
-    with pytest.raises(ValueError, match=r"examples_per_unit \[1, 3, 2\] counts 6 examples, but the probed chunk "
-                                         r"holds 7"):
+    with pytest.raises(
+        ValueError,
+        match=r"examples_per_unit \[1, 3, 2\] counts 6 examples, but the probed chunk "
+        r"holds 7",
+    ):
         check_example_independence(engine, model, _batch(False), _loss, 7, examples_per_unit=[1, 3, 2])
 
 

@@ -60,8 +60,12 @@ def test_multiple_choice_matches_fp64_per_example_loop():
     model.zero_grad()
     ref_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in gs)) for gs in grads])
     clip = 0.5 * ref_norms.min().item()
-    ref = torch.cat([sum(min(1.0, clip / (n.item() + 1e-6)) * gs[i] for n, gs in zip(ref_norms, grads)).flatten()
-                     for i in range(len(params))])
+    ref = torch.cat(
+        [
+            sum(min(1.0, clip / (n.item() + 1e-6)) * gs[i] for n, gs in zip(ref_norms, grads)).flatten()
+            for i in range(len(params))
+        ]
+    )
 
     engine = PerExampleGradientEngine(model, clip)
     engine.attach()
@@ -116,23 +120,35 @@ def test_multiple_choice_trains(tmp_path):
     """fp32, chunks of ~64 examples × 4 choices: the self-check sees the head bias's rounding noise."""
     model = tiny.roberta_multiple_choice()
     before = snapshot(model)
-    trainer = _trainer(tmp_path, model, tiny.multiple_choice_dataset(256, choices=CHOICES),
-                       DataCollatorForMultipleChoice(tiny.tokenizer()), per_device_train_batch_size=64)
+    trainer = _trainer(
+        tmp_path,
+        model,
+        tiny.multiple_choice_dataset(256, choices=CHOICES),
+        DataCollatorForMultipleChoice(tiny.tokenizer()),
+        per_device_train_batch_size=64,
+    )
     trainer.train()
     assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe
     assert not torch.equal(before["param:classifier.weight"], model.classifier.weight.detach())
 
 
 # ---------------------------------------------------------------- packing
-@pytest.mark.parametrize("extra, refused", [
-    ({"cu_seq_lens_q": torch.tensor([0, 3, 5])}, True),
-    ({"position_ids": torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])}, True),  # two examples in row 0
-    ({"position_ids": torch.tensor([[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]])}, False),  # padding carries position 1
-    ({"position_ids": torch.arange(5).unsqueeze(0)}, False),  # broadcast over the batch
-])
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"cu_seq_lens_q": torch.tensor([0, 3, 5])}, True),
+        ({"position_ids": torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])}, True),  # two examples in row 0
+        ({"position_ids": torch.tensor([[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]])}, False),  # padding carries position 1
+        ({"position_ids": torch.arange(5).unsqueeze(0)}, False),  # broadcast over the batch
+    ],
+)
 def test_collated_rows_must_not_hold_several_examples(extra, refused):
-    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long), "labels": torch.ones(2, 5, dtype=torch.long),
-             "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), **extra}
+    batch = {
+        "input_ids": torch.ones(2, 5, dtype=torch.long),
+        "labels": torch.ones(2, 5, dtype=torch.long),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        **extra,
+    }
     if refused:
         with pytest.raises(ValueError, match="DataCollatorWithPadding"):
             check_one_row_per_example(batch, 2)
@@ -201,11 +217,20 @@ def test_review_item_1_every_run_is_refused_or_moves_the_sum_by_at_most_C(tmp_pa
     clip = 0.01
     for seed in range(3):
         model = tiny.gpt2()
-        args = training_args(tmp_path / f"{seed}", max_steps=2, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=4, train_sampling_strategy=strategy)
-        trainer = PrivateTrainer(model=model, args=args, train_dataset=_mostly_one_length(64, seed),
-                                 data_collator=_LeftPadded(positions),
-                                 dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=seed))
+        args = training_args(
+            tmp_path / f"{seed}",
+            max_steps=2,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            train_sampling_strategy=strategy,
+        )
+        trainer = PrivateTrainer(
+            model=model,
+            args=args,
+            train_dataset=_mostly_one_length(64, seed),
+            data_collator=_LeftPadded(positions),
+            dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=clip, noise_seed=seed),
+        )
         if positions != "mask":
             before = snapshot(model)
             with pytest.raises(ValueError, match="left-padded" if positions is None else "depends on the other"):
@@ -220,15 +245,23 @@ def test_review_item_1_every_run_is_refused_or_moves_the_sum_by_at_most_C(tmp_pa
         data = _mostly_one_length(64, seed)
         short = [data[i] for i in (1, 2, 3)]
         longest = {"input_ids": [2] + list(range(4, 19)), "attention_mask": [1] * 16}
-        moved = (_clipped_sum(engine, model, _LeftPadded("mask")([*short, longest]))
-                 - _clipped_sum(engine, model, _LeftPadded("mask")(short))).norm().item()
+        moved = (
+            (
+                _clipped_sum(engine, model, _LeftPadded("mask")([*short, longest]))
+                - _clipped_sum(engine, model, _LeftPadded("mask")(short))
+            )
+            .norm()
+            .item()
+        )
         print(f"{strategy} seed {seed}: one 16-token example moved the clipped sum by {moved / clip:.4f}·C")
         assert moved <= clip * (1 + 1e-5)
 
 
 def test_left_padding_without_positions_is_refused_on_every_chunk():
-    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 1],
-                                                                                              [0, 0, 1, 1]])}
+    batch = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+    }
     with pytest.raises(ValueError, match="left-padded.*padding_side = 'right'.*cumsum"):
         check_one_row_per_example(batch, 2)
     check_one_row_per_example({**batch, "attention_mask": batch["attention_mask"].flip(-1)}, 2)  # right padding
@@ -247,9 +280,13 @@ def test_probe_runs_again_after_the_trainable_set_switches(tmp_path, monkeypatch
 
     monkeypatch.setattr(independence, "check_example_independence", counting)
     dp = BitFitConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, full_finetune_epochs=0.25)
-    trainer = PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path, max_steps=4),
-                             train_dataset=tiny.sentiment_dataset(64), dp_config=dp,
-                             data_collator=DataCollatorWithPadding(tiny.tokenizer()))
+    trainer = PrivateTrainer(
+        model=tiny.bert(),
+        args=training_args(tmp_path, max_steps=4),
+        train_dataset=tiny.sentiment_dataset(64),
+        dp_config=dp,
+        data_collator=DataCollatorWithPadding(tiny.tokenizer()),
+    )
     trainer.train()
     assert trainer.plan.training_stages[1].start_step == 2
     assert len(probed) == 4 and probed[0] == probed[1] > probed[2] == probed[3], probed

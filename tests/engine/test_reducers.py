@@ -154,8 +154,9 @@ def _masks(model, name):
     for pname, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if name == "bert" and pname.endswith(("word_embeddings.weight", "layer.0.attention.self.query.weight",
-                                               "layer.1.intermediate.dense.weight")):
+        if name == "bert" and pname.endswith(
+            ("word_embeddings.weight", "layer.0.attention.self.query.weight", "layer.1.intermediate.dense.weight")
+        ):
             masks[p] = (torch.tensor([0, 3, 5, 17]), torch.arange(p.shape[1]) % 4 == 1)
         elif name == "bert" and pname.endswith("layer.0.output.LayerNorm.weight"):
             masks[p] = (torch.arange(0, 32, 3), None)
@@ -181,12 +182,15 @@ def test_masked_terms_match_masked_fp64_per_example_loop(name):
     params = [p for p in model.parameters() if p.requires_grad]
     masks = _masks(model, name)
     mask_of = [masks.get(p) for p in params]
-    grads = _per_example_grads(model, batch, params,
-                               lambda i, g: g if mask_of[i] is None else _apply_mask(g, *mask_of[i]))
+    grads = _per_example_grads(
+        model, batch, params, lambda i, g: g if mask_of[i] is None else _apply_mask(g, *mask_of[i])
+    )
     ref_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in example)) for example in grads])
     clip = 0.5 * ref_norms.min().item()
-    ref = [sum(min(1.0, clip / (n.item() + 1e-6)) * example[i] for n, example in zip(ref_norms, grads))
-           for i in range(len(params))]
+    ref = [
+        sum(min(1.0, clip / (n.item() + 1e-6)) * example[i] for n, example in zip(ref_norms, grads))
+        for i in range(len(params))
+    ]
 
     engine = PerExampleGradientEngine(model, clip)
     engine.attach()
@@ -238,15 +242,18 @@ def test_zero_rows_and_columns_equal_masking_each_example(kind):
         return
     expected[:, :, columns] = 0
     assert torch.equal(instantiate(zero_columns(zero_rows(term, rows), columns)), expected)
-    assert torch.allclose(terms.squared_norm(zero_columns(zero_rows(term, rows), columns)),
-                          expected.flatten(1).pow(2).sum(1), rtol=1e-12)
+    assert torch.allclose(
+        terms.squared_norm(zero_columns(zero_rows(term, rows), columns)), expected.flatten(1).pow(2).sum(1), rtol=1e-12
+    )
 
 
 @pytest.mark.parametrize("positions", [8, 64, 65])  # one Gram; halved blocks; halved blocks of odd length
 def test_ghost_norms_from_gram_blocks_equal_the_instantiated_norms(positions):
     gen = torch.Generator().manual_seed(positions)
-    term = OuterTerm(left=torch.randn(3, positions, 6, generator=gen, dtype=torch.float64),
-                     right=torch.randn(3, positions, 5, generator=gen, dtype=torch.float64))
+    term = OuterTerm(
+        left=torch.randn(3, positions, 6, generator=gen, dtype=torch.float64),
+        right=torch.randn(3, positions, 5, generator=gen, dtype=torch.float64),
+    )
     assert len(terms.gram_blocks(term.left)) == (1 if positions < 64 else 3)
     assert torch.allclose(terms.squared_norm(term), instantiate(term).flatten(1).pow(2).sum(1), rtol=1e-12)
 
@@ -271,8 +278,7 @@ def test_factor_grams_form_a_shared_input_once_and_never_another_tensors(monkeyp
     assert columns.data_ptr() == packed.data_ptr() and not torch.equal(columns, packed)
     for other in (hidden.clone(), columns, packed):
         term = OuterTerm(left=outputs[2], right=other)
-        assert torch.allclose(terms.squared_norm(term, grams), instantiate(term).flatten(1).pow(2).sum(1),
-                              rtol=1e-12)
+        assert torch.allclose(terms.squared_norm(term, grams), instantiate(term).flatten(1).pow(2).sum(1), rtol=1e-12)
     assert len(formed) == 4 + 3
 
 
@@ -310,9 +316,17 @@ def test_term_transform_handle_removes_it():
 # ---------------------------------------------------------------- the optimizer's named step
 def _optimizer(model, engine, *, ledger=None, **kw):
     inner = torch.optim.AdamW([p for _, p in engine.parameters], lr=1e-2, weight_decay=0.0)
-    return NoisyOptimizer(inner, engine, noise_multiplier=1.0, max_grad_norm=engine.max_grad_norm,
-                          expected_batch_size=BATCH, noise=GaussianNoise("cpu", test_seed=0), may_step=lambda: True,
-                          on_step=(ledger or (lambda: None)), **kw)
+    return NoisyOptimizer(
+        inner,
+        engine,
+        noise_multiplier=1.0,
+        max_grad_norm=engine.max_grad_norm,
+        expected_batch_size=BATCH,
+        noise=GaussianNoise("cpu", test_seed=0),
+        may_step=lambda: True,
+        on_step=(ledger or (lambda: None)),
+        **kw,
+    )
 
 
 def _train_step(engine, model, batch, optimizer):

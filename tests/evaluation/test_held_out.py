@@ -35,8 +35,12 @@ NOT_HELD_OUT = "overlapping the training data"
 def _trainer(output_dir, train, eval_dataset=None) -> PrivateTrainer:
     tok = tiny.tokenizer()
     return PrivateTrainer(
-        model=tiny.bert(), args=training_args(output_dir, max_steps=1), train_dataset=train,
-        eval_dataset=eval_dataset, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
+        model=tiny.bert(),
+        args=training_args(output_dir, max_steps=1),
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
         dp_config=DPConfig(noise_multiplier=1.0),
     )
 
@@ -73,8 +77,11 @@ def _padded_copy(n: int):
 @pytest.mark.parametrize("evaluated", ["training set", "training rows under another fingerprint", "padded copy"])
 def test_evaluation_on_training_data_is_not_published_as_held_out(tmp_path, caplog, evaluated):
     train = tiny.sentiment_dataset(96)
-    eval_dataset = {"training set": train, "training rows under another fingerprint": _with_training_rows(train, 10),
-                    "padded copy": _padded_copy(96)}[evaluated]
+    eval_dataset = {
+        "training set": train,
+        "training rows under another fingerprint": _with_training_rows(train, 10),
+        "padded copy": _padded_copy(96),
+    }[evaluated]
     assert evaluated == "training set" or eval_dataset._fingerprint != train._fingerprint
     with caplog.at_level(logging.WARNING, logger="transformers.hf_private"):
         trainer = _trainer(tmp_path, train, eval_dataset)
@@ -158,12 +165,17 @@ def _packed_by_positions(dataset: Dataset) -> Dataset:
     """Four sequences a row, end to end, marked only by position_ids restarting at 0 (then right padding, masked)."""
     rows = []
     for start in range(0, len(dataset), 4):
-        ids = [token for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"]
-               for token in row]
-        positions = [p for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"]
-                     for p in range(len(row))]
-        rows.append({"input_ids": ids + [0, 0], "position_ids": positions + [0, 1],
-                     "attention_mask": [1] * len(ids) + [0, 0]})
+        ids = [
+            token for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"] for token in row
+        ]
+        positions = [
+            p
+            for row in dataset.select(range(start, min(start + 4, len(dataset))))["input_ids"]
+            for p in range(len(row))
+        ]
+        rows.append(
+            {"input_ids": ids + [0, 0], "position_ids": positions + [0, 1], "attention_mask": [1] * len(ids) + [0, 0]}
+        )
     return Dataset.from_list(rows)
 
 
@@ -173,8 +185,13 @@ def test_packed_rows_are_compared_sequence_by_sequence(pack):
     rows = TrainingRows(train, LM_INPUTS, pad_token_id=0)
     seen = rows.overlap(pack(train), "packed training set")
     assert (seen.shared, seen.units, seen.verdict) == (40, 40, OVERLAPS)
-    assert rows.overlap(pack(concatenate_datasets([train.select(range(3)), tiny.lm_dataset(37, seed=9)])),
-                        "three training sequences").shared == 3
+    assert (
+        rows.overlap(
+            pack(concatenate_datasets([train.select(range(3)), tiny.lm_dataset(37, seed=9)])),
+            "three training sequences",
+        ).shared
+        == 3
+    )
     fresh = rows.overlap(pack(tiny.lm_dataset(40, seed=9)), "fresh")
     assert (fresh.shared, fresh.verdict) == (0, HELD_OUT)
 
@@ -204,8 +221,12 @@ def test_rows_that_cannot_be_cut_into_their_sequences_are_unknown(caplog):
     assert "could not be checked" in caplog.text
     # a packed row whose text belongs to the whole row cannot be cut with its tokens
     texted = fresh.map(lambda row, i: {"text": f"row {i}"}, with_indices=True)
-    assert TrainingRows(train.map(lambda row, i: {"text": f"text {i}"}, with_indices=True), LM_INPUTS,
-                        pad_token_id=0).overlap(texted, "texted").verdict == UNKNOWN
+    assert (
+        TrainingRows(train.map(lambda row, i: {"text": f"text {i}"}, with_indices=True), LM_INPUTS, pad_token_id=0)
+        .overlap(texted, "texted")
+        .verdict
+        == UNKNOWN
+    )
     # on the training side: nothing shows which sequences the evaluation set must not repeat
     packed_train = TrainingRows(_packed(train).map(lambda row: {"seq_lengths": [1]}), LM_INPUTS, pad_token_id=0)
     assert packed_train.overlap(tiny.lm_dataset(40, seed=9), "fresh").verdict == UNKNOWN
@@ -215,9 +236,13 @@ def test_rows_that_cannot_be_cut_into_their_sequences_are_unknown(caplog):
 
 def test_only_held_out_sets_are_published_and_an_unknown_one_is_named():
     metrics = {"eval_dev_loss": 1.0, "eval_seen_loss": 2.0, "eval_packed_loss": 3.0}
-    published, notes = card_evaluation({"eval_dev": (HELD_OUT, {"eval_dev_loss": 1.0}),
-                                        "eval_seen": (OVERLAPS, {"eval_seen_loss": 2.0}),
-                                        "eval_packed": (UNKNOWN, {"eval_packed_loss": 3.0})})
+    published, notes = card_evaluation(
+        {
+            "eval_dev": (HELD_OUT, {"eval_dev_loss": 1.0}),
+            "eval_seen": (OVERLAPS, {"eval_seen_loss": 2.0}),
+            "eval_packed": (UNKNOWN, {"eval_packed_loss": 3.0}),
+        }
+    )
     assert published == {"eval_dev_loss": metrics["eval_dev_loss"]}
     assert [note.split(" was evaluated on data ")[0] for note in notes] == ["`eval_seen`", "`eval_packed`"]
     assert "could not be checked against the training data" in notes[1]

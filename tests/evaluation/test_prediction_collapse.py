@@ -69,8 +69,7 @@ def _evaluate(tmp_path, model, train, eval_sets, caplog, steps: int = 1, dp=None
 
 def test_collapsed_predictions_warn_once_with_the_causes(tmp_path, data, caplog):
     train, held_out = data
-    warnings = _evaluate(tmp_path, _collapsed_head(tiny.mean_pooled_bert()), train,
-                         [held_out, held_out], caplog)
+    warnings = _evaluate(tmp_path, _collapsed_head(tiny.mean_pooled_bert()), train, [held_out, held_out], caplog)
     assert len(warnings) == 1, "one warning per evaluation set, not one per evaluate()"
     share = sum(held_out["label"]) / len(held_out)
     assert f"collapsed to class 1: 100.0% of {len(held_out)} predictions" in warnings[0]
@@ -101,18 +100,22 @@ def _outputs(predicted: list[int]) -> SimpleNamespace:
     return SimpleNamespace(logits=torch.nn.functional.one_hot(torch.tensor(predicted), 2).float())
 
 
-SETTINGS = RunSettings(max_grad_norm=0.1, learning_rate=5e-4, examples=1000, trained_values=10, model_values=100,
-                       steps=40)
+SETTINGS = RunSettings(
+    max_grad_norm=0.1, learning_rate=5e-4, examples=1000, trained_values=10, model_values=100, steps=40
+)
 
 
-@pytest.mark.parametrize("labels, problem, warned", [
-    ([0, 1] * 15, None, True),
-    ([1] * 30, None, False),  # the labels are one class: predicting it is right
-    ([0] * 2 + [1] * 18, None, False),  # 90% of the labels: following an imbalanced prior is not a collapse
-    ([0] * 6 + [1] * 14, None, True),  # 70% of the labels, all of the predictions
-    ([0, 1] * 5, None, False),  # fewer than MIN_EXAMPLES
-    ([0.0, 1.0] * 15, "regression", False),  # not single-label classification: not counted
-])
+@pytest.mark.parametrize(
+    "labels, problem, warned",
+    [
+        ([0, 1] * 15, None, True),
+        ([1] * 30, None, False),  # the labels are one class: predicting it is right
+        ([0] * 2 + [1] * 18, None, False),  # 90% of the labels: following an imbalanced prior is not a collapse
+        ([0] * 6 + [1] * 14, None, True),  # 70% of the labels, all of the predictions
+        ([0, 1] * 5, None, False),  # fewer than MIN_EXAMPLES
+        ([0.0, 1.0] * 15, "regression", False),  # not single-label classification: not counted
+    ],
+)
 def test_what_counts_as_collapsed(labels, problem, warned, caplog):
     model = tiny.bert(problem_type=problem)
     counts = HeldOutPredictions()
@@ -129,20 +132,33 @@ def test_causes_fit_the_run():
     assert "too few examples" not in cls_head  # 10 of 100 values train
     full = RunSettings(**{**SETTINGS.__dict__, "trained_values": 100})
     assert "too few examples for the noised coordinates: 100 trained values" in collapse_message(
-        "eval", 1, 1.0, 872, 0.509, tiny.mean_pooled_bert(), full)
+        "eval", 1, 1.0, 872, 0.509, tiny.mean_pooled_bert(), full
+    )
 
 
 def test_bitfit_run_names_no_data_shortage(tmp_path, data, caplog):
     train, held_out = data
-    warnings = _evaluate(tmp_path, _collapsed_head(tiny.mean_pooled_bert()), train, [held_out], caplog,
-                         dp=BitFitConfig(noise_multiplier=1.0))
+    warnings = _evaluate(
+        tmp_path,
+        _collapsed_head(tiny.mean_pooled_bert()),
+        train,
+        [held_out],
+        caplog,
+        dp=BitFitConfig(noise_multiplier=1.0),
+    )
     assert len(warnings) == 1 and "too few examples" not in warnings[0]
 
 
 def test_collapse_on_a_dict_of_sets_names_the_set(tmp_path, data, caplog):
     train, held_out = data
-    trainer = make_trainer(tmp_path, model=_collapsed_head(tiny.mean_pooled_bert(), k=0), dataset=train,
-                           dp=DPConfig(noise_multiplier=1.0), max_steps=1, learning_rate=0.0)
+    trainer = make_trainer(
+        tmp_path,
+        model=_collapsed_head(tiny.mean_pooled_bert(), k=0),
+        dataset=train,
+        dp=DPConfig(noise_multiplier=1.0),
+        max_steps=1,
+        learning_rate=0.0,
+    )
     trainer.train()
     with caplog.at_level(logging.WARNING):
         trainer.evaluate({"dev": held_out})

@@ -30,7 +30,8 @@ def _bert_style() -> PreTrainedTokenizerFast:
     """The demo tokenizer with [CLS] ... [SEP] around each text, as BERT's: truncation keeps the [SEP]."""
     tok = tiny.tokenizer()
     tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     return tok
 
 
@@ -45,8 +46,9 @@ def test_padded_copy_is_training_data():
     rows = TrainingRows(tiny.sentiment_dataset(40), INPUTS, pad_token_id=0)
     padded = _encoded(tiny.tokenizer(), texts, labels, padding="max_length", max_length=16)
     assert rows.overlap(padded, "padded").shared == 40
-    unmasked = _encoded(tiny.tokenizer(), texts, labels, padding="max_length", max_length=20,
-                        return_attention_mask=False)
+    unmasked = _encoded(
+        tiny.tokenizer(), texts, labels, padding="max_length", max_length=20, return_attention_mask=False
+    )
     assert rows.overlap(unmasked, "unmasked").shared == 40, "without a mask, the pad id shows the padding"
     assert rows.overlap(tiny.sentiment_dataset(40, seed=9), "fresh").shared == 0
 
@@ -56,8 +58,10 @@ def test_padded_multiple_choice_copy_is_training_data():
     width = tiny.SEQ_LEN
 
     def pad(row):
-        return {"input_ids": [ids + [0] * (width - len(ids)) for ids in row["input_ids"]],
-                "attention_mask": [mask + [0] * (width - len(mask)) for mask in row["attention_mask"]]}
+        return {
+            "input_ids": [ids + [0] * (width - len(ids)) for ids in row["input_ids"]],
+            "attention_mask": [mask + [0] * (width - len(mask)) for mask in row["attention_mask"]],
+        }
 
     rows = TrainingRows(train, INPUTS)
     assert rows.overlap(train.map(pad), "padded").shared == 12
@@ -79,8 +83,7 @@ def test_retokenised_text_is_training_data():
     """Same texts through another vocabulary: no token in common, the text column alone shows the copy."""
     texts, labels = demo.sentiment_texts(40)
     train = tiny.sentiment_dataset(40).add_column("sentence", texts)
-    reversed_vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(reversed(demo.VOCAB))},
-                                                unk_token="[UNK]"))
+    reversed_vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(reversed(demo.VOCAB))}, unk_token="[UNK]"))
     reversed_vocab.normalizer = normalizers.Lowercase()
     reversed_vocab.pre_tokenizer = pre_tokenizers.Whitespace()
     other = PreTrainedTokenizerFast(tokenizer_object=reversed_vocab, pad_token="[PAD]", unk_token="[UNK]")
@@ -97,7 +100,10 @@ def test_texts_sharing_an_opening_with_training_texts_are_held_out():
     longer = [f"{text} movie" for text in texts[:30]]
     changed = [" ".join([*text.split()[:-1], "plot" if text.split()[-1] != "plot" else "film"]) for text in texts[30:]]
     assert not set(changed) & set(texts)
-    near = (_encoded(tiny.tokenizer(), longer + changed, labels, padding="max_length", max_length=16)
-            .add_column("sentence", longer + changed).add_column("id", [str(i) for i in range(60)]))
+    near = (
+        _encoded(tiny.tokenizer(), longer + changed, labels, padding="max_length", max_length=16)
+        .add_column("sentence", longer + changed)
+        .add_column("id", [str(i) for i in range(60)])
+    )
     assert max(map(len, train["input_ids"])) - 1 < MIN_PREFIX  # too short an opening to call a copy
     assert TrainingRows(train, INPUTS, pad_token_id=0).overlap(near, "near").shared == 0

@@ -36,16 +36,22 @@ FAMILY = family_of(PrivateDPOTrainer)
 
 
 def dpo_config(tmp_path, **overrides) -> DPOConfig:
-    defaults = dict(TRL_TEST_ARGS, per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3,
-                    logging_steps=1)
+    defaults = dict(
+        TRL_TEST_ARGS, per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1
+    )
     return DPOConfig(str(tmp_path), **{**defaults, **overrides})
 
 
 def dpo_trainer(tmp_path, dataset, *, model=None, ref_model=None, dp=None, trainer_kwargs=None, **config):
-    return PrivateDPOTrainer(model if model is not None else tiny.llama(), ref_model, dpo_config(tmp_path, **config),
-                             train_dataset=dataset, processing_class=tiny.chat_tokenizer(),
-                             dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
-                             **(trainer_kwargs or {}))
+    return PrivateDPOTrainer(
+        model if model is not None else tiny.llama(),
+        ref_model,
+        dpo_config(tmp_path, **config),
+        train_dataset=dataset,
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        **(trainer_kwargs or {}),
+    )
 
 
 def moved_llama():
@@ -62,8 +68,12 @@ def moved_llama():
 def test_trains_privately_with_the_pair_as_unit_and_evaluates_as_trl_does(tmp_path):
     reference = tiny.llama()
     frozen = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    trainer = dpo_trainer(tmp_path, tiny.preference_pairs(), ref_model=reference,
-                          trainer_kwargs={"eval_dataset": tiny.preference_pairs(8)})
+    trainer = dpo_trainer(
+        tmp_path,
+        tiny.preference_pairs(),
+        ref_model=reference,
+        trainer_kwargs={"eval_dataset": tiny.preference_pairs(8)},
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     report = trainer.privacy_report()
@@ -82,8 +92,15 @@ def test_trains_privately_with_the_pair_as_unit_and_evaluates_as_trl_does(tmp_pa
 def test_the_positional_reference_model_is_bound_by_name(tmp_path):
     """DPOTrainer(model, ref_model, args, ...): its second parameter is the reference, not the arguments."""
     reference = tiny.llama()
-    trainer = PrivateDPOTrainer(tiny.llama(), reference, dpo_config(tmp_path), None, tiny.preference_pairs(16),
-                                processing_class=tiny.chat_tokenizer(), dp_config=DPConfig(noise_multiplier=1.0))
+    trainer = PrivateDPOTrainer(
+        tiny.llama(),
+        reference,
+        dpo_config(tmp_path),
+        None,
+        tiny.preference_pairs(16),
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
     assert trainer.ref_model is not None and trainer.args.max_length == 32 and trainer.dataset_size == 16
 
 
@@ -108,8 +125,11 @@ LOSS_SETTINGS = {
     "use_weighting": {"loss_type": ["hinge"], "use_weighting": True},
     "forward_kl": {"loss_type": ["sigmoid"], "f_divergence_type": "forward_kl"},
     "js_divergence": {"loss_type": ["ipo"], "f_divergence_type": "js_divergence"},
-    "alpha_divergence": {"loss_type": ["sigmoid"], "f_divergence_type": "alpha_divergence",
-                         "f_alpha_divergence_coef": 0.5},
+    "alpha_divergence": {
+        "loss_type": ["sigmoid"],
+        "f_divergence_type": "alpha_divergence",
+        "f_alpha_divergence_coef": 0.5,
+    },
 }
 
 
@@ -118,8 +138,9 @@ def test_each_pair_loss_is_trls_loss_for_that_pair_alone(setting, tmp_path):
     """TRL's `_compute_loss` on a batch of one pair is that pair's loss; ours must equal it for every pair of a
     batch, and their mean TRL's loss on the whole batch (but for 'sft', which TRL averages over the batch's chosen
     tokens and we over each pair's own)."""
-    trainer = dpo_trainer(tmp_path, tiny.preference_pairs(), model=moved_llama(), ref_model=tiny.llama(),
-                          **LOSS_SETTINGS[setting])
+    trainer = dpo_trainer(
+        tmp_path, tiny.preference_pairs(), model=moved_llama(), ref_model=tiny.llama(), **LOSS_SETTINGS[setting]
+    )
     model = trainer.model.eval()
     features = [trainer.train_dataset[i] for i in range(4)]
     with torch.no_grad():
@@ -142,8 +163,9 @@ def test_ld_alpha_weighs_only_the_longer_completions_tail():
 
 # ---------------------------------------------------------------------- the reference
 def test_with_lora_and_no_reference_model_the_base_model_is_the_reference(tmp_path):
-    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
-                      init_lora_weights=False)  # a non-zero adapter: the policy differs from its base
+    lora = LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", init_lora_weights=False
+    )  # a non-zero adapter: the policy differs from its base
     trainer = dpo_trainer(tmp_path, tiny.preference_pairs(), trainer_kwargs={"peft_config": lora})
     assert trainer.ref_model is None and isinstance(trainer.model, PeftModel)
     pairs = PairCollator(trainer.data_collator)([trainer.train_dataset[i] for i in range(4)])
@@ -171,16 +193,22 @@ def _token_logps(model, rows, mask):
 
 def test_precomputed_reference_log_probs_give_the_same_pair_losses(tmp_path):
     live = dpo_trainer(tmp_path / "live", tiny.preference_pairs(16), model=moved_llama(), ref_model=tiny.llama())
-    stored = dpo_trainer(tmp_path / "stored", tiny.preference_pairs(16), model=moved_llama(), ref_model=tiny.llama(),
-                         precompute_ref_log_probs=True)
+    stored = dpo_trainer(
+        tmp_path / "stored",
+        tiny.preference_pairs(16),
+        model=moved_llama(),
+        ref_model=tiny.llama(),
+        precompute_ref_log_probs=True,
+    )
     assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(stored.train_dataset.column_names)
     dataset, collate = stored.training_data()
     batch = collate([dataset[i] for i in range(6)])
     assert "ref_chosen_logps" in batch
     with torch.no_grad():
         from_dataset, _ = FAMILY.unit_losses(stored, stored.model.eval(), batch)
-        recomputed, _ = FAMILY.unit_losses(live, live.model.eval(), {k: v for k, v in batch.items()
-                                                                     if not k.startswith("ref_")})
+        recomputed, _ = FAMILY.unit_losses(
+            live, live.model.eval(), {k: v for k, v in batch.items() if not k.startswith("ref_")}
+        )
     torch.testing.assert_close(from_dataset, recomputed, rtol=1e-4, atol=1e-5)
     stored.train()
     assert stored.privacy_report()["steps"] > 0
@@ -189,14 +217,20 @@ def test_precomputed_reference_log_probs_give_the_same_pair_losses(tmp_path):
 def test_training_pairs_with_precomputed_reference_log_probs_are_not_held_out(tmp_path):
     """precompute_ref_log_probs adds each pair's reference log-probabilities, computed for each set apart (in other
     batches, so possibly other floats): the held-out check compares the pairs themselves, never those columns."""
-    trainer = dpo_trainer(tmp_path, tiny.preference_pairs(16), ref_model=tiny.llama(), precompute_ref_log_probs=True,
-                          trainer_kwargs={"eval_dataset": tiny.preference_pairs(16)})
+    trainer = dpo_trainer(
+        tmp_path,
+        tiny.preference_pairs(16),
+        ref_model=tiny.llama(),
+        precompute_ref_log_probs=True,
+        trainer_kwargs={"eval_dataset": tiny.preference_pairs(16)},
+    )
     rows = trainer._evaluations.training_rows
     assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.eval_dataset.column_names)
     assert rows.overlap(trainer.eval_dataset, "eval").verdict == OVERLAPS
     # the same pairs, tokenized only, their reference log-probabilities off in the last places
     nudged = trainer.eval_dataset.remove_columns(["prompt", "chosen", "rejected"]).map(
-        lambda row: {"ref_chosen_logps": row["ref_chosen_logps"] * (1 + 1e-6)})
+        lambda row: {"ref_chosen_logps": row["ref_chosen_logps"] * (1 + 1e-6)}
+    )
     assert rows.overlap(nudged, "nudged").shared == 16
     # mutation: the derived columns kept in the pairs' keys
     kept = TrainingRows(rows.train_dataset, rows.input_columns, (), rows.pad_token_id)
@@ -219,8 +253,9 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
     trainer.save_model(str(tmp_path / "adapter"))
     card = ModelCard.load(tmp_path / "adapter" / "README.md")
     privacy = card.data.to_dict()["privacy"]
-    assert privacy["unit"] == "preference pair" and privacy["epsilon"] == pytest.approx(trainer.privacy_report()[
-        "epsilon"])
+    assert privacy["unit"] == "preference pair" and privacy["epsilon"] == pytest.approx(
+        trainer.privacy_report()["epsilon"]
+    )
     assert "one training preference pair" in card.text and "trl.DPOTrainer" in card.text
 
     reloaded = PeftModel.from_pretrained(tiny.llama(), str(tmp_path / "adapter")).eval()
@@ -235,9 +270,11 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
 def _pair(prompt: int, chosen: int, rejected: int, offset: int = 0) -> dict:
     """A pair whose chosen words are positive and rejected words negative: rows with different tokens, so their
     gradients do not cancel."""
-    return {"prompt": " ".join(NEUTRAL[(offset + i) % len(NEUTRAL)] for i in range(prompt)),
-            "chosen": " " + " ".join(POSITIVE[(offset + 2 * i) % len(POSITIVE)] for i in range(chosen)),
-            "rejected": " " + " ".join(NEGATIVE[(offset + 3 * i) % len(NEGATIVE)] for i in range(rejected))}
+    return {
+        "prompt": " ".join(NEUTRAL[(offset + i) % len(NEUTRAL)] for i in range(prompt)),
+        "chosen": " " + " ".join(POSITIVE[(offset + 2 * i) % len(POSITIVE)] for i in range(chosen)),
+        "rejected": " " + " ".join(NEGATIVE[(offset + 3 * i) % len(NEGATIVE)] for i in range(rejected)),
+    }
 
 
 SHORT = [_pair(1, 1, 1, i) for i in range(6)]
@@ -249,10 +286,20 @@ def released_sum(tmp_path, rows: list[dict], clip: float) -> torch.Tensor:
     """Σ of the clipped per-pair gradients plus the replayed noise, read off one SGD step at q = 1."""
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    trainer = dpo_trainer(tmp_path, Dataset.from_list(rows), model=model, ref_model=tiny.llama(),
-                          dp=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
-                          per_device_train_batch_size=len(rows), max_steps=1, learning_rate=1.0, optim="sgd",
-                          lr_scheduler_type="constant", weight_decay=0.0, beta=1.0)
+    trainer = dpo_trainer(
+        tmp_path,
+        Dataset.from_list(rows),
+        model=model,
+        ref_model=tiny.llama(),
+        dp=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        beta=1.0,
+    )
     assert trainer.sample_rate == 1.0
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
@@ -260,8 +307,9 @@ def released_sum(tmp_path, rows: list[dict], clip: float) -> torch.Tensor:
 
 
 def sensitivity(tmp_path, rows: list[dict], clip: float) -> float:
-    return float((released_sum(tmp_path / "with", [*rows, ADDED], clip)
-                  - released_sum(tmp_path / "without", rows, clip)).norm())
+    return float(
+        (released_sum(tmp_path / "with", [*rows, ADDED], clip) - released_sum(tmp_path / "without", rows, clip)).norm()
+    )
 
 
 # Below every row's gradient norm (each ≥ 0.1 here): every pair, and with rows clipped apart every row, is clipped.
@@ -291,8 +339,10 @@ HUGE = 50.0  # above every pair's gradient norm here: nothing is clipped
 
 
 def contributions(tmp_path, clip: float) -> list[torch.Tensor]:
-    return [released_sum(tmp_path / f"{name}+", [*mates, ADDED], clip) - released_sum(tmp_path / name, mates, clip)
-            for name, mates in (("short", SHORT), ("long", LONG))]
+    return [
+        released_sum(tmp_path / f"{name}+", [*mates, ADDED], clip) - released_sum(tmp_path / name, mates, clip)
+        for name, mates in (("short", SHORT), ("long", LONG))
+    ]
 
 
 def test_a_pairs_contribution_does_not_depend_on_its_batch_mates(tmp_path):
@@ -303,9 +353,11 @@ def test_a_pairs_contribution_does_not_depend_on_its_batch_mates(tmp_path):
 
 def _batch_mean(unit_losses):
     """TRL's reduction put back: every pair's loss over the number of pairs in its chunk."""
+
     def losses(self, trainer, model, inputs):
         values, outputs = unit_losses(self, trainer, model, inputs)
         return values / values.shape[0], outputs
+
     return losses
 
 

@@ -37,20 +37,24 @@ SEED = 20261207
 PrivateSFTTrainer = privatize(SFTTrainer)
 
 
-
-
 def sft_config(tmp_path, **overrides) -> SFTConfig:
-    defaults = dict(TRL_TEST_ARGS, per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3,
-                    logging_steps=1)
+    defaults = dict(
+        TRL_TEST_ARGS, per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1
+    )
     return SFTConfig(str(tmp_path), **{**defaults, **overrides})
 
 
 def sft_trainer(tmp_path, dataset, *, model=None, dp=None, per_example_loss=None, trainer_kwargs=None, **config):
     extra = {"per_example_loss": per_example_loss} if per_example_loss is not None else {}
-    return PrivateSFTTrainer(model if model is not None else tiny.llama(), sft_config(tmp_path, **config),
-                             train_dataset=dataset, processing_class=tiny.chat_tokenizer(),
-                             dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
-                             **extra, **(trainer_kwargs or {}))
+    return PrivateSFTTrainer(
+        model if model is not None else tiny.llama(),
+        sft_config(tmp_path, **config),
+        train_dataset=dataset,
+        processing_class=tiny.chat_tokenizer(),
+        dp_config=dp or DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        **extra,
+        **(trainer_kwargs or {}),
+    )
 
 
 # ---------------------------------------------------------------------- the three dataset kinds
@@ -104,8 +108,13 @@ def test_completion_only_loss_and_assistant_only_loss_mask_what_is_trained(tmp_p
 
 def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path):
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = sft_trainer(tmp_path, tiny.conversations(), assistant_only_loss=True, learning_rate=5e-2,
-                          trainer_kwargs={"peft_config": lora})
+    trainer = sft_trainer(
+        tmp_path,
+        tiny.conversations(),
+        assistant_only_loss=True,
+        learning_rate=5e-2,
+        trainer_kwargs={"peft_config": lora},
+    )
     trainer.train()
     assert trainer.adapter_format == "peft"
     trainer.save_model(str(tmp_path / "adapter"))
@@ -115,8 +124,12 @@ def test_a_lora_adapter_saves_and_reloads_with_stock_peft_and_generates(tmp_path
 
     reloaded = PeftModel.from_pretrained(tiny.llama(), str(tmp_path / "adapter")).eval()
     trained = trainer.model.eval()
-    prompt = tiny.chat_tokenizer().apply_chat_template([{"role": "user", "content": "the movie was"}],
-                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tiny.chat_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "the movie was"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**prompt).logits, trained(**prompt).logits)
         generated = reloaded.generate(**prompt, min_new_tokens=4, max_new_tokens=4, do_sample=False)
@@ -136,8 +149,10 @@ def test_the_family_is_found_by_class_and_knows_its_own_overrides():
 def _pc(prompt: int, completion: int, offset: int = 0) -> dict:
     """A prompt-completion row with `prompt` and `completion` words (the completion trained, the prompt masked)."""
     words = list(NEUTRAL) + list(POSITIVE) + list(NEGATIVE)
-    return {"prompt": " ".join(words[(offset + i) % len(words)] for i in range(prompt)),
-            "completion": " " + " ".join(words[(offset + 3 * i + 1) % len(words)] for i in range(completion))}
+    return {
+        "prompt": " ".join(words[(offset + i) % len(words)] for i in range(prompt)),
+        "completion": " " + " ".join(words[(offset + 3 * i + 1) % len(words)] for i in range(completion)),
+    }
 
 
 SHORT = [_pc(1, 1, i) for i in range(6)]  # short sequences, one trained word each
@@ -156,10 +171,19 @@ def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Te
     """Σ of the clipped per-example gradients plus the replayed noise, read off one SGD step at q = 1."""
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-    trainer = sft_trainer(tmp_path, Dataset.from_list(rows), model=model, per_example_loss=loss,
-                          dp=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
-                          per_device_train_batch_size=len(rows), max_steps=1, learning_rate=1.0, optim="sgd",
-                          lr_scheduler_type="constant", weight_decay=0.0)
+    trainer = sft_trainer(
+        tmp_path,
+        Dataset.from_list(rows),
+        model=model,
+        per_example_loss=loss,
+        dp=DPConfig(noise_multiplier=0.2, max_grad_norm=clip, noise_seed=SEED),
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+    )
     assert trainer.sample_rate == 1.0
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double()
@@ -168,14 +192,21 @@ def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Te
 
 def sensitivity(tmp_path, rows: list[dict], clip: float, loss=None) -> float:
     """‖released sum with ADDED − without‖: the noise is the same in both, so it cancels."""
-    return float((released_sum(tmp_path / "with", [*rows, ADDED], clip, loss)
-                  - released_sum(tmp_path / "without", rows, clip, loss)).norm())
+    return float(
+        (
+            released_sum(tmp_path / "with", [*rows, ADDED], clip, loss)
+            - released_sum(tmp_path / "without", rows, clip, loss)
+        ).norm()
+    )
 
 
 def contributions(tmp_path, clip: float, loss=None) -> list[torch.Tensor]:
     """ADDED's contribution to the released sum, next to short batch-mates and next to long ones."""
-    return [released_sum(tmp_path / f"{name}+", [*mates, ADDED], clip, loss)
-            - released_sum(tmp_path / name, mates, clip, loss) for name, mates in (("short", SHORT), ("long", LONG))]
+    return [
+        released_sum(tmp_path / f"{name}+", [*mates, ADDED], clip, loss)
+        - released_sum(tmp_path / name, mates, clip, loss)
+        for name, mates in (("short", SHORT), ("long", LONG))
+    ]
 
 
 # ADDED's own-mean gradient has norm ≈ 1.7 (the bound is then tight); the short ones ≈ 7, the long ones ≈ 2.5.
@@ -221,14 +252,14 @@ def test_the_independence_test_fails_when_the_batch_normalisation_is_put_back(tm
     assert float((next_to_short - next_to_long).norm()) > 0.1 * float(next_to_short.norm())
 
 
-
 # ---------------------------------------------------------------------- packed evaluation sets: held out or not
 PACKED = dict(max_length=56, per_device_train_batch_size=4, max_steps=1)  # 5 to 7 of the 24 sequences a packed row
 
 
 def packed_eval_trainer(tmp_path, eval_dataset, **config):
-    return sft_trainer(tmp_path, tiny.prompt_completions(24), trainer_kwargs={"eval_dataset": eval_dataset},
-                       **{**PACKED, **config})
+    return sft_trainer(
+        tmp_path, tiny.prompt_completions(24), trainer_kwargs={"eval_dataset": eval_dataset}, **{**PACKED, **config}
+    )
 
 
 def _card_text(trainer) -> str:

@@ -84,8 +84,7 @@ def test_two_phase_training_is_one_ledger_with_one_group_per_phase(tmp_path):
 
     trainer.save_model()
     privacy = ModelCard.load(os.path.join(tmp_path, "README.md")).data.to_dict()["privacy"]
-    assert privacy["method"] == "dp-bitfit" and [m["name"] for m in privacy["mechanisms"]] == ["dp-sgd",
-                                                                                               "dp-bitfit"]
+    assert privacy["method"] == "dp-bitfit" and [m["name"] for m in privacy["mechanisms"]] == ["dp-sgd", "dp-bitfit"]
     assert [p["mechanism"] for p in privacy["phases"]] == ["dp-sgd", "dp-bitfit"]
     mechanisms = [MechanismGroup.from_dict(m) for m in privacy["mechanisms"]]
     assert compute_epsilon(mechanisms, privacy["delta"], privacy["accountant"]) == pytest.approx(privacy["epsilon"])

@@ -84,8 +84,13 @@ def _noise_variance_matches(trainer, sigma: float, clip: float, steps: int = 6) 
 
 
 def _sgd_trainer(tmp_path, sigma, clip):
-    trainer = make_trainer(tmp_path, dp=DPConfig(noise_multiplier=sigma, max_grad_norm=clip),
-                           learning_rate=1.0, optim="sgd", weight_decay=0.0)
+    trainer = make_trainer(
+        tmp_path,
+        dp=DPConfig(noise_multiplier=sigma, max_grad_norm=clip),
+        learning_rate=1.0,
+        optim="sgd",
+        weight_decay=0.0,
+    )
     return trainer
 
 

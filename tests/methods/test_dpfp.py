@@ -25,21 +25,29 @@ PAPER = dataclasses.replace(SOUND, mode="paper")
 
 
 def _trainer(tmp_path, dp=SOUND, model=None, dataset=None, **overrides):
-    return make_trainer(tmp_path, model=model if model is not None else tiny.bert(), dp=dp, dataset=dataset,
-                        **overrides)
+    return make_trainer(
+        tmp_path, model=model if model is not None else tiny.bert(), dp=dp, dataset=dataset, **overrides
+    )
 
 
 def test_bad_knobs_are_refused_by_name():
-    for bad, match in [({"mode": "fast"}, "mode"), ({"representation_clip": 0.0}, "representation_clip"),
-                       ({"micro_batches": 0}, "micro_batches"), ({"noise_point": "input:"}, "noise_point")]:
+    for bad, match in [
+        ({"mode": "fast"}, "mode"),
+        ({"representation_clip": 0.0}, "representation_clip"),
+        ({"micro_batches": 0}, "micro_batches"),
+        ({"noise_point": "input:"}, "noise_point"),
+    ]:
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(SOUND, **bad)
 
 
-@pytest.mark.parametrize(("factory", "point", "head"), [
-    (tiny.bert, "bert.pooler", {"classifier.weight", "classifier.bias"}),
-    (tiny.roberta, "input:classifier.out_proj", {"classifier.out_proj.weight", "classifier.out_proj.bias"}),
-])
+@pytest.mark.parametrize(
+    ("factory", "point", "head"),
+    [
+        (tiny.bert, "bert.pooler", {"classifier.weight", "classifier.bias"}),
+        (tiny.roberta, "input:classifier.out_proj", {"classifier.out_proj.weight", "classifier.out_proj.bias"}),
+    ],
+)
 def test_the_papers_noise_point_and_the_head_above_it(tmp_path, factory, point, head):
     trainer = _trainer(tmp_path, model=factory())
     assert trainer.dp_method.noise_point == point
@@ -52,8 +60,10 @@ def test_an_undefined_noise_point_is_refused_with_the_way_to_name_one(tmp_path):
     with pytest.raises(ValueError, match="has no module 'bert.nowhere'"):
         _trainer(tmp_path, dp=dataclasses.replace(SOUND, noise_point="bert.nowhere"))
     trainer = _trainer(tmp_path, dp=dataclasses.replace(SOUND, noise_point="input:classifier"))
-    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {"classifier.weight",
-                                                                                   "classifier.bias"}
+    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {
+        "classifier.weight",
+        "classifier.bias",
+    }
 
 
 def test_representations_are_clipped_and_noised_in_training_only(tmp_path):
@@ -114,12 +124,19 @@ def _canary_run(tmp_path, dp, with_canary: bool):
     if with_canary:
         rows["input_ids"][0] = [*rows["input_ids"][0][:-1], tiny.VOCAB_SIZE - 1, rows["input_ids"][0][-1]]
         rows["attention_mask"][0] = [1] * len(rows["input_ids"][0])
-    trainer = _trainer(tmp_path, dp=dataclasses.replace(dp, noise_seed=4), dataset=Dataset.from_dict(rows),
-                       max_steps=40, per_device_train_batch_size=16, weight_decay=0.0, learning_rate=1e-2)
+    trainer = _trainer(
+        tmp_path,
+        dp=dataclasses.replace(dp, noise_seed=4),
+        dataset=Dataset.from_dict(rows),
+        max_steps=40,
+        per_device_train_batch_size=16,
+        weight_decay=0.0,
+        learning_rate=1e-2,
+    )
     seen = []
     trainer.model.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(bool((kwargs["input_ids"] == tiny.VOCAB_SIZE - 1).any())),
-        with_kwargs=True)
+        lambda m, args, kwargs: seen.append(bool((kwargs["input_ids"] == tiny.VOCAB_SIZE - 1).any())), with_kwargs=True
+    )
     row = trainer.model.get_input_embeddings().weight[tiny.VOCAB_SIZE - 1]
     before = row.detach().clone()
     trainer.train()

@@ -83,8 +83,9 @@ def noisy_pooler():
 
 
 def test_a_method_registers_a_forward_mechanism_through_the_trainer(tmp_path, noisy_pooler):
-    trainer = make_trainer(tmp_path, model=tiny.bert(), dp=noisy_pooler(noise_multiplier=1.0, noise_seed=0),
-                           max_steps=1)
+    trainer = make_trainer(
+        tmp_path, model=tiny.bert(), dp=noisy_pooler(noise_multiplier=1.0, noise_seed=0), max_steps=1
+    )
     model, seen = trainer.model, []
     handle = _pooled(model, seen)  # registered after the mechanism: sees what the rest of the network sees
     batch = {"input_ids": torch.tensor([[2, 5, 9, 3], [2, 6, 8, 3]])}

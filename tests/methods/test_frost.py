@@ -27,13 +27,19 @@ from tests.support import tiny
 from tests.support.helpers import make_trainer, snapshot, training_args
 
 N = 200
-FROST = FrostConfig(noise_multiplier=0.8, max_grad_norm=1.0, unfreeze_ratio=0.3, selection_sample_rate=0.25,
-                    noise_seed=11)
+FROST = FrostConfig(
+    noise_multiplier=0.8, max_grad_norm=1.0, unfreeze_ratio=0.3, selection_sample_rate=0.25, noise_seed=11
+)
 
 
 def _trainer(tmp_path, dp=FROST, model=None, n=N, **overrides):
-    return make_trainer(tmp_path, model=model if model is not None else tiny.bert(), dp=dp,
-                        dataset=tiny.sentiment_dataset(n), **overrides)
+    return make_trainer(
+        tmp_path,
+        model=model if model is not None else tiny.bert(),
+        dp=dp,
+        dataset=tiny.sentiment_dataset(n),
+        **overrides,
+    )
 
 
 def _releases(ledger) -> dict[str, int]:
@@ -50,12 +56,20 @@ def _changed(before, model) -> set[str]:
 
 
 # ---------------------------------------------------------------------- config and partitions
-@pytest.mark.parametrize(("field", "value", "match"), [
-    ("unfreeze_ratio", 0.0, "unfreeze_ratio"), ("variant", "mgx", "variant"), ("norm_order", 3, "norm_order"),
-    ("selection_rounds", 0, "selection_rounds"), ("selection_sample_rate", 1.5, "selection_sample_rate"),
-    ("gap_coefficient", -1.0, "gap_coefficient"), ("sgd_budget_ratio", 1.0, "sgd_budget_ratio"),
-    ("num_selections", 0, "num_selections"), ("mle_iterations", 2.5, "mle_iterations"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("unfreeze_ratio", 0.0, "unfreeze_ratio"),
+        ("variant", "mgx", "variant"),
+        ("norm_order", 3, "norm_order"),
+        ("selection_rounds", 0, "selection_rounds"),
+        ("selection_sample_rate", 1.5, "selection_sample_rate"),
+        ("gap_coefficient", -1.0, "gap_coefficient"),
+        ("sgd_budget_ratio", 1.0, "sgd_budget_ratio"),
+        ("num_selections", 0, "num_selections"),
+        ("mle_iterations", 2.5, "mle_iterations"),
+    ],
+)
 def test_config_refuses_bad_knobs_by_name(field, value, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(FROST, **{field: value})
@@ -98,8 +112,9 @@ def test_plan_is_compute_sigma_with_the_selection_rounds(tmp_path, accountant):
     trainer = _trainer(tmp_path, dp=dp, per_device_train_batch_size=8, num_train_epochs=2)
     plan, q, steps = trainer.plan, 8 / N, trainer.planned_steps
     sigma_sgd = calibrate_noise_multiplier(0.9 * 2.0, plan.delta, q, steps, accountant=accountant)
-    sigma_ps = calibrate_noise_multiplier(2.0, plan.delta, 0.02, 8, accountant=accountant,
-                                          prior=[MechanismGroup("dp-frost", sigma_sgd, q, steps)])
+    sigma_ps = calibrate_noise_multiplier(
+        2.0, plan.delta, 0.02, 8, accountant=accountant, prior=[MechanismGroup("dp-frost", sigma_sgd, q, steps)]
+    )
     assert plan["dp-frost"].noise_multiplier == sigma_sgd
     assert (plan[SELECTION_STAGE].noise_multiplier, plan[SELECTION_STAGE].steps) == (sigma_ps, 8)  # K·T
     assert plan.epsilon() <= 2.0
@@ -110,8 +125,7 @@ def test_plan_is_compute_sigma_with_the_selection_rounds(tmp_path, accountant):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("frost")
     # a secure run (no noise_seed): its card carries the ε the tests recompute
-    trainer = _trainer(out, dp=dataclasses.replace(FROST, noise_seed=None), per_device_train_batch_size=16,
-                       max_steps=4)
+    trainer = _trainer(out, dp=dataclasses.replace(FROST, noise_seed=None), per_device_train_batch_size=16, max_steps=4)
     before = snapshot(trainer.model)
     trainer.train()
     trainer.save_model()
@@ -150,10 +164,13 @@ def test_card_lists_the_selection_and_both_mechanisms_and_epsilon_recomputes(tra
     assert privacy["method"] == "dp-frost"
     assert {m["name"] for m in privacy["mechanisms"]} == {SELECTION_STAGE, "dp-frost"}
     groups = [MechanismGroup.from_dict(m) for m in privacy["mechanisms"]]
-    assert compute_epsilon(groups, privacy["delta"], privacy["accountant"]) == pytest.approx(privacy["epsilon"],
-                                                                                             rel=1e-9)
-    assert privacy["method_details"]["selected_partitions"] == trainer.privacy_report()["method_details"][
-        "selected_partitions"]
+    assert compute_epsilon(groups, privacy["delta"], privacy["accountant"]) == pytest.approx(
+        privacy["epsilon"], rel=1e-9
+    )
+    assert (
+        privacy["method_details"]["selected_partitions"]
+        == trainer.privacy_report()["method_details"]["selected_partitions"]
+    )
     for name in privacy["method_details"]["selected_partitions"]:
         assert f"`{name}`" in card.text
     assert "trainable parameters" in card.text and "DP-MGNA" in card.text
@@ -173,8 +190,10 @@ def test_a_release_is_noised_with_the_stage_sigma_times_the_sensitivity_and_reco
 
 def test_selection_samples_are_poisson_at_q_ps(tmp_path):
     trainer = _trainer(tmp_path, per_device_train_batch_size=7)
-    sizes = [sum(len(c["input_ids"]) for c in trainer.privacy_run.method_view.poisson_sample(SELECTION_STAGE))
-             for _ in range(200)]
+    sizes = [
+        sum(len(c["input_ids"]) for c in trainer.privacy_run.method_view.poisson_sample(SELECTION_STAGE))
+        for _ in range(200)
+    ]
     mean, expected = sum(sizes) / len(sizes), 0.25 * N
     assert abs(mean - expected) < 4 * math.sqrt(N * 0.25 * 0.75 / len(sizes))
     assert len(set(sizes)) > 5  # sizes vary: not a fixed-size batch
@@ -217,8 +236,9 @@ def test_k_selections_run_at_the_papers_update_indices(tmp_path):
 
 
 def test_single_shot_spends_one_round_per_selection(tmp_path):
-    trainer = _trainer(tmp_path, dp=dataclasses.replace(FROST, single_shot=True), per_device_train_batch_size=16,
-                       max_steps=1)
+    trainer = _trainer(
+        tmp_path, dp=dataclasses.replace(FROST, single_shot=True), per_device_train_batch_size=16, max_steps=1
+    )
     assert trainer.plan[SELECTION_STAGE].steps == 1
     trainer.train()
     assert trainer.ledger.mechanisms[0].steps == 1 and trainer.privacy_report()["method_details"]["selected_partitions"]
@@ -229,9 +249,13 @@ def test_causal_lms_select_and_train(tmp_path, factory):
     tok = tiny.tokenizer()
     model = factory()
     before = snapshot(model)
-    trainer = PrivateTrainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=16, max_steps=2),
-                             train_dataset=tiny.lm_dataset(N), dp_config=dataclasses.replace(FROST, unfreeze_ratio=0.5),
-                             data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    trainer = PrivateTrainer(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=16, max_steps=2),
+        train_dataset=tiny.lm_dataset(N),
+        dp_config=dataclasses.replace(FROST, unfreeze_ratio=0.5),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    )
     trainer.train()
     selected = trainer.privacy_report()["method_details"]["selected_partitions"]
     assert selected and _changed(before, model) == trainer.trained_parameter_names  # no head: the selection alone
@@ -239,8 +263,7 @@ def test_causal_lms_select_and_train(tmp_path, factory):
 
 def test_a_resume_with_the_budget_spent_still_saves_the_selection(tmp_path):
     dp = dataclasses.replace(FROST, noise_multiplier=None, target_epsilon=4.0)
-    first = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=3, save_strategy="steps",
-                     save_steps=3)
+    first = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=3, save_strategy="steps", save_steps=3)
     first.train()
     second = _trainer(tmp_path, dp=dp, per_device_train_batch_size=16, max_steps=3)
     second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))  # no step left: nothing trains

@@ -51,8 +51,11 @@ def _adversaries(model) -> dict[str, dict[str, torch.Tensor]]:
         "label-1e6": {**first, "labels": label(-1e6)},  # the same input, gradient flipped
         "flipped": {**{k: v[3:4] for k, v in data.items()}, "labels": -data["labels"][3:4]},
         "long-rare": {"input_ids": long_ids, "attention_mask": torch.ones_like(long_ids), "labels": label(-1e3)},
-        "cls-only": {"input_ids": first["input_ids"][:, :1], "attention_mask": first["attention_mask"][:, :1],
-                     "labels": label(1e6)},
+        "cls-only": {
+            "input_ids": first["input_ids"][:, :1],
+            "attention_mask": first["attention_mask"][:, :1],
+            "labels": label(1e6),
+        },
         "scaled-embeddings": {"inputs_embeds": embeds, "attention_mask": first["attention_mask"], "labels": label(1e3)},
     }
 
@@ -69,8 +72,10 @@ def _reference_gradients() -> tuple[list[dict[str, torch.Tensor]], dict[str, dic
     def grad(example):
         model.zero_grad()
         _loss(model, example).backward()
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-                for n, p in model.named_parameters()}
+        return {
+            n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in model.named_parameters()
+        }
 
     return [grad(x) for x in _rows(_data())], {k: grad(x) for k, x in _adversaries(model).items()}
 
@@ -149,8 +154,9 @@ def test_reducer_matches_def8_fp64_per_example_loop(variant, order):
         ref_norms, ref = pgm_reference(data_grads, names, clip, order, variant)
         assert (ref_norms > ref_norms.median()).any() and (ref_norms < ref_norms.median()).any()
         engine.reducer = PartitionMagnitudeReducer(partitions, clip, order=order, variant=variant)
-        norms, ours = _engine_mu(engine, model, [{k: v[:3] for k, v in data.items()},
-                                                 {k: v[3:] for k, v in data.items()}])
+        norms, ours = _engine_mu(
+            engine, model, [{k: v[:3] for k, v in data.items()}, {k: v[3:] for k, v in data.items()}]
+        )
         assert ours.dtype == torch.float64 and ours.shape == (len(partitions),)
         assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= TOLERANCE
         assert _relative_error(ours, ref) <= TOLERANCE, (variant, order, subset)
@@ -206,12 +212,19 @@ def test_clipped_abs_sum_equals_weighted_abs_of_each_example(kind):
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     batch, tokens, rows, width = 7, 5, 6, 4
-    index = IndexTerm(index=torch.randint(0, rows, (batch, tokens), generator=gen), right=rand(batch, tokens, width),
-                      num_rows=rows)
+    index = IndexTerm(
+        index=torch.randint(0, rows, (batch, tokens), generator=gen), right=rand(batch, tokens, width), num_rows=rows
+    )
     outer = OuterTerm(left=rand(batch, tokens, rows), right=rand(batch, tokens, width))
     sample = SampleTerm(rand(batch, rows, width))
-    terms = {"sample": [sample], "sample-vector": [SampleTerm(rand(batch, rows))], "index": [index],
-             "outer": [outer], "index+outer": [index, outer], "index+sample": [index, sample]}[kind]
+    terms = {
+        "sample": [sample],
+        "sample-vector": [SampleTerm(rand(batch, rows))],
+        "index": [index],
+        "outer": [outer],
+        "index+outer": [index, outer],
+        "index+sample": [index, sample],
+    }[kind]
     factors = torch.rand(batch, generator=gen, dtype=torch.float64)
     dense = sum(instantiate(t) for t in terms)
     want = torch.einsum("b,b...->...", factors, dense.abs())
@@ -271,8 +284,13 @@ def test_sensitivity_check_fails_for_l2_clipping_where_alpha_is_1(variant):
 
     def worst(clip_order):
         _, base = pgm_reference(data_grads, names, clip, 1, variant, clip_order=clip_order)
-        return max((pgm_reference([*data_grads, g], names, clip, 1, variant, clip_order=clip_order)[1] - base).norm()
-                   for g in adversary_grads.values()) / sensitivity
+        return (
+            max(
+                (pgm_reference([*data_grads, g], names, clip, 1, variant, clip_order=clip_order)[1] - base).norm()
+                for g in adversary_grads.values()
+            )
+            / sensitivity
+        )
 
     assert worst(1) <= 1 + 1e-9  # the correct clip
     assert worst(2) > 1.5  # the mutant: ‖C₂(v)‖₁ can be up to √d·κ (measured: 2.2 MG, 3.0 MGN, 3.5 MGNA)

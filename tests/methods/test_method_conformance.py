@@ -37,17 +37,25 @@ SIGMA = 0.8
 # factory must be deterministic (seeded).
 ROWS = {
     "dp-sgd": (DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.bert),
-    "dp-lora": (DPLoRAConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, lora_r=2,
-                             lora_target_modules="query,value"), tiny.bert),
+    "dp-lora": (
+        DPLoRAConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, lora_r=2, lora_target_modules="query,value"),
+        tiny.bert,
+    ),
     "dp-bitfit": (BitFitConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.roberta),
-    "dp-frost": (FrostConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, unfreeze_ratio=0.3,
-                             selection_sample_rate=0.25), tiny.bert),
+    "dp-frost": (
+        FrostConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, unfreeze_ratio=0.3, selection_sample_rate=0.25),
+        tiny.bert,
+    ),
     "dp-fp": (DPFPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP), tiny.bert),  # sound mode; paper mode has no
     # guarantee to check (test_dpfp.py shows its leak, test_audit.py refutes its CLT figure)
-    "sparse-lowrank": (SparseLowRankConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, rank=4, sparsity=0.25),
-                       tiny.bert),
-    "sparse-lowrank/rgp": (SparseLowRankConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, variant="rgp", rank=2,
-                                               sparsity=0.25), tiny.bert),
+    "sparse-lowrank": (
+        SparseLowRankConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, rank=4, sparsity=0.25),
+        tiny.bert,
+    ),
+    "sparse-lowrank/rgp": (
+        SparseLowRankConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, variant="rgp", rank=2, sparsity=0.25),
+        tiny.bert,
+    ),
 }
 # RGP releases noisy carrier gradients that become the weights' update through a projection (not the trainable
 # tensors' own update): its noise and one-step audit are checked on that projection in test_sparse_lowrank.py.
@@ -95,8 +103,7 @@ def test_one_extra_example_moves_the_clipped_sum_by_at_most_C(tmp_path, name):
         return torch.cat([sums.get(p, torch.zeros_like(p)).flatten() for _, p in engine.parameters])
 
     base = clipped(base_rows)
-    moves = [(clipped([*base_rows, {**data[i], "labels": 1 - data[i]["label"]}]) - base).norm().item()
-             for i in (8, 9)]
+    moves = [(clipped([*base_rows, {**data[i], "labels": 1 - data[i]["label"]}]) - base).norm().item() for i in (8, 9)]
     assert max(moves) <= CLIP * (1 + 1e-9) and max(moves) >= 0.5 * CLIP
 
 
@@ -115,8 +122,12 @@ def test_noise_on_every_trainable_coordinate_and_nothing_else_changes(tmp_path, 
     masked = {id(f.param): f.coordinate_mask().expand_as(f.param) for f in getattr(trainer.dp_method, "factors", [])}
     kept = {k: masked.get(id(params[k.removeprefix("param:")])) for k in trainable}
     assert all(torch.equal(before[k][m], after[k][m]) for k, m in kept.items() if m is not None)
-    noise = torch.cat([((before[k] - after[k]) * trainer.expected_batch_size)[~m if m is not None else ...].flatten()
-                       for k, m in sorted(kept.items())])
+    noise = torch.cat(
+        [
+            ((before[k] - after[k]) * trainer.expected_batch_size)[~m if m is not None else ...].flatten()
+            for k, m in sorted(kept.items())
+        ]
+    )
     assert bool((noise != 0).all()), "a trainable coordinate got no noise"
     assert abs(noise.double().std().item() / (SIGMA * CLIP) - 1) < 5 / noise.numel() ** 0.5 + 0.02
     assert all(torch.equal(v, after[k]) for k, v in before.items() if k not in trainable)
@@ -138,8 +149,9 @@ def test_frozen_tensors_stay_bit_identical_and_the_card_recomputes_epsilon(tmp_p
     assert privacy["method"] == _method(name)
     assert sum(m["steps"] for m in privacy["mechanisms"] if m["name"] in training) == 3
     groups = [MechanismGroup.from_dict(m) for m in privacy["mechanisms"]]
-    assert compute_epsilon(groups, privacy["delta"], privacy["accountant"]) == pytest.approx(privacy["epsilon"],
-                                                                                             rel=1e-9)
+    assert compute_epsilon(groups, privacy["delta"], privacy["accountant"]) == pytest.approx(
+        privacy["epsilon"], rel=1e-9
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
@@ -147,8 +159,11 @@ def test_saved_adapter_reloads_onto_a_fresh_base_with_identical_logits(tmp_path,
     trainer = _trainer(tmp_path, name, max_steps=2)
     trainer.train()
     trainer.save_model()
-    batch = {k: v for k, v in _batch([{**r, "labels": r["label"]} for r in tiny.sentiment_dataset(4, seed=7)]).items()
-             if k != "labels"}
+    batch = {
+        k: v
+        for k, v in _batch([{**r, "labels": r["label"]} for r in tiny.sentiment_dataset(4, seed=7)]).items()
+        if k != "labels"
+    }
     expected = eval_logits(trainer.model, batch)
     _, factory = ROWS[name]
     reloaded = load_private_adapter(factory(), tmp_path)
@@ -169,12 +184,20 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
     # examples' clipped terms too (the canary then seemed to shift the release by ~4·C). Sound mode's guarantee is the
     # head's DP-SGD alone, which holds for any fixed representation noise, so the test fixes it at zero.
     forward_init = ClippedNoisyOutput.__init__
-    monkeypatch.setattr(ClippedNoisyOutput, "__init__", lambda self, clip, sigma, noise: forward_init(self, clip, 0.0,
-                                                                                                      noise))
+    monkeypatch.setattr(
+        ClippedNoisyOutput, "__init__", lambda self, clip, sigma, noise: forward_init(self, clip, 0.0, noise)
+    )
     config, factory = ROWS[name]
     dp = dataclasses.replace(config, noise_multiplier=STEP_SIGMA, max_grad_norm=STEP_CLIP, noise_seed=0)
-    trainer = make_trainer(tmp_path, model=factory(), dp=dp, learning_rate=1.0, optim="sgd", weight_decay=0.0,
-                           per_device_train_batch_size=STEP_BATCH)
+    trainer = make_trainer(
+        tmp_path,
+        model=factory(),
+        dp=dp,
+        learning_rate=1.0,
+        optim="sgd",
+        weight_decay=0.0,
+        per_device_train_batch_size=STEP_BATCH,
+    )
     trainer.privacy_run.before_step()
     trainer.create_optimizer()
     model, engine = trainer.model, trainer.engine
@@ -200,8 +223,9 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
         before = [p.detach().clone() for p in params]
         engine.clipped_sums = {p: s.clone() for p, s in clipped.items()}
         trainer.optimizer.step()
-        released = torch.cat([((b - p.detach()) * trainer.expected_batch_size).flatten()
-                              for b, p in zip(before, params)])
+        released = torch.cat(
+            [((b - p.detach()) * trainer.expected_batch_size).flatten() for b, p in zip(before, params)]
+        )
         with torch.no_grad():
             for b, p in zip(before, params):
                 p.copy_(b)
@@ -211,8 +235,9 @@ def test_one_step_audit_refutes_a_run_without_noise(tmp_path, monkeypatch, name,
     negatives = torch.tensor([statistic(without) for _ in range(trials)])
     positives = torch.tensor([statistic(with_canary) for _ in range(trials)])
     threshold = 0.5 * STEP_CLIP  # fixed in advance: halfway between the two means (0 and ≈C)
-    lower_bound = epsilon_from_error_rates(int((negatives > threshold).sum()), trials,
-                                           int((positives <= threshold).sum()), trials, DELTA)
+    lower_bound = epsilon_from_error_rates(
+        int((negatives > threshold).sum()), trials, int((positives <= threshold).sum()), trials, DELTA
+    )
     claimed = gaussian_mechanism_epsilon(STEP_SIGMA, DELTA)
     if noise == "on":
         assert lower_bound <= claimed

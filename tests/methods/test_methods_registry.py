@@ -149,14 +149,19 @@ def head_only_method():
 
 
 def test_a_new_method_trains_saves_and_reloads_its_config(tmp_path, head_only_method):
-    trainer = PrivateTrainer(tiny.bert(), training_args(tmp_path, max_steps=1),
-                             train_dataset=tiny.sentiment_dataset(32),
-                             dp_config=head_only_method(noise_multiplier=1.0, noise_seed=0))
+    trainer = PrivateTrainer(
+        tiny.bert(),
+        training_args(tmp_path, max_steps=1),
+        train_dataset=tiny.sentiment_dataset(32),
+        dp_config=head_only_method(noise_multiplier=1.0, noise_seed=0),
+    )
     trainer.data_collator = _padding()
     trainer.train()
     trainer.save_model()
-    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {"classifier.weight",
-                                                                                   "classifier.bias"}
+    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == {
+        "classifier.weight",
+        "classifier.bias",
+    }
     assert MethodConfig.from_pretrained(tmp_path) == trainer.dp_config
     assert trainer.privacy_report()["mechanisms"][0]["name"] == "test-head-only"
 
@@ -165,8 +170,9 @@ def test_the_recipe_offers_a_new_method_and_its_flags(tmp_path, head_only_method
     sys.path.insert(0, str(Path(__file__).parents[2] / "recipes"))
     import glue
 
-    recipe, args, _ = glue.parse_args(["--method", "test-head-only", "--head_name", "bert.pooler",
-                                       "--output_dir", str(tmp_path), "--use_cpu", "true"])
+    recipe, args, _ = glue.parse_args(
+        ["--method", "test-head-only", "--head_name", "bert.pooler", "--output_dir", str(tmp_path), "--use_cpu", "true"]
+    )
     assert recipe.method_fields == {"head_name": "bert.pooler"}
     assert isinstance(glue._dp_config(recipe, 1.0), head_only_method)
 
@@ -227,8 +233,11 @@ def _imported_modules(path: Path, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else (
-                node.module)
+            base = (
+                importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                if node.level
+                else (node.module)
+            )
             names |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
     return names
 
@@ -239,8 +248,11 @@ def test_no_method_folder_imports_another_and_engine_and_privacy_import_no_metho
     for folder in sorted(folders):
         for path in sorted((METHODS_DIR / folder).rglob("*.py")):
             package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
-            others = {name.split(".")[2] for name in _imported_modules(path, package)
-                      if name.startswith("hf_private.methods.") and name.count(".") >= 2} & (folders - {folder})
+            others = {
+                name.split(".")[2]
+                for name in _imported_modules(path, package)
+                if name.startswith("hf_private.methods.") and name.count(".") >= 2
+            } & (folders - {folder})
             assert not others, f"{path.relative_to(root)} imports the method folder(s) {sorted(others)}"
     for layer in ("engine", "privacy"):
         for path in sorted((root / "hf_private" / layer).rglob("*.py")):
@@ -280,8 +292,10 @@ def test_a_method_release_outside_training_is_planned_calibrated_and_ledgered(tm
     trainer.record_release("test-selection", 2)  # what the method does before training
     trainer.train()
     report = trainer.privacy_report()
-    assert [(m["name"], m["steps"]) for m in report["mechanisms"]] == [("test-selection", 2),
-                                                                       (select_then_train.method, 4)]
+    assert [(m["name"], m["steps"]) for m in report["mechanisms"]] == [
+        ("test-selection", 2),
+        (select_then_train.method, 4),
+    ]
     assert trainer.training_steps() == 4 == trainer.state.global_step
     assert report["epsilon"] == pytest.approx(trainer.plan.epsilon(), rel=1e-9) and report["epsilon"] <= 3.0
 

@@ -136,7 +136,8 @@ def test_carriers_capture_a_rank_k_weight_exactly():
     """For a W of rank k, the power iteration's spans are W's: LLᵀW = W and WRᵀR = W."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(OUT, RANK, dtype=torch.float64, generator=gen) @ torch.randn(
-        RANK, IN, dtype=torch.float64, generator=gen)
+        RANK, IN, dtype=torch.float64, generator=gen
+    )
     left, right = gradient_carriers(weight, RANK, torch.Generator().manual_seed(1))
     torch.testing.assert_close(left @ left.T @ weight, weight, rtol=0, atol=1e-12)
     torch.testing.assert_close(weight @ right.T @ right, weight, rtol=0, atol=1e-12)
@@ -285,11 +286,18 @@ def test_target_matching_full_names_and_suffixes():
     """Entries match full dotted names or name suffixes at a dot boundary; bad targets leave the model untouched."""
     model = tiny.bert()
     assert list(wrap_rgp(copy.deepcopy(model), ["bert.encoder.layer.0.attention.self.query"], 2)) == [
-        "bert.encoder.layer.0.attention.self.query"]
+        "bert.encoder.layer.0.attention.self.query"
+    ]
     assert list(wrap_rgp(copy.deepcopy(model), ["self.key"], 2)) == [
-        "bert.encoder.layer.0.attention.self.key", "bert.encoder.layer.1.attention.self.key"]
-    cases = [(["uery"], ValueError, "match no module"), (["attention"], TypeError, "BertAttention"),
-             (["query", "classifier"], ValueError, "rank"), ("query", TypeError, "list")]
+        "bert.encoder.layer.0.attention.self.key",
+        "bert.encoder.layer.1.attention.self.key",
+    ]
+    cases = [
+        (["uery"], ValueError, "match no module"),
+        (["attention"], TypeError, "BertAttention"),
+        (["query", "classifier"], ValueError, "rank"),
+        ("query", TypeError, "list"),
+    ]
     for targets, error, message in cases:  # classifier is 2×32: rank 3 is too large, and nothing is wrapped
         with pytest.raises(error, match=message):
             wrap_rgp(model, targets, 3)
@@ -334,7 +342,7 @@ def test_engine_clips_the_carrier_gradients_like_a_per_example_loop(name):
     head_params = [p for p in original.parameters() if p.requires_grad and all(p is not w for w in weights.values())]
     for b in range(BATCH):
         original.zero_grad()
-        _loss(original, {k: v[b: b + 1] for k, v in batch.items()}).backward()
+        _loss(original, {k: v[b : b + 1] for k, v in batch.items()}).backward()
         squared = sum(p.grad.pow(2).sum() for p in head_params) if head_params else 0.0
         for n, w in wrapped.items():
             grad = weights[n].grad.t() if w.is_conv1d else weights[n].grad

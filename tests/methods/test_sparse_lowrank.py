@@ -40,16 +40,21 @@ def test_defaults_are_table_1_per_variant_and_bad_knobs_are_refused():
     lora, rgp = SparseLowRankConfig(target_epsilon=2.0), SparseLowRankConfig(target_epsilon=2.0, variant="rgp")
     assert (lora.resolved_rank, lora.resolved_sparsity, lora.resolved_mask_source) == (32, 0.1, "pretrained")
     assert (rgp.resolved_rank, rgp.resolved_sparsity, rgp.resolved_mask_source) == (8, 0.5, "current")
-    for bad, match in [({"variant": "svd"}, "variant"), ({"rank": 0}, "rank"), ({"sparsity": 1.0}, "sparsity"),
-                       ({"mask_source": "data"}, "mask_source"), ({"variant": "rgp", "lora_alpha": 8}, "lora_alpha")]:
+    for bad, match in [
+        ({"variant": "svd"}, "variant"),
+        ({"rank": 0}, "rank"),
+        ({"sparsity": 1.0}, "sparsity"),
+        ({"mask_source": "data"}, "mask_source"),
+        ({"variant": "rgp", "lora_alpha": 8}, "lora_alpha"),
+    ]:
         with pytest.raises(ValueError, match=match):
             SparseLowRankConfig(target_epsilon=2.0, **bad)
 
 
 def test_unit_masks_take_the_smallest_row_and_column_l1_norms():
-    weight = torch.tensor([[1.0, -5.0, 0.0, 2.0],
-                           [0.5, 0.5, -0.5, 0.0],
-                           [3.0, 1.0, 1.0, -1.0]])  # row sums 8, 1.5, 6; column sums 4.5, 6.5, 1.5, 3
+    weight = torch.tensor(
+        [[1.0, -5.0, 0.0, 2.0], [0.5, 0.5, -0.5, 0.0], [3.0, 1.0, 1.0, -1.0]]
+    )  # row sums 8, 1.5, 6; column sums 4.5, 6.5, 1.5, 3
     rows, cols = unit_masks(weight, 0.5)
     assert rows.tolist() == [False, True, False]  # ⌊0.5·3⌋ = 1 row
     assert cols.tolist() == [False, False, True, True]  # ⌊0.5·4⌋ = 2 columns
@@ -95,7 +100,7 @@ def test_terms_are_masked_before_the_norm(tmp_path):
     masks = {id(f.param): f.coordinate_mask() for f in trainer.dp_method.factors}
     expected = [torch.zeros_like(p) for p in params]
     for b in range(len(rows)):
-        one = {k: v[b:b + 1] for k, v in batch.items()}
+        one = {k: v[b : b + 1] for k, v in batch.items()}
         grads = torch.autograd.grad(trainer.summed_loss(model, one)[0], params)
         grads = [g.masked_fill(masks[id(p)].expand_as(g), 0.0) if id(p) in masks else g for p, g in zip(params, grads)]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
@@ -111,8 +116,12 @@ def test_the_adapter_is_a_peft_lora_adapter_stock_peft_loads_without_hf_private(
     trainer.save_model()
     base_dir = tmp_path / "base"
     tiny.bert().save_pretrained(base_dir)
-    batch = {k: v for k, v in trainer.data_collator(
-        [{k: v for k, v in r.items() if k != "label"} for r in tiny.sentiment_dataset(4, seed=7)]).items()}
+    batch = {
+        k: v
+        for k, v in trainer.data_collator(
+            [{k: v for k, v in r.items() if k != "label"} for r in tiny.sentiment_dataset(4, seed=7)]
+        ).items()
+    }
     expected = eval_logits(trainer.model, batch)
     torch.save(batch, tmp_path / "batch.pt")
     script = textwrap.dedent(f"""
@@ -135,8 +144,11 @@ def test_rgp_updates_the_weights_by_the_reconstructed_gradient_and_keeps_them_pl
     method = trainer.dp_method
     before = snapshot(trainer.model)
     trainer.train()
-    changed = {k.removeprefix("param:") for k, v in snapshot(trainer.model).items()
-               if k.startswith("param:") and not torch.equal(v, before[k])}
+    changed = {
+        k.removeprefix("param:")
+        for k, v in snapshot(trainer.model).items()
+        if k.startswith("param:") and not torch.equal(v, before[k])
+    }
     weights = {f"{name}.weight" for name in method.rgp_layers}
     carriers = {n for n in changed if n.endswith((".left.weight", ".right.weight"))}
     assert changed - carriers == weights | method.head  # W and the head train; biases, norms, embeddings do not
@@ -162,7 +174,8 @@ def test_rgp_step_applies_the_papers_projection_of_the_released_carrier_gradient
 
 # ---------------------------------------------------------------------- accounting, card, recipe
 SECTION_4_9 = [(67_349, 660, eps, sigma) for eps, sigma in zip((1, 2, 4, 8), (3.242, 1.855, 1.173, 0.837))] + [
-    (104_743, 1040, eps, sigma) for eps, sigma in zip((1, 2, 4, 8), (2.656, 1.553, 1.024, 0.760))]
+    (104_743, 1040, eps, sigma) for eps, sigma in zip((1, 2, 4, 8), (2.656, 1.553, 1.024, 0.760))
+]
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order")
@@ -170,11 +183,13 @@ SECTION_4_9 = [(67_349, 660, eps, sigma) for eps, sigma in zip((1, 2, 4, 8), (3.
 def test_section_4_9_noise_multipliers_under_rdp(size, steps, target, sigma):
     """B = 2000, E = 20, δ = 1e-5, q = B/N, T = E·⌊N/B⌋ (the RGP code's convention). QNLI's δ = 1e-5 is not below
     1/N (N = 104,743), so a plan refuses it; the calibration itself reproduces the table."""
-    assert calibrate_noise_multiplier(target, 1e-5, 2000 / size, steps, accountant="rdp") == pytest.approx(sigma,
-                                                                                                        abs=1e-3)
+    assert calibrate_noise_multiplier(target, 1e-5, 2000 / size, steps, accountant="rdp") == pytest.approx(
+        sigma, abs=1e-3
+    )
     if 1e-5 < 1 / size:
-        plan = PrivacyPlan(size, 2000, steps=steps, delta=1e-5, accountant="rdp", target_epsilon=target,
-                           name="sparse-lowrank")
+        plan = PrivacyPlan(
+            size, 2000, steps=steps, delta=1e-5, accountant="rdp", target_epsilon=target, name="sparse-lowrank"
+        )
         assert plan["sparse-lowrank"].noise_multiplier == pytest.approx(sigma, abs=1e-3)
     else:
         with pytest.raises(ValueError, match="not below 1/N"):

@@ -32,8 +32,14 @@ from hf_private.integrations.losses import default_per_example_loss
 from tests.support import tiny
 from tests.support.helpers import make_trainer
 
-SMALL = dict(vocab_size=tiny.VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-             intermediate_size=32, max_position_embeddings=40)
+SMALL = dict(
+    vocab_size=tiny.VOCAB_SIZE,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=40,
+)
 ADVICE = "sentence-transformers checkpoint trained with mean pooling"
 
 
@@ -44,13 +50,19 @@ def _bert_checkpoint(path, pooling: str | None = None, with_head: bool = False):
     model = BertForSequenceClassification(BertConfig(**SMALL)) if with_head else BertModel(BertConfig(**SMALL))
     model.save_pretrained(path)
     if pooling:
-        (path / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (path / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                ]
+            )
+        )
         (path / "1_Pooling").mkdir()
         modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
-        (path / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": 16, **{f"pooling_mode_{m}": m == pooling for m in modes}}))
+        (path / "1_Pooling" / "config.json").write_text(
+            json.dumps({"word_embedding_dimension": 16, **{f"pooling_mode_{m}": m == pooling for m in modes}})
+        )
     return model
 
 
@@ -93,8 +105,9 @@ def test_saved_head_reloads_with_its_class_and_the_auto_class(tmp_path):
 
 def test_roberta_checkpoints_load_into_the_roberta_head_and_other_families_are_refused(tmp_path):
     RobertaModel(RobertaConfig(**SMALL, pad_token_id=1)).save_pretrained(tmp_path / "roberta")
-    GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, bos_token_id=0,
-                         eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    GPT2Model(
+        GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(tmp_path / "gpt2")
     model = MeanPooledRobertaForSequenceClassification.from_pretrained(tmp_path / "roberta", num_labels=2)
     assert model.roberta.pooler is None
     with pytest.raises(ValueError, match="use hf_private.MeanPooledRobertaForSequenceClassification"):
@@ -109,14 +122,19 @@ def test_per_example_loss_is_each_examples_own_loss():
     labels = torch.tensor([1, 0])
     losses = default_per_example_loss(model, model(**batch), labels)
     for i in range(2):
-        alone = {k: v[i:i + 1, : int(batch["attention_mask"][i].sum())] for k, v in batch.items()}
-        torch.testing.assert_close(losses[i], model(**alone, labels=labels[i:i + 1]).loss, rtol=1e-5, atol=1e-6)
+        alone = {k: v[i : i + 1, : int(batch["attention_mask"][i].sum())] for k, v in batch.items()}
+        torch.testing.assert_close(losses[i], model(**alone, labels=labels[i : i + 1]).loss, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dp, weights_train", [(DPConfig(noise_multiplier=1.0), True),
-                                               (BitFitConfig(noise_multiplier=1.0), False),
-                                               (DPLoRAConfig(noise_multiplier=1.0, lora_r=4), False)],
-                         ids=["DPConfig", "BitFitConfig", "DPLoRAConfig"])
+@pytest.mark.parametrize(
+    "dp, weights_train",
+    [
+        (DPConfig(noise_multiplier=1.0), True),
+        (BitFitConfig(noise_multiplier=1.0), False),
+        (DPLoRAConfig(noise_multiplier=1.0, lora_r=4), False),
+    ],
+    ids=["DPConfig", "BitFitConfig", "DPLoRAConfig"],
+)
 def test_trains_under_every_method(tmp_path, dp, weights_train):
     model = tiny.mean_pooled_bert()
     head_before = model.classifier.weight.detach().clone()

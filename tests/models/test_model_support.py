@@ -35,15 +35,37 @@ BIAS = "relative_attention_bias"
 
 
 def _t5_config(**kw) -> T5Config:
-    return T5Config(vocab_size=tiny.VOCAB_SIZE, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-                    dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0, **kw)
+    return T5Config(
+        vocab_size=tiny.VOCAB_SIZE,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        **kw,
+    )
 
 
 def _bart_config(**kw) -> BartConfig:
-    return BartConfig(vocab_size=tiny.VOCAB_SIZE, d_model=32, encoder_layers=1, decoder_layers=1,
-                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                      max_position_embeddings=tiny.SEQ_LEN + 4, dropout=0.0, pad_token_id=0, bos_token_id=2,
-                      eos_token_id=3, decoder_start_token_id=2)
+    return BartConfig(
+        vocab_size=tiny.VOCAB_SIZE,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=tiny.SEQ_LEN + 4,
+        dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        decoder_start_token_id=2,
+    )
 
 
 def _freeze(model, *type_names: str, names: tuple[str, ...] = ()):
@@ -65,13 +87,15 @@ def _t5_token_classifier(freeze_bias: bool) -> T5ForTokenClassification:
 ENCODER_DECODER = {  # name: factory, with what the old error message advised already frozen where marked
     "t5-lm": lambda: T5ForConditionalGeneration(_t5_config()),
     "t5-lm-advice-followed": lambda: _freeze(T5ForConditionalGeneration(_t5_config()), "T5LayerNorm"),
-    "t5-seq-cls-advice-followed": lambda: _freeze(T5ForSequenceClassification(_t5_config()), "T5LayerNorm",
-                                                  names=(BIAS,)),
-    "t5-lora": lambda: get_peft_model(T5ForConditionalGeneration(_t5_config()),
-                                      LoraConfig(task_type="SEQ_2_SEQ_LM", r=4, lora_alpha=8, lora_dropout=0.0)),
+    "t5-seq-cls-advice-followed": lambda: _freeze(
+        T5ForSequenceClassification(_t5_config()), "T5LayerNorm", names=(BIAS,)
+    ),
+    "t5-lora": lambda: get_peft_model(
+        T5ForConditionalGeneration(_t5_config()),
+        LoraConfig(task_type="SEQ_2_SEQ_LM", r=4, lora_alpha=8, lora_dropout=0.0),
+    ),
     "bart-seq-cls": lambda: BartForSequenceClassification(_bart_config()),
-    "bart-lm-advice-followed": lambda: _freeze(BartForConditionalGeneration(_bart_config()),
-                                               "BartScaledWordEmbedding"),
+    "bart-lm-advice-followed": lambda: _freeze(BartForConditionalGeneration(_bart_config()), "BartScaledWordEmbedding"),
 }
 
 
@@ -89,8 +113,17 @@ def test_encoder_decoder_models_are_refused_at_construction(tmp_path, name):
     assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
 
 
-@pytest.mark.parametrize("factory", [tiny.bert, tiny.roberta, tiny.gpt2, tiny.llama, tiny.roberta_multiple_choice,
-                                     lambda: _t5_token_classifier(freeze_bias=False)])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        tiny.bert,
+        tiny.roberta,
+        tiny.gpt2,
+        tiny.llama,
+        tiny.roberta_multiple_choice,
+        lambda: _t5_token_classifier(freeze_bias=False),
+    ],
+)
 def test_encoder_only_and_decoder_only_models_pass_the_model_check(factory):
     check_supported_model(factory())
 
@@ -118,8 +151,11 @@ def test_relative_attention_bias_is_refused_and_stays_refused_when_shapes_coinci
     for examples in (6, 4):
         with engine.recording(examples):
             _loss(model, _token_batch(examples, 4)).backward()
-        with pytest.raises(UnsupportedLayerError, match=rf"{BIAS} \(Embedding\) is used without a per-example "
-                                                          r"batch dimension.*Freeze these parameters"):
+        with pytest.raises(
+            UnsupportedLayerError,
+            match=rf"{BIAS} \(Embedding\) is used without a per-example "
+            r"batch dimension.*Freeze these parameters",
+        ):
             engine.finish_backward()
         assert not engine.clipped_sums and all(p.grad is None for _, p in engine.parameters)
 
@@ -131,8 +167,9 @@ def _token_dataset(n: int) -> Dataset:
     positive = set(tok.convert_tokens_to_ids(tiny.POSITIVE))
     negative = set(tok.convert_tokens_to_ids(tiny.NEGATIVE))
     labels = [[1 if t in positive else 2 if t in negative else 0 for t in ids] for ids in base["input_ids"]]
-    return Dataset.from_dict({"input_ids": base["input_ids"], "attention_mask": base["attention_mask"],
-                              "labels": labels})
+    return Dataset.from_dict(
+        {"input_ids": base["input_ids"], "attention_mask": base["attention_mask"], "labels": labels}
+    )
 
 
 def _pad_to_chunk_size(features: list[dict]) -> dict[str, torch.Tensor]:
@@ -149,9 +186,13 @@ def _pad_to_chunk_size(features: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _t5_trainer(tmp_path, model) -> PrivateTrainer:
-    return PrivateTrainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=CHUNK, max_steps=2),
-                          train_dataset=_token_dataset(32), data_collator=_pad_to_chunk_size,
-                          dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0))
+    return PrivateTrainer(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=CHUNK, max_steps=2),
+        train_dataset=_token_dataset(32),
+        data_collator=_pad_to_chunk_size,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+    )
 
 
 def test_trainable_relative_attention_bias_is_refused_before_any_step(tmp_path):
@@ -159,9 +200,12 @@ def test_trainable_relative_attention_bias_is_refused_before_any_step(tmp_path):
     model = _t5_token_classifier(freeze_bias=False)
     trainer = _t5_trainer(tmp_path, model)
     before = snapshot(model)
-    with pytest.raises(UnsupportedLayerError, match=rf"SelfAttention\.{BIAS} \(Embedding\) is used without a "
-                                                    r"per-example batch dimension .*where its chunk held 1 example\)"
-                                                    r".*Freeze these parameters"):  # found by the probe
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=rf"SelfAttention\.{BIAS} \(Embedding\) is used without a "
+        r"per-example batch dimension .*where its chunk held 1 example\)"
+        r".*Freeze these parameters",
+    ):  # found by the probe
         trainer.train()
     assert trainer.ledger.total_steps == 0
     after = snapshot(model)

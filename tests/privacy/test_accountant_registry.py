@@ -83,8 +83,14 @@ def test_every_registered_accountant_has_its_own_file():
     registered = {type(accountant_named(name)) for name in registered_accountants()}
     for info in pkgutil.iter_modules([str(package)]):
         module = importlib.import_module(f"{accountants.__name__}.{info.name}")
-        defined = [value for value in vars(module).values() if isinstance(value, type) and issubclass(value, Accountant)
-                   and value is not Accountant and value.__module__ == module.__name__]
+        defined = [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type)
+            and issubclass(value, Accountant)
+            and value is not Accountant
+            and value.__module__ == module.__name__
+        ]
         assert all(cls in registered for cls in defined), (info.name, defined)
 
 
@@ -118,8 +124,11 @@ def test_a_registered_accountant_is_offered_and_used(capsys):
     calls: list = []
     _register_toy(calls=calls)
     assert registered_accountants() == ("prv", "rdp", "toy")
-    history = [MechanismGroup("dp-sgd", 2.0, 0.01, 30), MechanismGroup.els("dp-sgd", 2.0, 0.01, 4, 10),
-               MechanismGroup("dp-sgd", 2.0, 0.01, 20)]
+    history = [
+        MechanismGroup("dp-sgd", 2.0, 0.01, 30),
+        MechanismGroup.els("dp-sgd", 2.0, 0.01, 4, 10),
+        MechanismGroup("dp-sgd", 2.0, 0.01, 20),
+    ]
     assert epsilon_bound(history, DELTA, "toy") == (_toy_epsilon([(2.0, 0.01, 1, 50), (2.0, 0.01, 4, 10)]), "toy")
     # What the accountant is given: the merged releases, at δ minus the sampler's tail.
     assert calls[-1] == ([(2.0, 0.01, 1, 50), (2.0, 0.01, 4, 10)], DELTA - sampler_tail_delta(history, DELTA))
@@ -150,12 +159,16 @@ def test_a_search_seed_starts_the_search_and_the_accountant_finishes_it(monkeypa
     """PRV's searches start from RDP's answer; a toy seeded by "rdp" is asked only after RDP's bisection."""
     asked: list[str] = []
     rdp = accountant_named("rdp")
-    monkeypatch.setattr(type(rdp), "epsilon", lambda self, releases, delta: asked.append("rdp") or (
-        _toy_epsilon(releases) * 2, "rdp"))
+    monkeypatch.setattr(
+        type(rdp), "epsilon", lambda self, releases, delta: asked.append("rdp") or (_toy_epsilon(releases) * 2, "rdp")
+    )
     _register_toy("seeded", seed="rdp")
     original = accountant_named("seeded").epsilon
-    monkeypatch.setattr(type(accountant_named("seeded")), "epsilon",
-                        lambda self, releases, delta: asked.append("seeded") or original(releases, delta))
+    monkeypatch.setattr(
+        type(accountant_named("seeded")),
+        "epsilon",
+        lambda self, releases, delta: asked.append("seeded") or original(releases, delta),
+    )
     sigma = calibrate_noise_multiplier(0.5, DELTA, 0.01, 100, accountant="seeded")
     assert 0.49 <= compute_epsilon([MechanismGroup("dp-sgd", sigma, 0.01, 100)], DELTA, "seeded") <= 0.5
     first_seeded = asked.index("seeded")

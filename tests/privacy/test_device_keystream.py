@@ -20,8 +20,9 @@ CPU = torch.device("cpu")
 
 def _block(key: bytes, nonce: bytes, counter: int, blocks: int = 1) -> bytes:
     function = device_chacha.block_words
-    stream = device_chacha.keystream(function, device_chacha.words(key), device_chacha.words(nonce), 64 * blocks,
-                                     counter)
+    stream = device_chacha.keystream(
+        function, device_chacha.words(key), device_chacha.words(nonce), 64 * blocks, counter
+    )
     return stream.numpy().tobytes()
 
 
@@ -30,11 +31,13 @@ def test_the_block_function_gives_rfc8439s_test_vectors():
     # block count 1.
     assert _block(bytes(range(32)), bytes.fromhex("000000090000004a00000000"), 1).hex() == (
         "10f1e7e4d13b5915500fdd1fa32071c4c7d1f4c733c068030422aa9ac3d46c4e"
-        "d2826446079faa0914c2d705d98b02a2b5129cd1de164eb9cbd083e8a2503c4e")
+        "d2826446079faa0914c2d705d98b02a2b5129cd1de164eb9cbd083e8a2503c4e"
+    )
     # Appendix A.1, test vector #1: all-zero key and nonce, block count 0.
     assert _block(bytes(32), bytes(12), 0).hex() == (
         "76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7"
-        "da41597c5157488d7724e03fb8d84a376a43b8f41518a11cc387b669b2ee6586")
+        "da41597c5157488d7724e03fb8d84a376a43b8f41518a11cc387b669b2ee6586"
+    )
     # §2.4.2 (the sunscreen text, two blocks from count 1): the check every device's block function must pass.
     assert device_chacha.block_function(CPU, compile=False) is device_chacha.block_words
 
@@ -58,8 +61,11 @@ def test_the_device_keystream_is_the_host_stream_request_for_request():
 
 def test_host_and_device_requests_share_one_counter():
     random = SecretRandom(key=bytes(32))
-    drawn = [random.random_bytes(64), random.device_keystream(64, device_chacha.block_words, CPU).numpy().tobytes(),
-             random.random_bytes(64)]
+    drawn = [
+        random.random_bytes(64),
+        random.device_keystream(64, device_chacha.block_words, CPU).numpy().tobytes(),
+        random.random_bytes(64),
+    ]
     reference = SecretRandom(key=bytes(32))
     assert drawn == [reference.random_bytes(64) for _ in range(3)] and len(set(drawn)) == 3
 
@@ -70,7 +76,7 @@ def _device_blocks(random: SecretRandom, requests: int = 6) -> list[bytes]:
     for _ in range(requests):
         drawn = random.device_keystream(3 * 64, device_chacha.block_words, CPU).numpy().tobytes()
         drawn += random.random_bytes(3 * 64)
-        blocks += [drawn[i:i + 64] for i in range(0, len(drawn), 64)]
+        blocks += [drawn[i : i + 64] for i in range(0, len(drawn), 64)]
     return blocks
 
 
@@ -125,6 +131,7 @@ def test_a_compiler_that_fails_leaves_the_device_keystream_unused(monkeypatch, c
     def failing_compile(function, **options):
         def run(*args):
             raise RuntimeError("no compiler toolchain")
+
         return run
 
     monkeypatch.setattr(torch, "compile", failing_compile)

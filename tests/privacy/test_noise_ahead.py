@@ -25,8 +25,7 @@ STD = 0.7
 CHUNKS = 1 + 1 + 2  # one request per chunk of 2¹⁹ values of each tensor
 
 
-def _release(noise: GaussianNoise, std: float = STD, sizes: list[int] = SIZES,
-             prepare: bool = True) -> torch.Tensor:
+def _release(noise: GaussianNoise, std: float = STD, sizes: list[int] = SIZES, prepare: bool = True) -> torch.Tensor:
     tensors = [torch.zeros(size) for size in sizes]
     if prepare:
         noise.prepare(sizes, std)
@@ -136,8 +135,13 @@ def test_every_training_step_adds_noise_drawn_ahead(tmp_path, monkeypatch):
     taken = []
     take = _Draw.take
     monkeypatch.setattr(_Draw, "take", lambda self: taken.append(self.generation) or take(self))
-    trainer = make_trainer(tmp_path, model=tiny.bert(), dataset=tiny.sentiment_dataset(32),
-                           dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3), num_train_epochs=1)
+    trainer = make_trainer(
+        tmp_path,
+        model=tiny.bert(),
+        dataset=tiny.sentiment_dataset(32),
+        dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3),
+        num_train_epochs=1,
+    )
     trainer.train()
     noise = trainer.privacy_run.optimizer.noise
     assert taken == list(range(1, trainer.training_steps() + 1)) and noise._generations == len(taken)

@@ -32,9 +32,14 @@ SST2 = dict(delta=1 / (2 * 67_349), sample_rate=1000 / 67_349, steps=202)
 QNLI = dict(delta=1 / (2 * 104_743), sample_rate=2000 / 104_743, steps=314)
 CIFAR3 = dict(delta=1e-5, sample_rate=1000 / 50_000, steps=150)
 REFERENCE = [
-    (SST2, 3.0, 0.822), (SST2, 8.0, 0.579),
-    (QNLI, 3.0, 0.946), (QNLI, 8.0, 0.652),
-    (CIFAR3, 1.0, 1.392), (CIFAR3, 2.0, 1.011), (CIFAR3, 4.0, 0.771), (CIFAR3, 8.0, 0.598),
+    (SST2, 3.0, 0.822),
+    (SST2, 8.0, 0.579),
+    (QNLI, 3.0, 0.946),
+    (QNLI, 8.0, 0.652),
+    (CIFAR3, 1.0, 1.392),
+    (CIFAR3, 2.0, 1.011),
+    (CIFAR3, 4.0, 0.771),
+    (CIFAR3, 8.0, 0.598),
 ]
 
 
@@ -118,7 +123,8 @@ def test_cached_accounting_equals_opacus(history):
     prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
     steps = [k for _, _, k in history]
     assert prv._safe_domain_half_width(history, 0.01, delta / 1000) == pytest.approx(
-        compute_safe_domain_size(prvs, steps, 0.01, delta / 1000), rel=1e-12, abs=0)
+        compute_safe_domain_size(prvs, steps, 0.01, delta / 1000), rel=1e-12, abs=0
+    )
 
 
 def test_rdp_curves_are_computed_once_per_mechanism(monkeypatch):

@@ -23,7 +23,10 @@ def test_record_merges_consecutive_identical_mechanisms():
     ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=1.0, steps=2)
     ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=0.5)  # another C: another release
     assert [(g.name, g.steps, g.max_grad_norm) for g in ledger.mechanisms] == [
-        ("dp-sgd", 3, 1.0), ("psel", 5, None), ("dp-sgd", 2, 1.0), ("dp-sgd", 1, 0.5),
+        ("dp-sgd", 3, 1.0),
+        ("psel", 5, None),
+        ("dp-sgd", 2, 1.0),
+        ("dp-sgd", 1, 0.5),
     ]
     assert ledger.total_steps == 11
 
@@ -82,7 +85,10 @@ def test_state_dict_save_load_round_trip(tmp_path):
 
 # A ledger as version 1 wrote it (before typed events): every group a Poisson-subsampled Gaussian.
 VERSION_1 = {
-    "format_version": 1, "dataset_size": N, "delta": DELTA, "accountant": "prv",
+    "format_version": 1,
+    "dataset_size": N,
+    "delta": DELTA,
+    "accountant": "prv",
     "mechanisms": [
         {"name": "dp-sgd", "noise_multiplier": 0.9, "sample_rate": 0.01, "steps": 300, "max_grad_norm": 1.0},
         {"name": "psel", "noise_multiplier": 3.0, "sample_rate": 0.02, "steps": 5, "max_grad_norm": None},
@@ -114,14 +120,28 @@ def test_report():
     ledger = PrivacyLedger(N, DELTA, accountant="rdp")
     ledger.record("dp-sgd", 1.0, 0.01, max_grad_norm=1.0, steps=10)
     report = ledger.report()
-    assert set(report) == {"epsilon", "delta", "sampler_tail_delta", "accountant", "dataset_size", "steps",
-                           "mechanisms", "guarantee"}
+    assert set(report) == {
+        "epsilon",
+        "delta",
+        "sampler_tail_delta",
+        "accountant",
+        "dataset_size",
+        "steps",
+        "mechanisms",
+        "guarantee",
+    }
     assert report["steps"] == 10 and report["accountant"] == "rdp" and report["epsilon"] == ledger.epsilon()
     assert 0 < report["sampler_tail_delta"] < 1e-4 * DELTA
     assert report["guarantee"] == "formal"
     assert report["mechanisms"] == [
-        {"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 10, "max_grad_norm": 1.0,
-         "mechanism": POISSON_GAUSSIAN}
+        {
+            "name": "dp-sgd",
+            "noise_multiplier": 1.0,
+            "sample_rate": 0.01,
+            "steps": 10,
+            "max_grad_norm": 1.0,
+            "mechanism": POISSON_GAUSSIAN,
+        }
     ]
 
 
@@ -171,9 +191,15 @@ def test_a_release_without_guarantee_makes_epsilon_infinite_and_the_report_say_n
     assert ledger.epsilon() == math.inf
     report = ledger.report()
     assert report["guarantee"] == "none" and REASON in report["guarantee_note"] and report["epsilon"] == math.inf
-    assert report["mechanisms"][1] == {"name": "dp-fp-paper", "noise_multiplier": 0.0, "sample_rate": 1.0,
-                                       "steps": 4, "max_grad_norm": None, "mechanism": NO_GUARANTEE,
-                                       "reason": REASON}
+    assert report["mechanisms"][1] == {
+        "name": "dp-fp-paper",
+        "noise_multiplier": 0.0,
+        "sample_rate": 1.0,
+        "steps": 4,
+        "max_grad_norm": None,
+        "mechanism": NO_GUARANTEE,
+        "reason": REASON,
+    }
     # From the card alone, any accountant gives ∞, even one that ignores the event type.
     groups = [MechanismGroup.from_dict(m) for m in report["mechanisms"]]
     assert compute_epsilon(groups, DELTA, "prv") == math.inf == compute_epsilon(groups, DELTA, "rdp")
@@ -198,8 +224,12 @@ def test_reported_epsilon_is_recomputable_with_opacus_from_the_serialised_events
     """The card's `mechanisms`, as JSON, give opacus' own ε: (σ, q, steps) per event, composed at the card's δ
     minus its `sampler_tail_delta`."""
     ledger = PrivacyLedger(N, DELTA, accountant=accountant)
-    released = [("psel", 2.5, 0.02, 5), *[("dp-sgd", 1.1, 0.01, 40)] * 3, ("dp-sgd", 1.3, 0.01, 10),
-                ("dp-bitfit", 1.1, 0.01, 30)]
+    released = [
+        ("psel", 2.5, 0.02, 5),
+        *[("dp-sgd", 1.1, 0.01, 40)] * 3,
+        ("dp-sgd", 1.3, 0.01, 10),
+        ("dp-bitfit", 1.1, 0.01, 30),
+    ]
     for name, sigma, q, steps in released:
         ledger.record(name, sigma, q, max_grad_norm=1.0, steps=steps)
     card = json.loads(json.dumps(ledger.report()))

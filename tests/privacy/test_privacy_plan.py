@@ -76,7 +76,17 @@ def test_three_training_stages_start_where_the_previous_ends():
     assert plan.start_steps == {"a": 0, "b": 50, "c": 80, "d": 105}
     assert [p.steps for p in plan.planned] == [50, 30, 25, 45]
     assert [plan.stage_at(t).name for t in (0, 49, 50, 79, 80, 104, 105, 149, 150, 10_000)] == [
-        "a", "a", "b", "b", "c", "c", "d", "d", "d", "d"]
+        "a",
+        "a",
+        "b",
+        "b",
+        "c",
+        "c",
+        "d",
+        "d",
+        "d",
+        "d",
+    ]
 
 
 def test_calibration_helper_is_the_one_stage_calibration():
@@ -94,8 +104,10 @@ def test_joint_calibration_scales_every_ratio_stage_by_one_scalar(accountant):
     plan = _plan(accountant=accountant, stages=stages)
     select, sgd = plan["select"], plan["dp-sgd"]
     assert select.noise_multiplier == 2.0 * sgd.noise_multiplier == 2.0 * plan.scale
-    events = [MechanismGroup("select", select.noise_multiplier, 0.05, 8),
-              MechanismGroup("dp-sgd", sgd.noise_multiplier, Q, 150)]
+    events = [
+        MechanismGroup("select", select.noise_multiplier, 0.05, 8),
+        MechanismGroup("dp-sgd", sgd.noise_multiplier, Q, 150),
+    ]
     eps = compute_epsilon(events, plan.delta, accountant)
     assert eps == plan.epsilon() and 3.0 - 0.01 <= eps <= 3.0  # the composition of all stages, never above
     alone = calibrate_noise_multiplier(3.0, plan.delta, Q, 150, accountant=accountant)
@@ -108,16 +120,22 @@ def test_fixed_stages_count_against_the_target():
     assert plan["audit-like"].noise_multiplier == 3.0
     prior = [MechanismGroup("audit-like", 3.0, 0.1, 20)]
     assert plan["dp-sgd"].noise_multiplier == calibrate_noise_multiplier(
-        3.0, plan.delta, Q, 150, accountant="rdp", prior=prior)
+        3.0, plan.delta, Q, 150, accountant="rdp", prior=prior
+    )
     assert plan.epsilon() <= 3.0
     with pytest.raises(BudgetError, match="already recorded"):
-        _plan(accountant="rdp", stages=[Stage("loud", sample_rate=0.5, steps=50, training=False,
-                                              noise_multiplier=0.5), Stage("dp-sgd")])
+        _plan(
+            accountant="rdp",
+            stages=[Stage("loud", sample_rate=0.5, steps=50, training=False, noise_multiplier=0.5), Stage("dp-sgd")],
+        )
 
 
 def test_without_a_target_ratio_stages_scale_the_given_sigma():
-    stages = [Stage("psel", sample_rate=0.02, steps=5, training=False, noise_ratio=0.5),
-              Stage("fixed", steps=10, noise_multiplier=4.0), Stage("dp-sgd")]
+    stages = [
+        Stage("psel", sample_rate=0.02, steps=5, training=False, noise_ratio=0.5),
+        Stage("fixed", steps=10, noise_multiplier=4.0),
+        Stage("dp-sgd"),
+    ]
     plan = _plan(target_epsilon=None, noise_multiplier=1.2, accountant="rdp", stages=stages)
     assert [p.noise_multiplier for p in plan.planned] == [0.6, 4.0, 1.2]
     assert plan.epsilon() == compute_epsilon(plan.planned_events(), plan.delta, "rdp")
@@ -126,8 +144,10 @@ def test_without_a_target_ratio_stages_scale_the_given_sigma():
 
 # ---------------------------------------------------------------------- DP-FROST (methods_spec §2.7, §2.12)
 def _frost_stages(sample_rate=None):
-    return [Stage("psel", sample_rate=0.02, steps=5, training=False, sensitivity="Δ_t (Lemma 3)"),
-            Stage("dp-frost", sample_rate=sample_rate, epsilon_share=0.9, sensitivity="flat L2 clip c")]
+    return [
+        Stage("psel", sample_rate=0.02, steps=5, training=False, sensitivity="Δ_t (Lemma 3)"),
+        Stage("dp-frost", sample_rate=sample_rate, epsilon_share=0.9, sensitivity="flat L2 clip c"),
+    ]
 
 
 Q_FROST = 1024 / 67_349  # §2.12: q_SGD = 1024/67349 for every task, T_SGD = ⌊E/q_SGD⌋
@@ -150,8 +170,15 @@ def test_frost_reference_noise_multipliers(size, delta, steps, target, sigma_sgd
     """
     monkeypatch.setattr(accountants, "sampler_tail_delta", lambda mechanisms, delta: 0.0)
     cifar = size == 50_000
-    plan = PrivacyPlan(size, 1000 if cifar else round(Q_FROST * size), steps=steps, delta=delta, accountant="rdp",
-                       target_epsilon=target, stages=_frost_stages(None if cifar else Q_FROST))
+    plan = PrivacyPlan(
+        size,
+        1000 if cifar else round(Q_FROST * size),
+        steps=steps,
+        delta=delta,
+        accountant="rdp",
+        target_epsilon=target,
+        stages=_frost_stages(None if cifar else Q_FROST),
+    )
     # The table's values are bisection end points rounded to 3 decimals: measured differences are at most 8e-4.
     assert plan["dp-frost"].noise_multiplier == pytest.approx(sigma_sgd, abs=1e-3)
     assert plan["psel"].noise_multiplier == pytest.approx(sigma_ps, abs=1e-3)
@@ -164,8 +191,9 @@ def test_frost_plan_is_algorithm_3(accountant):
     plan = _plan(accountant=accountant, target_epsilon=2.0, stages=_frost_stages())
     delta = plan.delta
     sigma_sgd = calibrate_noise_multiplier(0.9 * 2.0, delta, Q, 150, accountant=accountant)
-    sigma_ps = calibrate_noise_multiplier(2.0, delta, 0.02, 5, accountant=accountant,
-                                          prior=[MechanismGroup("dp-frost", sigma_sgd, Q, 150)])
+    sigma_ps = calibrate_noise_multiplier(
+        2.0, delta, 0.02, 5, accountant=accountant, prior=[MechanismGroup("dp-frost", sigma_sgd, Q, 150)]
+    )
     assert plan["dp-frost"].noise_multiplier == sigma_sgd and plan["psel"].noise_multiplier == sigma_ps
     assert 2.0 - 0.01 <= plan.epsilon() <= 2.0
 
@@ -174,8 +202,9 @@ def test_epsilon_shares_are_calibrated_in_increasing_order():
     stages = [Stage("late", steps=50, epsilon_share=0.8), Stage("early", epsilon_share=0.5)]
     plan = _plan(accountant="rdp", stages=stages)
     early = calibrate_noise_multiplier(1.5, plan.delta, Q, 100, accountant="rdp", name="early")
-    late = calibrate_noise_multiplier(2.4, plan.delta, Q, 50, accountant="rdp",
-                                      prior=[MechanismGroup("early", early, Q, 100)])
+    late = calibrate_noise_multiplier(
+        2.4, plan.delta, Q, 50, accountant="rdp", prior=[MechanismGroup("early", early, Q, 100)]
+    )
     assert (plan["early"].noise_multiplier, plan["late"].noise_multiplier) == (early, late)
     assert plan.epsilon() <= 0.8 * 3.0
 
@@ -186,23 +215,29 @@ def test_budget_stop_is_max_steps_within_for_one_mechanism(accountant):
     plan = _plan(accountant=accountant)
     sigma = plan["dp-sgd"].noise_multiplier
     ledger = PrivacyLedger(N, plan.delta, accountant)
-    assert plan.max_training_steps(ledger.mechanisms) == max_steps_within(3.0, plan.delta, sigma, Q,
-                                                                          accountant=accountant)
+    assert plan.max_training_steps(ledger.mechanisms) == max_steps_within(
+        3.0, plan.delta, sigma, Q, accountant=accountant
+    )
     assert plan.max_training_steps(ledger.mechanisms) >= 150  # the plan fits its budget
     ledger.record_event(plan.event("dp-sgd", steps=120, max_grad_norm=1.0))
     assert plan.max_training_steps(ledger.mechanisms) == max_steps_within(
-        3.0, plan.delta, sigma, Q, accountant=accountant, prior=ledger.mechanisms)
+        3.0, plan.delta, sigma, Q, accountant=accountant, prior=ledger.mechanisms
+    )
     # Two stages with one (σ, q): the same limit as one mechanism, from any point of the schedule.
     two = _plan(accountant=accountant, stages=[Stage("dp-sgd", epochs=1.0), Stage("dp-bitfit")])
     assert two.max_training_steps(ledger.mechanisms) == plan.max_training_steps(ledger.mechanisms)
     early = [two.event("dp-sgd", steps=20)]
-    assert two.max_training_steps(early) == max_steps_within(3.0, plan.delta, sigma, Q, accountant=accountant,
-                                                             prior=early)
+    assert two.max_training_steps(early) == max_steps_within(
+        3.0, plan.delta, sigma, Q, accountant=accountant, prior=early
+    )
 
 
 def test_budget_stop_follows_the_schedule_and_reserves_unreleased_stages():
-    stages = [Stage("psel", sample_rate=0.02, steps=5, training=False),
-              Stage("loud", steps=30, noise_ratio=0.5), Stage("dp-sgd")]
+    stages = [
+        Stage("psel", sample_rate=0.02, steps=5, training=False),
+        Stage("loud", steps=30, noise_ratio=0.5),
+        Stage("dp-sgd"),
+    ]
     plan = _plan(accountant="rdp", stages=stages)
     loud, sgd, psel = plan["loud"], plan["dp-sgd"], plan["psel"]
     limit = plan.max_training_steps([])
@@ -234,15 +269,17 @@ def test_a_stage_without_guarantee_makes_the_plan_and_the_ledger_say_none():
     assert plan.to_dict()["guarantee"] == "none" and "guarantee: none" in plan.describe()
     # Other stages are still calibrated to the target (what they alone spend), and the plan still says none.
     mixed = _plan(accountant="rdp", stages=[Stage("forward", steps=10, no_guarantee=reason), Stage("dp-sgd")])
-    assert mixed["dp-sgd"].noise_multiplier == calibrate_noise_multiplier(3.0, mixed.delta, Q, 140,
-                                                                          accountant="rdp")
+    assert mixed["dp-sgd"].noise_multiplier == calibrate_noise_multiplier(3.0, mixed.delta, Q, 140, accountant="rdp")
     assert mixed["forward"].noise_multiplier is None and mixed.guarantee[0] == "none"
 
 
 def test_planned_stages_give_their_training_span_and_release_sigma():
     """[start, end) of a training stage's steps (none outside training); σ of a release, refused where undefined."""
-    stages = [Stage("psel", sample_rate=0.02, steps=5, training=False, noise_multiplier=2.0), Stage("a", epochs=1.0),
-              Stage("b")]
+    stages = [
+        Stage("psel", sample_rate=0.02, steps=5, training=False, noise_multiplier=2.0),
+        Stage("a", epochs=1.0),
+        Stage("b"),
+    ]
     plan = _plan(noise_multiplier=1.0, target_epsilon=None, stages=stages)
     assert plan["a"].training_span() == (0, 50) and plan["b"].training_span() == (50, 150)
     with pytest.raises(ValueError, match="outside the training steps"):
@@ -327,8 +364,9 @@ def test_plan_calibrates_at_delta_minus_the_sampler_tail():
     history = [(event.noise_multiplier, event.sample_rate, event.steps)]
     assert plan.epsilon() == rdp_epsilon(history, plan.delta - tail)
     assert rdp_epsilon(history, plan.delta) < 20.0 - 0.01 <= plan.epsilon() <= 20.0  # δ alone: too low
-    exact_gaussian = calibrate_noise_multiplier(20.0, plan.delta - tail, event.sample_rate, event.steps,
-                                                accountant="rdp")
+    exact_gaussian = calibrate_noise_multiplier(
+        20.0, plan.delta - tail, event.sample_rate, event.steps, accountant="rdp"
+    )
     assert event.noise_multiplier >= exact_gaussian - 0.01
 
 

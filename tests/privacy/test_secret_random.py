@@ -40,12 +40,27 @@ def _quarter_round(x: list[int], a: int, b: int, c: int, d: int) -> None:
 
 def _chacha20_block(key: bytes, counter: int, nonce: bytes) -> bytes:
     """RFC 8439 §2.3, written from the specification: the reference the library's stream must equal."""
-    state = [0x61707865, 0x3320646E, 0x79622D32, 0x6B206574, *struct.unpack("<8I", key), counter,
-             *struct.unpack("<3I", nonce)]
+    state = [
+        0x61707865,
+        0x3320646E,
+        0x79622D32,
+        0x6B206574,
+        *struct.unpack("<8I", key),
+        counter,
+        *struct.unpack("<3I", nonce),
+    ]
     x = list(state)
     for _ in range(10):
-        for a, b, c, d in ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15),
-                           (0, 5, 10, 15), (1, 6, 11, 12), (2, 7, 8, 13), (3, 4, 9, 14)):
+        for a, b, c, d in (
+            (0, 4, 8, 12),
+            (1, 5, 9, 13),
+            (2, 6, 10, 14),
+            (3, 7, 11, 15),
+            (0, 5, 10, 15),
+            (1, 6, 11, 12),
+            (2, 7, 8, 13),
+            (3, 4, 9, 14),
+        ):
             _quarter_round(x, a, b, c, d)
     return struct.pack("<16I", *[(x[i] + state[i]) & _MASK32 for i in range(16)])
 
@@ -240,6 +255,7 @@ def test_z_max_is_the_largest_draw_the_bit_layout_allows():
 def _outside_disc(shift: float) -> float:
     """P(‖Z + a‖ > Z_MAX, ‖Z‖ ≤ Z_MAX) for a standard 2-D Gaussian Z, a = `shift`: the mass a pair shifted by
     `shift` std puts where the unshifted pair cannot be, by polar integration (independent of the library)."""
+
     def excess(theta: float) -> float:  # e^((Z_MAX² − ρ₀²)/2) − 1 where ρ₀ is the radius that just gets out
         u = math.cos(theta)
         rho = -shift * u + math.sqrt(Z_MAX**2 - shift**2 * (1 - u * u))
@@ -279,5 +295,6 @@ def test_tail_mass_bounds_a_shift_spread_over_many_pairs():
 
 def test_a_release_larger_than_the_tail_accounting_assumes_is_refused():
     with pytest.raises(ValueError, match="LoRA or BiTFiT"):
-        GaussianNoise("cpu").add_([torch.empty(MAX_RELEASE_COORDINATES, device="meta"),
-                                   torch.empty(1, device="meta")], 1.0)
+        GaussianNoise("cpu").add_(
+            [torch.empty(MAX_RELEASE_COORDINATES, device="meta"), torch.empty(1, device="meta")], 1.0
+        )

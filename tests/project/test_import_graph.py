@@ -29,20 +29,20 @@ PACKAGE = "hf_private"
 
 #: the floors, top to bottom; rooms on one floor may not import each other
 LAYERS: list[tuple[str, ...]] = [
-    ("cli",),           # applications: hf-private-audit
-    ("trainer",),       # Trainer's hooks: the mixin, privatize, publishing hooks, construction refusals
-    ("run",),           # the run's privacy state: plan, ledger, streams, engine, stages, report
-    ("clip_norm",),     # choosing C on public text (runs a throw-away private step)
+    ("cli",),  # applications: hf-private-audit
+    ("trainer",),  # Trainer's hooks: the mixin, privatize, publishing hooks, construction refusals
+    ("run",),  # the run's privacy state: plan, ledger, streams, engine, stages, report
+    ("clip_norm",),  # choosing C on public text (runs a throw-away private step)
     ("integrations",),  # trainer families (TRL) and their per-unit losses
-    ("release",),       # what leaves the machine: artefacts, adapters, checkpoints, the card
-    ("methods",),       # one folder per DP method, the method contract
-    ("audit",),         # the privacy audit as a library
-    ("optimizer",),     # the noisy step in named parts
-    ("engine",),        # per-example gradients, one file per layer rule
-    ("data",),          # units, sampling, chunks, packing, rows, labels
-    ("evaluation",),    # held-out verdicts, collapse warning, metrics
-    ("privacy",),       # plan, ledger, events, accountants, calibration, secret randomness
-    ("models",),        # heads, model families, PEFT facts
+    ("release",),  # what leaves the machine: artefacts, adapters, checkpoints, the card
+    ("methods",),  # one folder per DP method, the method contract
+    ("audit",),  # the privacy audit as a library
+    ("optimizer",),  # the noisy step in named parts
+    ("engine",),  # per-example gradients, one file per layer rule
+    ("data",),  # units, sampling, chunks, packing, rows, labels
+    ("evaluation",),  # held-out verdicts, collapse warning, metrics
+    ("privacy",),  # plan, ledger, events, accountants, calibration, secret randomness
+    ("models",),  # heads, model families, PEFT facts
     ("logs", "demos", "version"),
 ]
 OUTSIDE_THE_PLAN = {PACKAGE, f"{PACKAGE}.audit.__main__"}
@@ -81,7 +81,7 @@ def _edges_of(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path])
             if node.level:
                 # relative: level 1 is the module's own package (a package's __init__ is its own package)
                 anchor = module.split(".") if is_package else module.split(".")[:-1]
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
@@ -143,8 +143,9 @@ def room_of(module: str) -> str:
     return module.split(".")[1]
 
 
-def upward_imports(graph: dict[str, dict[str, int]], layers: list[tuple[str, ...]],
-                   outside: set[str]) -> list[tuple[str, str, int]]:
+def upward_imports(
+    graph: dict[str, dict[str, int]], layers: list[tuple[str, ...]], outside: set[str]
+) -> list[tuple[str, str, int]]:
     """(module, imported module, line) for each import into a room on the same floor or above."""
     floor = {room: depth for depth, rooms in enumerate(layers) for room in rooms}
     found = []
@@ -170,7 +171,8 @@ def test_each_room_imports_only_rooms_below_it():
     graph = import_graph(ROOT, PACKAGE)
     upward = upward_imports(graph, LAYERS, OUTSIDE_THE_PLAN)
     assert upward == [], "imports that run up (or across a floor):\n" + "\n".join(
-        f"  {m} imports {t} ({discover_modules(ROOT, PACKAGE)[m].relative_to(ROOT)}:{line})" for m, t, line in upward)
+        f"  {m} imports {t} ({discover_modules(ROOT, PACKAGE)[m].relative_to(ROOT)}:{line})" for m, t, line in upward
+    )
 
 
 def test_no_import_circle_anywhere_type_only_imports_included():
@@ -194,21 +196,27 @@ def _write(root: pathlib.Path, files: dict[str, str]) -> None:
 
 
 def test_checker_finds_a_cycle_closed_inside_a_function_body(tmp_path):
-    _write(tmp_path, {
-        "pkg/__init__.py": "from .trainer import Trainer\n",
-        "pkg/trainer.py": "from .lib import helper\nclass Trainer: ...\n",
-        "pkg/lib/__init__.py": "from .core import helper\n",
-        "pkg/lib/core.py": "def helper():\n    from ..trainer import Trainer\n    return Trainer\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .trainer import Trainer\n",
+            "pkg/trainer.py": "from .lib import helper\nclass Trainer: ...\n",
+            "pkg/lib/__init__.py": "from .core import helper\n",
+            "pkg/lib/core.py": "def helper():\n    from ..trainer import Trainer\n    return Trainer\n",
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     assert cycle_through(graph, "pkg.trainer") == ["pkg.trainer", "pkg.lib", "pkg.lib.core", "pkg.trainer"]
     assert "pkg/lib/core.py:2" in describe(graph, cycle_through(graph, "pkg.trainer"), tmp_path)
 
 
-@pytest.mark.parametrize("source", [
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trainer import Trainer\n",
-    "import typing\nif typing.TYPE_CHECKING:\n    from pkg.trainer import Trainer\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .trainer import Trainer\n",
+        "import typing\nif typing.TYPE_CHECKING:\n    from pkg.trainer import Trainer\n",
+    ],
+)
 def test_checker_counts_imports_made_only_for_type_checking(tmp_path, source):
     _write(tmp_path, {"pkg/__init__.py": "", "pkg/trainer.py": "from . import run\n", "pkg/run.py": source})
     graph = import_graph(tmp_path, "pkg")
@@ -217,28 +225,34 @@ def test_checker_counts_imports_made_only_for_type_checking(tmp_path, source):
 
 
 def test_checker_finds_imports_that_run_up_or_across_a_floor(tmp_path):
-    _write(tmp_path, {
-        "pkg/__init__.py": "from .top import App\n",  # the public face: outside the plan
-        "pkg/top.py": "from .low import x\n",
-        "pkg/mid/__init__.py": "",
-        "pkg/mid/a.py": "from ..low import x\nfrom . import b\n",  # down, and inside its own room: fine
-        "pkg/mid/b.py": "def f():\n    from ..top import App\n",  # up, inside a function body
-        "pkg/low.py": "from .side import y\n",  # across its floor
-        "pkg/side.py": "y = 1\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .top import App\n",  # the public face: outside the plan
+            "pkg/top.py": "from .low import x\n",
+            "pkg/mid/__init__.py": "",
+            "pkg/mid/a.py": "from ..low import x\nfrom . import b\n",  # down, and inside its own room: fine
+            "pkg/mid/b.py": "def f():\n    from ..top import App\n",  # up, inside a function body
+            "pkg/low.py": "from .side import y\n",  # across its floor
+            "pkg/side.py": "y = 1\n",
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     layers = [("top",), ("mid",), ("low", "side")]
     assert upward_imports(graph, layers, {"pkg"}) == [("pkg.low", "pkg.side", 1), ("pkg.mid.b", "pkg.top", 2)]
 
 
 def test_checker_resolves_submodules_without_implicit_parent_edges(tmp_path):
-    _write(tmp_path, {
-        "pkg/__init__.py": "from .trainer import Trainer\n",
-        "pkg/trainer.py": "import pkg.lib.core\nfrom pkg.lib import other, NAME\nfrom . import lib as _\n",
-        "pkg/lib/__init__.py": "NAME = 1\n",
-        "pkg/lib/core.py": "from . import NAME\n",  # pkg.lib, a package importing nothing
-        "pkg/lib/other.py": "from .. import trainer\n",  # pkg.trainer (a submodule), not pkg
-    })
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .trainer import Trainer\n",
+            "pkg/trainer.py": "import pkg.lib.core\nfrom pkg.lib import other, NAME\nfrom . import lib as _\n",
+            "pkg/lib/__init__.py": "NAME = 1\n",
+            "pkg/lib/core.py": "from . import NAME\n",  # pkg.lib, a package importing nothing
+            "pkg/lib/other.py": "from .. import trainer\n",  # pkg.trainer (a submodule), not pkg
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.trainer"] == {"pkg.lib.core": 1, "pkg.lib.other": 2, "pkg.lib": 2}
     assert graph["pkg.lib.core"] == {"pkg.lib": 1} and graph["pkg.lib.other"] == {"pkg.trainer": 1}

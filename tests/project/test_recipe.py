@@ -28,9 +28,14 @@ from hf_private.methods import method_class, registered_methods  # noqa: E402
 
 QUIET = ["--disable_tqdm", "true", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true"]
 FAST = [*QUIET, "--accountant", "rdp"]  # RDP calibrates in a fraction of PRV's time; the demo tests keep PRV
-SAVED = {"dp-sgd": "model.safetensors", "dp-lora": "adapter_model.safetensors",
-         "dp-bitfit": "private_adapter.safetensors", "dp-frost": "private_adapter.safetensors",
-         "sparse-lowrank": "adapter_model.safetensors", "dp-fp": "private_adapter.safetensors"}
+SAVED = {
+    "dp-sgd": "model.safetensors",
+    "dp-lora": "adapter_model.safetensors",
+    "dp-bitfit": "private_adapter.safetensors",
+    "dp-frost": "private_adapter.safetensors",
+    "sparse-lowrank": "adapter_model.safetensors",
+    "dp-fp": "private_adapter.safetensors",
+}
 
 
 @pytest.mark.parametrize("method", sorted(SAVED))
@@ -78,24 +83,42 @@ def test_short_method_names_are_the_registered_ones(tmp_path):
     common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true"]
     recipe, args, _ = glue.parse_args([*common, "--method", "frost", "--task", "qnli"])
     assert recipe.method == "dp-frost" and recipe.method_fields["unfreeze_ratio"] == 0.25**2
-    assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (1593, 6,
-                                                                                                        1e-3, "auto")
+    assert (recipe.expected_batch_size, args.num_train_epochs, args.learning_rate, recipe.clip_norm) == (
+        1593,
+        6,
+        1e-3,
+        "auto",
+    )
     assert glue.parse_args([*common, "--method", "bitfit"])[0].method == "dp-bitfit"
     recipe, args, _ = glue.parse_args([*common, "--method", "dpfp"])
-    assert (recipe.method, recipe.method_fields["mode"], recipe.expected_batch_size, args.learning_rate,
-            recipe.max_seq_length) == ("dp-fp", "sound", 1, 5e-6, 128)
+    assert (
+        recipe.method,
+        recipe.method_fields["mode"],
+        recipe.expected_batch_size,
+        args.learning_rate,
+        recipe.max_seq_length,
+    ) == ("dp-fp", "sound", 1, 5e-6, 128)
     recipe, args, _ = glue.parse_args([*common, "--method", "sparse_lowrank", "--variant", "rgp"])
-    assert (recipe.method, recipe.method_fields["variant"], recipe.expected_batch_size, args.num_train_epochs,
-            args.learning_rate, recipe.clip_norm) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, "auto")
+    assert (
+        recipe.method,
+        recipe.method_fields["variant"],
+        recipe.expected_batch_size,
+        args.num_train_epochs,
+        args.learning_rate,
+        recipe.clip_norm,
+    ) == ("sparse-lowrank", "rgp", 2000, 20, 1e-3, "auto")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "adam"], "--method must be one of"),
-    (["--task", "wnli"], "Unknown --task"),
-    (["--task", "mnli"], "offline demo is a sentiment task"),
-    (["--train_file", "train.tsv"], "give --model_name_or_path"),
-    (["--clip_norm", "large"], "--clip_norm must be a positive number or 'auto'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "adam"], "--method must be one of"),
+        (["--task", "wnli"], "Unknown --task"),
+        (["--task", "mnli"], "offline demo is a sentiment task"),
+        (["--train_file", "train.tsv"], "give --model_name_or_path"),
+        (["--clip_norm", "large"], "--clip_norm must be a positive number or 'auto'"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         glue.main(["--output_dir", str(tmp_path), *argv])
@@ -109,10 +132,27 @@ def test_paper_defaults_apply_and_flags_override(tmp_path):
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 2000 == recipe.expected_batch_size
     assert args.per_device_train_batch_size <= 32 and recipe.max_seq_length == 256
 
-    recipe, args, _ = glue.parse_args([*common, "--method", "dp-lora", "--learning_rate", "2e-4", "--lora_r", "4",
-                                       "--per_device_train_batch_size", "100", "--clip_norm", "10"])
+    recipe, args, _ = glue.parse_args(
+        [
+            *common,
+            "--method",
+            "dp-lora",
+            "--learning_rate",
+            "2e-4",
+            "--lora_r",
+            "4",
+            "--per_device_train_batch_size",
+            "100",
+            "--clip_norm",
+            "10",
+        ]
+    )
     assert (args.learning_rate, recipe.method_fields["lora_r"], recipe.clip_norm, args.num_train_epochs) == (
-        2e-4, 4, "10", 20)
+        2e-4,
+        4,
+        "10",
+        20,
+    )
     assert recipe.method_fields["lora_alpha"] == 16  # the paper's, declared by the method
     with pytest.raises(ValueError, match="lora_r"):  # a method's own flag belongs to that method only
         glue.parse_args([*common, "--method", "dp-sgd", "--lora_r", "4"])
@@ -129,17 +169,18 @@ def test_help_lists_the_methods_and_says_the_paper_defaults_need_a_gpu(capsys):
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert f"DP method: one of {', '.join(registered_methods())}, or a short name" in shown
     assert "registered_methods()" not in shown
-    assert (f"--quick [QUICK] A CPU-sized run: the paper defaults capped at a logical batch of {glue.QUICK_BATCH}, "
-            f"{glue.QUICK_EPOCHS} epochs, {glue.QUICK_SEQ_LENGTH} tokens and the first {glue.QUICK_TRAIN_SAMPLES:,} "
-            "training rows") in shown
+    assert (
+        f"--quick [QUICK] A CPU-sized run: the paper defaults capped at a logical batch of {glue.QUICK_BATCH}, "
+        f"{glue.QUICK_EPOCHS} epochs, {glue.QUICK_SEQ_LENGTH} tokens and the first {glue.QUICK_TRAIN_SAMPLES:,} "
+        "training rows"
+    ) in shown
     assert "The paper defaults themselves (e.g. dp-lora's batch of 2,000 for 20 epochs) need a GPU." in shown
     assert "--head {auto,cls,mean}" in shown
 
 
 @pytest.mark.parametrize("method", sorted(SAVED))
 def test_quick_caps_the_paper_defaults_and_flags_still_override(tmp_path, method):
-    common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true", "--method",
-              method]
+    common = ["--model_name_or_path", "unused", "--output_dir", str(tmp_path), "--use_cpu", "true", "--method", method]
     paper_recipe, paper_args, _ = glue.parse_args(common)
     recipe, args, _ = glue.parse_args([*common, "--quick"])
     assert recipe.expected_batch_size == min(paper_recipe.expected_batch_size, glue.QUICK_BATCH)
@@ -147,7 +188,10 @@ def test_quick_caps_the_paper_defaults_and_flags_still_override(tmp_path, method
     assert recipe.max_seq_length == min(paper_recipe.max_seq_length, glue.QUICK_SEQ_LENGTH)
     assert recipe.max_train_samples == glue.QUICK_TRAIN_SAMPLES and paper_recipe.max_train_samples is None
     assert (args.learning_rate, recipe.clip_norm, recipe.method_fields) == (
-        paper_args.learning_rate, paper_recipe.clip_norm, paper_recipe.method_fields)
+        paper_args.learning_rate,
+        paper_recipe.clip_norm,
+        paper_recipe.method_fields,
+    )
     recipe, args, _ = glue.parse_args([*common, "--quick", "--num_train_epochs", "1", "--max_train_samples", "500"])
     assert (args.num_train_epochs, recipe.max_train_samples) == (1, 500)
 
@@ -178,8 +222,10 @@ def model_dir(tmp_path_factory):
 def _sentences(n: int, seed: int) -> tuple[list[str], list[int]]:
     rng = random.Random(seed)
     labels = [rng.randint(0, 1) for _ in range(n)]
-    texts = [" ".join(rng.choices(tiny.NEUTRAL, k=4) + rng.choices(tiny.POSITIVE if y else tiny.NEGATIVE, k=2))
-             for y in labels]
+    texts = [
+        " ".join(rng.choices(tiny.NEUTRAL, k=4) + rng.choices(tiny.POSITIVE if y else tiny.NEGATIVE, k=2))
+        for y in labels
+    ]
     return texts, labels
 
 
@@ -209,19 +255,24 @@ def test_every_file_format_loads_with_checked_labels(tmp_path, suffix):
 
 
 def test_spelled_out_labels_and_pairs_are_mapped(tmp_path):
-    path = _write(tmp_path / "dev.csv", {"sentence1": ["a", "b"], "sentence2": ["c", "d"],
-                                         "label": ["not_entailment", "entailment"]})
+    path = _write(
+        tmp_path / "dev.csv",
+        {"sentence1": ["a", "b"], "sentence2": ["c", "d"], "label": ["not_entailment", "entailment"]},
+    )
     data = glue_data.prepare(glue_data.load_local(path, None), "rte", ("sentence1", "sentence2"), "label", {})
     assert data["train"]["label"] == [1, 0]
 
 
-@pytest.mark.parametrize("columns, suffix, message", [
-    ({"text": ["a"], "label": [0]}, ".csv", r"lacks column\(s\) \['sentence'\]"),
-    ({"sentence": ["a"], "label": [-1]}, ".csv", "unlabelled test split"),
-    ({"sentence": ["a"], "label": [3]}, ".csv", r"outside 0\.\.1"),
-    ({"sentence": ["a"], "label": ["great"]}, ".csv", "are not sst2 labels"),
-    ({"sentence": ["a"], "label": [0]}, ".txt", "supported formats"),
-])
+@pytest.mark.parametrize(
+    "columns, suffix, message",
+    [
+        ({"text": ["a"], "label": [0]}, ".csv", r"lacks column\(s\) \['sentence'\]"),
+        ({"sentence": ["a"], "label": [-1]}, ".csv", "unlabelled test split"),
+        ({"sentence": ["a"], "label": [3]}, ".csv", r"outside 0\.\.1"),
+        ({"sentence": ["a"], "label": ["great"]}, ".csv", "are not sst2 labels"),
+        ({"sentence": ["a"], "label": [0]}, ".txt", "supported formats"),
+    ],
+)
 def test_bad_data_files_get_clear_errors(tmp_path, model_dir, columns, suffix, message):
     path = tmp_path / f"train{suffix}"
     _write(path.with_suffix(".csv"), columns)
@@ -233,14 +284,23 @@ def test_bad_data_files_get_clear_errors(tmp_path, model_dir, columns, suffix, m
 
 def test_missing_file_and_offline_hub_say_what_to_do(tmp_path, model_dir):
     with pytest.raises(SystemExit, match="does not exist"):
-        glue.main(["--model_name_or_path", model_dir, "--train_file", str(tmp_path / "nope.tsv"),
-                   "--output_dir", str(tmp_path)])
+        glue.main(
+            [
+                "--model_name_or_path",
+                model_dir,
+                "--train_file",
+                str(tmp_path / "nope.tsv"),
+                "--output_dir",
+                str(tmp_path),
+            ]
+        )
     with pytest.raises(SystemExit, match="HF_HUB_OFFLINE.*--train_file"):
         glue.main(["--model_name_or_path", model_dir, "--output_dir", str(tmp_path)])
 
 
-@pytest.mark.parametrize("task, suffix, metric", [("sst2", ".tsv", "accuracy"), ("mrpc", ".jsonl", "f1"),
-                                                  ("stsb", ".parquet", "pearson")])
+@pytest.mark.parametrize(
+    "task, suffix, metric", [("sst2", ".tsv", "accuracy"), ("mrpc", ".jsonl", "f1"), ("stsb", ".parquet", "pearson")]
+)
 def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_path, model_dir, task, suffix, metric):
     files = {}
     for split, n in (("train", 48), ("dev", 24)):
@@ -248,15 +308,38 @@ def test_local_files_train_a_pretrained_model_and_report_the_glue_metric(tmp_pat
         if task == "sst2":
             table = {"sentence": texts, "label": labels}
         else:
-            table = {"sentence1": texts, "sentence2": list(reversed(texts)),
-                     "label": [float(y) * 5 for y in labels] if task == "stsb" else labels}
+            table = {
+                "sentence1": texts,
+                "sentence2": list(reversed(texts)),
+                "label": [float(y) * 5 for y in labels] if task == "stsb" else labels,
+            }
         files[split] = _write(tmp_path / f"{split}{suffix}", table)
     # sst2 reads GLUE's layout through --data_dir (train.tsv + dev.tsv), the others name their files.
-    data = (["--data_dir", str(tmp_path)] if task == "sst2"
-            else ["--train_file", files["train"], "--validation_file", files["dev"]])
-    result = glue.main(["--model_name_or_path", model_dir, "--task", task, "--method", "dp-bitfit", *data,
-                        "--max_steps", "1", "--expected_batch_size", "16", "--max_seq_length", "16",
-                        "--output_dir", str(tmp_path / "out"), *FAST])
+    data = (
+        ["--data_dir", str(tmp_path)]
+        if task == "sst2"
+        else ["--train_file", files["train"], "--validation_file", files["dev"]]
+    )
+    result = glue.main(
+        [
+            "--model_name_or_path",
+            model_dir,
+            "--task",
+            task,
+            "--method",
+            "dp-bitfit",
+            *data,
+            "--max_steps",
+            "1",
+            "--expected_batch_size",
+            "16",
+            "--max_seq_length",
+            "16",
+            "--output_dir",
+            str(tmp_path / "out"),
+            *FAST,
+        ]
+    )
     assert metric in result["metrics"] and result["steps"] == 1
     assert result["clip_norm"] > 0  # --clip_norm auto (the default): measured on generated sentences
     card = ModelCard.load(tmp_path / "out" / "README.md")
@@ -270,8 +353,20 @@ def test_quick_trains_on_the_first_rows_of_a_pretrained_model_and_says_so_on_the
     for split, n in (("train", 300), ("dev", 24)):
         texts, labels = _sentences(n, seed=len(split))
         files[split] = _write(tmp_path / f"{split}.tsv", {"sentence": texts, "label": labels})
-    result = glue.main(["--model_name_or_path", model_dir, "--data_dir", str(tmp_path), "--quick",
-                        "--max_train_samples", "280", "--output_dir", str(tmp_path / "out"), *FAST])
+    result = glue.main(
+        [
+            "--model_name_or_path",
+            model_dir,
+            "--data_dir",
+            str(tmp_path),
+            "--quick",
+            "--max_train_samples",
+            "280",
+            "--output_dir",
+            str(tmp_path / "out"),
+            *FAST,
+        ]
+    )
     assert result["steps"] > 0 and "accuracy" in result["metrics"]
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert "its first 280 training rows" in card.text
@@ -284,18 +379,21 @@ def mean_pooling_model_dir(tmp_path_factory, model_dir):
     """The encoder of `model_dir` as a sentence-transformers checkpoint that pools by mean (like all-MiniLM-L6-v2)."""
     path = tmp_path_factory.mktemp("tiny-roberta-mean")
     shutil.copytree(model_dir, path, dirs_exist_ok=True)
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "modules.json").write_text(
+        json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     return str(path)
 
 
-def test_head_is_chosen_as_sentence_classifier_does_and_the_flag_overrides(tmp_path, model_dir,
-                                                                           mean_pooling_model_dir, caplog):
+def test_head_is_chosen_as_sentence_classifier_does_and_the_flag_overrides(
+    tmp_path, model_dir, mean_pooling_model_dir, caplog
+):
     def head(path, *flags):
-        recipe, _, _ = glue.parse_args(["--model_name_or_path", path, "--output_dir", str(tmp_path), "--use_cpu",
-                                        "true", *flags])
+        recipe, _, _ = glue.parse_args(
+            ["--model_name_or_path", path, "--output_dir", str(tmp_path), "--use_cpu", "true", *flags]
+        )
         return type(glue._load_model(recipe)[1]).__name__
 
     assert head(mean_pooling_model_dir) == "MeanPooledRobertaForSequenceClassification"
@@ -324,10 +422,32 @@ def test_recipe_runs_unchanged_under_a_two_process_accelerate_launch(tmp_path):
         pytest.skip("accelerate CLI not on PATH")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = subprocess.run(
-        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-         "no", "--dynamo_backend", "no", "recipes/glue.py", "--method", "dp-bitfit", "--max_steps", "2",
-         "--output_dir", str(tmp_path), *FAST],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "recipes/glue.py",
+            "--method",
+            "dp-bitfit",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+            *FAST,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr[-6000:]
     privacy = ModelCard.load(tmp_path / "README.md").data.to_dict()["privacy"]

@@ -73,8 +73,12 @@ def test_dpo_run_prints_epsilon_and_both_metrics_and_names_the_pair_as_unit(tmp_
     result = sft.main(["--trainer", "dpo", "--output_dir", str(tmp_path), *SMALL])
     table = capsys.readouterr().out
     assert 0 < result["epsilon"] <= 8.0 and result["steps"] == result["non_private_steps"] == 8
-    for key in ("private_exact_match", "non_private_exact_match", "private_preference_accuracy",
-                "non_private_preference_accuracy"):
+    for key in (
+        "private_exact_match",
+        "non_private_exact_match",
+        "private_preference_accuracy",
+        "non_private_preference_accuracy",
+    ):
         assert 0.0 <= result[key] <= 1.0
     assert re.search(r"private \(dpo, dp-sgd\)\s+8\.00\s+9\.8e-04\s+8\s+\d\.\d{3}\s+\d\.\d{3}", table), table
     privacy = ModelCard.load(tmp_path / "README.md").data.to_dict()["privacy"]
@@ -87,10 +91,13 @@ def test_lora_writes_a_peft_adapter(tmp_path):
     assert (tmp_path / "adapter_model.safetensors").is_file() and (tmp_path / "README.md").is_file()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--trainer", "ppo"], "--trainer must be sft or dpo"),
-    (["--method", "adam"], "--method must be one of"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trainer", "ppo"], "--trainer must be sft or dpo"),
+        (["--method", "adam"], "--method must be one of"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         sft.main(["--output_dir", str(tmp_path), *argv])
@@ -98,11 +105,34 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, argv, message)
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_two_process_accelerate_launch_ends_with_identical_ranks(tmp_path, trainer):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "recipes/sft.py",
-               "--trainer", trainer, "--output_dir", str(tmp_path), *SMALL]
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "recipes/sft.py",
+        "--trainer",
+        trainer,
+        "--output_dir",
+        str(tmp_path),
+        *SMALL,
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     digests = dict(re.findall(r"^rank (\d) of 2: (.+)$", run.stderr, re.MULTILINE))

@@ -13,8 +13,28 @@ from benchmarks import trl_speed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TINY = ["--seq-len", "16", "--vocab-size", "64", "--layers", "2", "--hidden", "32", "--heads", "2", "--intermediate",
-        "64", "--batch-size", "2", "--steps", "2", "--rounds", "1", "--threads", "1"]
+TINY = [
+    "--seq-len",
+    "16",
+    "--vocab-size",
+    "64",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--intermediate",
+    "64",
+    "--batch-size",
+    "2",
+    "--steps",
+    "2",
+    "--rounds",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
@@ -22,12 +42,31 @@ def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
     # The private arm measures from the step after its first Poisson batch of >= 2 sequences (the independence
     # probe's): at an expected batch of 4 and 4 spare steps, 5 batches in a row of < 2 happen about once in 10^5 runs
     # (at 2 and 2 spare, about once in 10 — the sampler is the secret one, so the test cannot fix its draw).
-    argv = [*TINY, "--batch-size", "4", "--spare", "4", "--trainer", "sft", "--modes", "full", "lora", "--arms",
-            "non-private", "private", "plain-loss", "--out", out]
+    argv = [
+        *TINY,
+        "--batch-size",
+        "4",
+        "--spare",
+        "4",
+        "--trainer",
+        "sft",
+        "--modes",
+        "full",
+        "lora",
+        "--arms",
+        "non-private",
+        "private",
+        "plain-loss",
+        "--out",
+        out,
+    ]
     rows = trl_speed.main(argv, run_arm_with=trl_speed.run_arm)
     saved = json.loads(open(out).read())["results"]
-    assert [(row["trainer"], row["mode"]) for row in saved] == [("sft", "full"), ("sft", "lora")] == [
-        (row["trainer"], row["mode"]) for row in rows]
+    assert (
+        [(row["trainer"], row["mode"]) for row in saved]
+        == [("sft", "full"), ("sft", "lora")]
+        == [(row["trainer"], row["mode"]) for row in rows]
+    )
     trainable = {}
     for row in saved:
         assert row["time_ratio"] > 0 and row["memory_ratio"] > 0 and row["expected_batch"] == 4
@@ -39,9 +78,10 @@ def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
         # the plain-loss reference trains without TRL's fused LM head, so SFT's metrics are not logged
         assert "entropy" in public["log_history"][0]
         assert "entropy" not in row["arms"]["plain-loss"]["runs"][0]["log_history"][0]
-        measured = private["step_examples"][private["warmup_steps_run"]:]
+        measured = private["step_examples"][private["warmup_steps_run"] :]
         assert len(measured) == 2 and private["s_per_example"] == pytest.approx(
-            sum(private["step_seconds"][private["warmup_steps_run"]:]) / max(1, sum(measured)))
+            sum(private["step_seconds"][private["warmup_steps_run"] :]) / max(1, sum(measured))
+        )
         assert private["privacy"]["steps"] == len(private["step_seconds"]) and private["privacy"]["unit"] == "sequence"
         assert public["peak_bytes"] >= public["rss_at_reset_bytes"] > 0
         trainable[row["mode"]] = private["trainable_parameters"]
@@ -56,8 +96,10 @@ def test_sft_rows_reach_the_json_and_resume_skips_them(tmp_path):
 
 def test_non_private_dpo_arm_trains_on_pairs_of_t_tokens(tmp_path):
     out = str(tmp_path / "trl_speed.json")
-    [row] = trl_speed.main([*TINY, "--trainer", "dpo", "--modes", "lora", "--arms", "non-private", "--out", out],
-                           run_arm_with=trl_speed.run_arm)  # check_row_lengths raises unless every row is T long
+    [row] = trl_speed.main(
+        [*TINY, "--trainer", "dpo", "--modes", "lora", "--arms", "non-private", "--out", out],
+        run_arm_with=trl_speed.run_arm,
+    )  # check_row_lengths raises unless every row is T long
     run = row["arms"]["non-private"]["runs"][0]
     assert set(row["arms"]) == {"non-private"} and "time_ratio" not in row
     assert run["step_examples"] == [2] * len(run["step_seconds"])  # pairs, not rows (chosen + rejected)

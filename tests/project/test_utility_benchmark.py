@@ -36,19 +36,50 @@ def tiny_setup(tmp_path):
     model_dir = tmp_path / "model"
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                            sep_token="[SEP]", model_max_length=32).save_pretrained(model_dir)
-    config = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=40, num_labels=2)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        model_max_length=32,
+    ).save_pretrained(model_dir)
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+        num_labels=2,
+    )
     BertForSequenceClassification(config).save_pretrained(model_dir)
     return data, model_dir, tmp_path / "results" / "utility.jsonl"
 
 
 def _argv(data, model_dir, results, *extra):
-    small = [f"{m}.{setting}{field}={value}" for m in utility.METHODS
-             for setting in ("", "nonprivate.") for field, value in (("batch", 16), ("epochs", 1), ("chunk", 8))]
-    return ["--data-dir", str(data), "--model", str(model_dir), "--model-name", "tiny-bert", "--results", str(results),
-            "--in-process", "--epsilons", "8", "--set", *small, *extra]
+    small = [
+        f"{m}.{setting}{field}={value}"
+        for m in utility.METHODS
+        for setting in ("", "nonprivate.")
+        for field, value in (("batch", 16), ("epochs", 1), ("chunk", 8))
+    ]
+    return [
+        "--data-dir",
+        str(data),
+        "--model",
+        str(model_dir),
+        "--model-name",
+        "tiny-bert",
+        "--results",
+        str(results),
+        "--in-process",
+        "--epsilons",
+        "8",
+        "--set",
+        *small,
+        *extra,
+    ]
 
 
 def test_grid_writes_one_record_per_run_and_resumes(tiny_setup, tmp_path):
@@ -98,8 +129,10 @@ def test_parallel_runs_each_get_a_process_and_one_record(tiny_setup):
     records = utility.main([*argv, "--methods", "bitfit", "--jobs", "2", "--threads", "1"])
     lines = results.read_text().splitlines()
     assert len(records) == len(lines) == 2
-    assert {(json.loads(line)["method"], json.loads(line)["private"]) for line in lines} == {("bitfit", True),
-                                                                                          ("bitfit", False)}
+    assert {(json.loads(line)["method"], json.loads(line)["private"]) for line in lines} == {
+        ("bitfit", True),
+        ("bitfit", False),
+    }
 
 
 def test_missing_data_or_model_skips_cleanly(tiny_setup, tmp_path, capsys):
@@ -134,8 +167,15 @@ def test_auto_clip_norm_is_the_readme_measurement(tiny_setup):
     (table,) = utility.main(argv)
     transformers.set_seed(utility.SEED)  # as run_one does before loading the model
     model = MeanPooledBertForSequenceClassification.from_pretrained(model_dir, num_labels=2)
-    spec = utility.RunSpec(**{k: record[k] for k in ("method", "config", "options")}, epsilon=8.0, hyper={},
-                           train_size=None, data_dir="", model_dir="", model_name="")
+    spec = utility.RunSpec(
+        **{k: record[k] for k in ("method", "config", "options")},
+        epsilon=8.0,
+        hyper={},
+        train_size=None,
+        data_dir="",
+        model_dir="",
+        model_name="",
+    )
     expected = utility._calibrated_clip(model, spec, AutoTokenizer.from_pretrained(model_dir))
     assert record["clip_norm"] == "auto" and record["max_grad_norm"] == pytest.approx(expected)
     assert table["max_grad_norm"] == utility.METHODS["bitfit"].dp.clip and record["run_id"] != table["run_id"]

@@ -30,16 +30,46 @@ def _lora_roberta():
 
 # name: (model factory, fresh-base factory, dp config, extra TrainingArguments, expected format, files that must exist)
 CASES = {
-    "dpsgd-full": (tiny.bert, tiny.bert, DPConfig(noise_multiplier=1.0), dict(max_steps=2), "full",
-                   {"model.safetensors", "config.json"}),
-    "dpsgd-partial": (_frozen_embeddings_bert, tiny.bert, DPConfig(noise_multiplier=1.0), dict(max_steps=2),
-                      "private_adapter", {ADAPTER_WEIGHTS_NAME}),
-    "lora": (_lora_roberta, tiny.roberta, DPConfig(noise_multiplier=1.0), dict(max_steps=2), "peft",
-             {"adapter_model.safetensors", "adapter_config.json"}),
-    "bitfit": (tiny.roberta, tiny.roberta, BitFitConfig(noise_multiplier=1.0), dict(max_steps=2), "private_adapter",
-               {ADAPTER_WEIGHTS_NAME}),
-    "bitfit-two-phase": (tiny.roberta, tiny.roberta, BitFitConfig(noise_multiplier=1.0, full_finetune_epochs=1),
-                         dict(num_train_epochs=2, per_device_train_batch_size=48), "full", {"model.safetensors"}),
+    "dpsgd-full": (
+        tiny.bert,
+        tiny.bert,
+        DPConfig(noise_multiplier=1.0),
+        dict(max_steps=2),
+        "full",
+        {"model.safetensors", "config.json"},
+    ),
+    "dpsgd-partial": (
+        _frozen_embeddings_bert,
+        tiny.bert,
+        DPConfig(noise_multiplier=1.0),
+        dict(max_steps=2),
+        "private_adapter",
+        {ADAPTER_WEIGHTS_NAME},
+    ),
+    "lora": (
+        _lora_roberta,
+        tiny.roberta,
+        DPConfig(noise_multiplier=1.0),
+        dict(max_steps=2),
+        "peft",
+        {"adapter_model.safetensors", "adapter_config.json"},
+    ),
+    "bitfit": (
+        tiny.roberta,
+        tiny.roberta,
+        BitFitConfig(noise_multiplier=1.0),
+        dict(max_steps=2),
+        "private_adapter",
+        {ADAPTER_WEIGHTS_NAME},
+    ),
+    "bitfit-two-phase": (
+        tiny.roberta,
+        tiny.roberta,
+        BitFitConfig(noise_multiplier=1.0, full_finetune_epochs=1),
+        dict(num_train_epochs=2, per_device_train_batch_size=48),
+        "full",
+        {"model.safetensors"},
+    ),
 }
 
 
@@ -146,10 +176,20 @@ def test_adapter_checkpoints_resume_and_load_the_best(tmp_path):
 
     tok = tiny.tokenizer()
     best = PrivateTrainer(
-        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96), eval_dataset=tiny.sentiment_dataset(32, seed=3),
-        args=training_args(tmp_path / "best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
-                           metric_for_best_model="loss", **args),
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=dp,
+        model=tiny.roberta(),
+        train_dataset=tiny.sentiment_dataset(96),
+        eval_dataset=tiny.sentiment_dataset(32, seed=3),
+        args=training_args(
+            tmp_path / "best",
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+            **args,
+        ),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=dp,
     )
     best.train()
     chosen = best.state.best_model_checkpoint

@@ -23,12 +23,27 @@ def _touch(directory, *names: str) -> None:
 
 
 def test_allow_list_keeps_released_artefacts_and_withholds_the_rest(tmp_path):
-    released = ["README.md", "config.json", "dp_config.json", "model-00001-of-00002.safetensors",
-                "model-00002-of-00002.safetensors", "model.safetensors.index.json", "privacy_ledger.json",
-                "private_adapter.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    released = [
+        "README.md",
+        "config.json",
+        "dp_config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "privacy_ledger.json",
+        "private_adapter.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     junk = ["all_results.json", "model-final.safetensors", "notes.txt", "trainer_state.json", "training_args.bin"]
-    _touch(tmp_path, *released, *junk, "runs/events.out.tfevents.1.host", "checkpoint-1/trainer_state.json",
-           "checkpoint-1/config.json")
+    _touch(
+        tmp_path,
+        *released,
+        *junk,
+        "runs/events.out.tfevents.1.host",
+        "checkpoint-1/trainer_state.json",
+        "checkpoint-1/config.json",
+    )
     assert pushable_files(tmp_path) == released
     assert withheld_files(tmp_path) == sorted([*junk, "runs/"])  # checkpoints are local by design, not worth a warning
 
@@ -43,8 +58,14 @@ def test_pushing_whole_checkpoints_is_refused(tmp_path, strategy):
 
 def _total_flos(output_dir, dataset) -> tuple[float, float]:
     """(the checkpoint's trainer_state.json, the final training metrics) of a 2-step run with fixed Poisson draws."""
-    trainer = make_trainer(output_dir, dataset=dataset, dp=DPConfig(noise_multiplier=1.0, noise_seed=0), max_steps=2,
-                           save_strategy="steps", save_steps=2)
+    trainer = make_trainer(
+        output_dir,
+        dataset=dataset,
+        dp=DPConfig(noise_multiplier=1.0, noise_seed=0),
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+    )
     trainer.train()
     state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
     return state["total_flos"], trainer.state.log_history[-1]["total_flos"]  # train()'s metrics, as logged
@@ -54,6 +75,10 @@ def test_total_flos_does_not_depend_on_the_private_data(tmp_path):
     """Trainer's count is 6 × tokens × parameters per batch: the same N with longer texts would change it."""
     short = tiny.sentiment_dataset(64)
     the = tiny.VOCAB.index("the")
-    long = short.map(lambda row: {"input_ids": row["input_ids"] + [the] * (tiny.SEQ_LEN - len(row["input_ids"])),
-                                  "attention_mask": [1] * tiny.SEQ_LEN})
+    long = short.map(
+        lambda row: {
+            "input_ids": row["input_ids"] + [the] * (tiny.SEQ_LEN - len(row["input_ids"])),
+            "attention_mask": [1] * tiny.SEQ_LEN,
+        }
+    )
     assert _total_flos(tmp_path / "short", short) == _total_flos(tmp_path / "long", long) == (0, 0)

@@ -29,9 +29,16 @@ from hf_private.release.model_card import (
 from tests.support import tiny
 from tests.support.helpers import make_trainer, training_args
 
-REPORT = {"guarantee": "formal", "epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 1000,
-          "mechanisms": [{"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 100,
-                          "max_grad_norm": 1.0}]}
+REPORT = {
+    "guarantee": "formal",
+    "epsilon": 3.0,
+    "delta": 1e-5,
+    "accountant": "prv",
+    "dataset_size": 1000,
+    "mechanisms": [
+        {"name": "dp-sgd", "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 100, "max_grad_norm": 1.0}
+    ],
+}
 # Where from_pretrained("org/name") leaves a model on the training machine: a path, never a Hub id.
 FAKE_CACHE = "/root/.cache/huggingface/hub/models--acme--secret-base/snapshots/3f2c9a1e0b7d"
 FORMATS = ("full", "peft", "private_adapter")
@@ -40,9 +47,16 @@ FORMATS = ("full", "peft", "private_adapter")
 def _card(base_model, *, fmt="private_adapter", **kw):
     kw.setdefault("model_title", "m")
     snippet = load_snippet(fmt, "RobertaForSequenceClassification", base_model, "me/repo", 2)
-    card = build_model_card(privacy=privacy_metadata(REPORT, "dp-sgd"), base_model=base_model, training={},
-                            eval_results=kw.pop("eval_results", {}), load_snippet=snippet,
-                            model_class="RobertaForSequenceClassification", adapter_format=fmt, **kw)
+    card = build_model_card(
+        privacy=privacy_metadata(REPORT, "dp-sgd"),
+        base_model=base_model,
+        training={},
+        eval_results=kw.pop("eval_results", {}),
+        load_snippet=snippet,
+        model_class="RobertaForSequenceClassification",
+        adapter_format=fmt,
+        **kw,
+    )
     return ModelCard(str(card))  # parse what would be written, as the Hub does
 
 
@@ -65,8 +79,17 @@ def test_local_base_path_never_reaches_the_card(tmp_path, monkeypatch, fmt):
     load snippet carried the path."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-model").mkdir()  # shaped like a Hub id, but a directory here
-    for local in (str(tmp_path / "my-model"), "my-model", "./my-model", "./not-here", "~/models/mine", "../x/y",
-                  FAKE_CACHE, "models--acme--base", "C:\\models\\base"):
+    for local in (
+        str(tmp_path / "my-model"),
+        "my-model",
+        "./my-model",
+        "./not-here",
+        "~/models/mine",
+        "../x/y",
+        FAKE_CACHE,
+        "models--acme--base",
+        "C:\\models\\base",
+    ):
         assert not is_hub_model_id(local), local
         card = _card(local, fmt=fmt)
         assert card.data.base_model is None and "huggingface.co" not in card.text
@@ -91,19 +114,28 @@ def test_model_built_from_config_claims_no_pretrained_weights():
 def test_title_is_the_given_name_or_base_and_method():
     """Fails before issue 18 (build_model_card had no default title: `model_title=None` rendered "# None")."""
     assert _card("roberta-base", model_title=None).text.splitlines()[1] == (
-        "# roberta-base fine-tuned with dp-sgd (differential privacy)")
-    assert "# RobertaForSequenceClassification fine-tuned with dp-sgd from a local base model" in _card(
-        FAKE_CACHE, model_title=None).text
-    assert "# RobertaForSequenceClassification trained from random initialisation" in _card(None,
-                                                                                           model_title=None).text
+        "# roberta-base fine-tuned with dp-sgd (differential privacy)"
+    )
+    assert (
+        "# RobertaForSequenceClassification fine-tuned with dp-sgd from a local base model"
+        in _card(FAKE_CACHE, model_title=None).text
+    )
+    assert "# RobertaForSequenceClassification trained from random initialisation" in _card(None, model_title=None).text
     assert _card("roberta-base", model_title="tiny-dp").text.splitlines()[1] == "# tiny-dp"
 
 
 def test_metadata_parses_offline_and_model_index_round_trips():
     """Fails before issue 18: no `license=`, model-index or framework versions in build_model_card."""
     results = {"eval_accuracy": 0.8125, "eval_loss": 0.4321}
-    card = _card("FacebookAI/roberta-base", fmt="peft", license="apache-2.0", eval_results=results,
-                 task_type="text-classification", library_name="peft", tags=["glue"])
+    card = _card(
+        "FacebookAI/roberta-base",
+        fmt="peft",
+        license="apache-2.0",
+        eval_results=results,
+        task_type="text-classification",
+        library_name="peft",
+        tags=["glue"],
+    )
     data = card.data.to_dict()
     assert data["license"] == "apache-2.0" and data["base_model"] == "FacebookAI/roberta-base"
     assert data["base_model_relation"] == "adapter" and data["library_name"] == "peft"
@@ -111,7 +143,9 @@ def test_metadata_parses_offline_and_model_index_round_trips():
     name, parsed = model_index_to_eval_results(data["model-index"])
     assert name == "m" and {r.metric_name: r.metric_value for r in parsed} == results
     assert {(r.task_type, r.dataset_split, r.metric_type) for r in parsed} == {
-        ("text-classification", "held-out", "accuracy"), ("text-classification", "held-out", "loss")}
+        ("text-classification", "held-out", "accuracy"),
+        ("text-classification", "held-out", "loss"),
+    }
     assert eval_results_to_model_index(name, parsed) == data["model-index"]
     assert ModelCardData(**data).to_dict() == data  # the metadata rebuilds itself, as the Hub's parser does
     assert "`apache-2.0`, as given by whoever trained this model" in card.text
@@ -132,8 +166,18 @@ def test_the_mechanism_table_prints_c_to_four_digits_and_the_metadata_keeps_it_e
     if user_level:
         mechanism["examples_per_user"] = 4
     report = {**REPORT, "mechanisms": [mechanism], **extra}
-    card = ModelCard(str(build_model_card(privacy=privacy_metadata(report, "dp-sgd"), base_model="roberta-base",
-                                          model_title="m", training={}, eval_results={}, load_snippet="")))
+    card = ModelCard(
+        str(
+            build_model_card(
+                privacy=privacy_metadata(report, "dp-sgd"),
+                base_model="roberta-base",
+                model_title="m",
+                training={},
+                eval_results={},
+                load_snippet="",
+            )
+        )
+    )
     row = next(line for line in card.text.splitlines() if line.startswith("| dp-sgd |"))
     assert [cell.strip() for cell in row.strip("|").split("|")][4] == f"{c:.4g}" == "4.082"
     assert repr(c) not in card.text
@@ -173,12 +217,24 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
     output_dir = tmp_path / "private-run-folder"
     tok = tiny.tokenizer()
     trainer = PrivateTrainer(
-        model=model, train_dataset=tiny.sentiment_dataset(96), eval_dataset=tiny.sentiment_dataset(32, seed=4),
-        args=training_args(output_dir, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                           save_steps=1, load_best_model_at_end=True, metric_for_best_model="marker",
-                           greater_is_better=True),
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok,
-        dp_config=BitFitConfig(noise_multiplier=1.0), compute_metrics=_FirstEvaluationIsBest(),
+        model=model,
+        train_dataset=tiny.sentiment_dataset(96),
+        eval_dataset=tiny.sentiment_dataset(32, seed=4),
+        args=training_args(
+            output_dir,
+            max_steps=3,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="marker",
+            greater_is_better=True,
+        ),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=BitFitConfig(noise_multiplier=1.0),
+        compute_metrics=_FirstEvaluationIsBest(),
     )
     trainer.train()
     assert trainer.state.best_global_step == 1 and trainer.state.global_step == 3
@@ -189,8 +245,14 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
 
     def check(card: ModelCard, license: str) -> None:
         raw = readme.read_text(encoding="utf-8")
-        for secret in (str(tmp_path), base_path, FAKE_CACHE, "models--acme--secret-base", "snapshots",
-                       "private-run-folder"):
+        for secret in (
+            str(tmp_path),
+            base_path,
+            FAKE_CACHE,
+            "models--acme--secret-base",
+            "snapshots",
+            "private-run-folder",
+        ):
             assert secret not in raw, secret
         data = card.data.to_dict()
         assert data["license"] == license and "base_model" not in data
@@ -202,7 +264,8 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
         assert privacy["sampler_tail_delta"] == report["sampler_tail_delta"] > 0
         _, results = model_index_to_eval_results(data["model-index"])
         assert {r.metric_name: r.metric_value for r in results} == {
-            k: round(v, 4) for k, v in released.items() if k in ("eval_loss", "eval_marker")}
+            k: round(v, 4) for k, v in released.items() if k in ("eval_loss", "eval_marker")
+        }
         assert {r.task_type for r in results} == {"text-classification"}
         text = card.text
         assert f"(ε = {report['epsilon']:.3g}, δ = {report['delta']:.3g})-differential" in text
@@ -211,8 +274,10 @@ def test_trained_card_reads_back_every_field_and_names_no_local_path(tmp_path):
         assert f'from_pretrained("{BASE_PLACEHOLDER}", num_labels=2)' in text
         assert "these are the weights of step 1, the best checkpoint by\n`eval_marker` (1 on held-out data)" in text
         assert "ε covers all 3 steps\ntaken" in text and "- steps taken: 3 (all counted in ε)" in text
-        assert (f"- noise sampler's tail in δ: δ = {report['delta']:.3g} includes {report['sampler_tail_delta']:.2g} "
-                "for the noise sampler's finite tail") in text
+        assert (
+            f"- noise sampler's tail in δ: δ = {report['delta']:.3g} includes {report['sampler_tail_delta']:.2g} "
+            "for the noise sampler's finite tail"
+        ) in text
         versions = text.split("## Framework versions")[1]
         for framework in FRAMEWORKS:
             assert f"- {framework} {metadata.version(framework)}\n" in versions
@@ -237,13 +302,20 @@ def _assert_no_released_file_names(output_dir: Path, base_path: str) -> None:
 def test_lora_adapter_files_name_no_local_base_path(tmp_path):
     """Fails before issue 18: PEFT's adapter_config.json carried the local base path (base_model_name_or_path)."""
     base_path = _local_base(tmp_path)
-    model = get_peft_model(RobertaForSequenceClassification.from_pretrained(base_path),
-                           LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]))
+    model = get_peft_model(
+        RobertaForSequenceClassification.from_pretrained(base_path),
+        LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]),
+    )
     output_dir = tmp_path / "lora-run"
     tok = tiny.tokenizer()
-    trainer = PrivateTrainer(model=model, train_dataset=tiny.sentiment_dataset(64),
-                             args=training_args(output_dir, max_steps=1), data_collator=DataCollatorWithPadding(tok),
-                             processing_class=tok, dp_config=DPConfig(noise_multiplier=1.0))
+    trainer = PrivateTrainer(
+        model=model,
+        train_dataset=tiny.sentiment_dataset(64),
+        args=training_args(output_dir, max_steps=1),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
     trainer.train()
     trainer.save_model()
     assert trainer.adapter_format == "peft"
@@ -254,12 +326,24 @@ def test_results_of_weights_not_released_are_not_published(tmp_path):
     """Fails before issue 18: the last in-training evaluation (step 3's weights) was published for step 1's."""
     tok = tiny.tokenizer()
     trainer = PrivateTrainer(
-        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96), eval_dataset=tiny.sentiment_dataset(32, seed=4),
-        args=training_args(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                           save_steps=1, load_best_model_at_end=True, metric_for_best_model="marker",
-                           greater_is_better=True),
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok,
-        dp_config=BitFitConfig(noise_multiplier=1.0), compute_metrics=_FirstEvaluationIsBest(),
+        model=tiny.roberta(),
+        train_dataset=tiny.sentiment_dataset(96),
+        eval_dataset=tiny.sentiment_dataset(32, seed=4),
+        args=training_args(
+            tmp_path,
+            max_steps=3,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="marker",
+            greater_is_better=True,
+        ),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=BitFitConfig(noise_multiplier=1.0),
+        compute_metrics=_FirstEvaluationIsBest(),
     )
     trainer.train()
     trainer.save_model()
@@ -269,16 +353,23 @@ def test_results_of_weights_not_released_are_not_published(tmp_path):
 
 
 # ---------------------------------------------------------------- the recipe's last line names what it wrote
-@pytest.mark.parametrize("fmt, written", [("peft", "PEFT adapter"), ("private_adapter", "Private adapter"),
-                                          ("full", "Full model")])
+@pytest.mark.parametrize(
+    "fmt, written", [("peft", "PEFT adapter"), ("private_adapter", "Private adapter"), ("full", "Full model")]
+)
 def test_recipe_result_line_names_what_was_written(caplog, fmt, written):
     """Fails before issue 18: the line always began "Adapter, privacy ledger and card"."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
     import glue
 
     recipe = glue.RecipeArguments()
-    report = {"epsilon": 1.0, "delta": 1e-5, "accountant": "prv", "steps": 3, "noise_multiplier": 1.0,
-              "guarantee": "formal"}
+    report = {
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "accountant": "prv",
+        "steps": 3,
+        "noise_multiplier": 1.0,
+        "guarantee": "formal",
+    }
     result = {"metrics": {}, "seconds": 1.0, "output_dir": "out"}
     with caplog.at_level(logging.INFO, logger="recipes"):
         glue._log_result(result, report, recipe, False, fmt)
@@ -291,17 +382,29 @@ _NO_GUARANTEE_RUNS = {
     "test seed": lambda: DPConfig(target_epsilon=3.0, max_grad_norm=1.0, noise_seed=0),
 }
 # Sentences and labels that promise protection or present a number as ε.
-_PROMISES = ("What is protected:", "and not protected", "satisfies", "counted in ε", "ε covers", "composed into the ε",
-             "with **differential privacy**", "(differential privacy)", "trained with differential privacy")
+_PROMISES = (
+    "What is protected:",
+    "and not protected",
+    "satisfies",
+    "counted in ε",
+    "ε covers",
+    "composed into the ε",
+    "with **differential privacy**",
+    "(differential privacy)",
+    "trained with differential privacy",
+)
 _EPSILON_NUMBER = re.compile(r"(ε|epsilon)\s*[:=≤≥]?\s*[0-9]", re.IGNORECASE)
 
 
 def _epsilon_keys(value, path=()) -> list[tuple]:
     """Every key containing 'epsilon' in a nested dict/list (target_epsilon, a setting, aside)."""
     if isinstance(value, dict):
-        return [found for key, item in value.items()
-                for found in ([(*path, key)] if "epsilon" in str(key) and key != "target_epsilon" else [])
-                + _epsilon_keys(item, (*path, key))]
+        return [
+            found
+            for key, item in value.items()
+            for found in ([(*path, key)] if "epsilon" in str(key) and key != "target_epsilon" else [])
+            + _epsilon_keys(item, (*path, key))
+        ]
     if isinstance(value, list):
         return [found for i, item in enumerate(value) for found in _epsilon_keys(item, (*path, i))]
     return []
@@ -332,8 +435,23 @@ def test_a_run_without_a_guarantee_promises_nothing(tmp_path, caplog, run):
     assert not _EPSILON_NUMBER.search(outside_figures)
 
     result = AuditResult(
-        epsilon_lower_bound=0.5, confidence=0.95, claimed_epsilon=1.0, claim=next(iter(report["not_a_guarantee"])),
-        delta=1e-5, method=report["method"], canaries=10, included=5, k_plus=1, k_minus=1, bounds=(), date="today",
-        audit_data="public", mechanisms=(), accountant="prv", guarantee=report["guarantee"], dataset_fingerprint=None)
+        epsilon_lower_bound=0.5,
+        confidence=0.95,
+        claimed_epsilon=1.0,
+        claim=next(iter(report["not_a_guarantee"])),
+        delta=1e-5,
+        method=report["method"],
+        canaries=10,
+        included=5,
+        k_plus=1,
+        k_minus=1,
+        bounds=(),
+        date="today",
+        audit_data="public",
+        mechanisms=(),
+        accountant="prv",
+        guarantee=report["guarantee"],
+        dataset_fingerprint=None,
+    )
     for record in (result.to_dict(), result.card_entry()):
         assert "claimed_epsilon" not in record and record["tested_figure"]["name"] == result.claim

@@ -63,24 +63,39 @@ def _train_and_check(trainer) -> list[float]:
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_each_logging_step_logs_the_epsilon_spent_so_far(tmp_path, accountant):
     """Fails on the look-ahead: every line after the first there carried the ε of a later step."""
-    trainer = make_trainer(tmp_path, dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, accountant=accountant),
-                           max_steps=12, logging_steps=3)
+    trainer = make_trainer(
+        tmp_path,
+        dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, accountant=accountant),
+        max_steps=12,
+        logging_steps=3,
+    )
     logged = _train_and_check(trainer)
     assert len(logged) == 4 and logged[0] < logged[-1] == trainer.ledger.epsilon()
 
 
 def test_two_stages_log_the_epsilon_spent_in_each(tmp_path):
-    trainer = make_trainer(tmp_path, dp=BitFitConfig(noise_multiplier=1.0, full_finetune_epochs=1),
-                           per_device_train_batch_size=24, num_train_epochs=3)
+    trainer = make_trainer(
+        tmp_path,
+        dp=BitFitConfig(noise_multiplier=1.0, full_finetune_epochs=1),
+        per_device_train_batch_size=24,
+        num_train_epochs=3,
+    )
     assert trainer.plan.start_steps == {"dp-sgd": 0, "dp-bitfit": 4} and trainer.planned_steps == 12
     assert len(_train_and_check(trainer)) == 12
 
 
 def test_dp_frost_logs_the_epsilon_of_the_selections_made_and_the_steps_taken(tmp_path):
-    dp = FrostConfig(noise_multiplier=0.8, max_grad_norm=1.0, unfreeze_ratio=0.3, selection_sample_rate=0.25,
-                     num_selections=2)  # no test seed: a run with a guarantee logs ε
-    trainer = make_trainer(tmp_path, model=tiny.bert(), dp=dp, dataset=tiny.sentiment_dataset(200),
-                           per_device_train_batch_size=16, max_steps=12)
+    dp = FrostConfig(
+        noise_multiplier=0.8, max_grad_norm=1.0, unfreeze_ratio=0.3, selection_sample_rate=0.25, num_selections=2
+    )  # no test seed: a run with a guarantee logs ε
+    trainer = make_trainer(
+        tmp_path,
+        model=tiny.bert(),
+        dp=dp,
+        dataset=tiny.sentiment_dataset(200),
+        per_device_train_batch_size=16,
+        max_steps=12,
+    )
     _train_and_check(trainer)
     assert len(trainer.dp_method.selections) == 2
 

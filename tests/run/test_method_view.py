@@ -37,8 +37,17 @@ def _view(sigma: float = 2.0, ledger_groups: list | None = None) -> tuple[Method
     selection = Stage("selection", steps=3, training=False)
     plan = {"selection": PlannedStage(selection, sample_rate=0.5, steps=3, start_step=None, noise_multiplier=sigma)}
     ledger = SimpleNamespace(mechanisms=ledger_groups or [])
-    view = MethodView(nn.Linear(2, 1), plan, SimpleNamespace(), max_grad_norm=1.0, noise=Noise(), random=None,
-                      ledger=lambda: ledger, record_release=seen["recorded"].append, suspend_training_engine=suspend)
+    view = MethodView(
+        nn.Linear(2, 1),
+        plan,
+        SimpleNamespace(),
+        max_grad_norm=1.0,
+        noise=Noise(),
+        random=None,
+        ledger=lambda: ledger,
+        record_release=seen["recorded"].append,
+        suspend_training_engine=suspend,
+    )
     return view, seen
 
 
@@ -96,8 +105,11 @@ def test_every_method_uses_only_what_the_contract_declares():
             names = _contract_parameters(function)
             if not names or not function.body or path.name == "base.py":
                 continue
-            used = {node.attr for node in ast.walk(function)
-                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names}
+            used = {
+                node.attr
+                for node in ast.walk(function)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names
+            }
             assert used <= CONTRACT, f"{path.relative_to(METHODS)}:{function.name} uses {sorted(used - CONTRACT)}"
             checked.append(f"{path.parent.name}.{function.name}")
     assert "frost.before_step" in checked  # the check saw the one method that releases through its run

@@ -18,17 +18,26 @@ def _plan(sigma: float, batch: int = 50) -> PrivacyPlan:
 
 def test_the_plan_is_one_line_and_names_what_it_rests_on():
     plan = _plan(1.0)
-    (line,) = plan_lines(plan, DPConfig(noise_multiplier=1.0), "example", None, mechanism="dp-sgd",
-                         noise_multiplier=1.0)
-    assert line.startswith("Private training plan (dp-sgd): N=1000 examples, sampling rate q=0.05 (expected logical "
-                           "batch 50 examples), 20 steps, noise multiplier σ=1, clip norm C=1, δ=0.0005, prv "
-                           "accountant")
+    (line,) = plan_lines(
+        plan, DPConfig(noise_multiplier=1.0), "example", None, mechanism="dp-sgd", noise_multiplier=1.0
+    )
+    assert line.startswith(
+        "Private training plan (dp-sgd): N=1000 examples, sampling rate q=0.05 (expected logical "
+        "batch 50 examples), 20 steps, noise multiplier σ=1, clip norm C=1, δ=0.0005, prv "
+        "accountant"
+    )
 
 
 def test_a_noisy_update_and_a_test_seed_are_said():
     sigma = 2 * NOISY_UPDATE * 10
-    lines = plan_lines(_plan(sigma, batch=10), DPConfig(noise_multiplier=sigma, noise_seed=3), "example", None,
-                       mechanism="dp-sgd", noise_multiplier=sigma)
+    lines = plan_lines(
+        _plan(sigma, batch=10),
+        DPConfig(noise_multiplier=sigma, noise_seed=3),
+        "example",
+        None,
+        mechanism="dp-sgd",
+        noise_multiplier=sigma,
+    )
     assert len(lines) == 2
     assert lines[0].startswith("Training plan in insecure test mode, WITHOUT a privacy guarantee (dp-sgd)")
     assert lines[1].startswith("The model will be mostly noise: σ=1 over an expected batch of 10 examples")
@@ -52,6 +61,8 @@ def test_the_report_is_the_ledgers_with_the_runs_settings():
 
 
 def test_without_a_guarantee_no_number_is_called_epsilon():
-    report = without_guarantee({"epsilon": math.inf, "training_epsilon": 1.0, "accountant": "prv"},
-                               {"paper": {"value": 2.0, "what": "the paper's figure"}})
+    report = without_guarantee(
+        {"epsilon": math.inf, "training_epsilon": 1.0, "accountant": "prv"},
+        {"paper": {"value": 2.0, "what": "the paper's figure"}},
+    )
     assert report == {"accountant": "prv", "not_a_guarantee": {"paper": {"value": 2.0, "what": "the paper's figure"}}}

@@ -62,11 +62,18 @@ def build(method: str):
     if method == "users":  # user level (ULS): users sharded over the ranks, each with up to 3 of their examples
         return model, partial(DPConfig, privacy_unit="user", user_column="user_id", examples_per_user=3)
     if method == "frost-users":  # DP-FROST under ULS: each selection round samples users, sharded over the ranks
-        return model, partial(FrostConfig, unfreeze_ratio=0.3, selection_sample_rate=0.25, privacy_unit="user",
-                              user_column="user_id", examples_per_user=3)
+        return model, partial(
+            FrostConfig,
+            unfreeze_ratio=0.3,
+            selection_sample_rate=0.25,
+            privacy_unit="user",
+            user_column="user_id",
+            examples_per_user=3,
+        )
     if method == "users-els":  # user level (ELS): the cap drawn on the main process, shared with the other
-        return model, partial(DPConfig, privacy_unit="user", user_column="user_id", user_sampling="example",
-                              max_examples_per_user=3)
+        return model, partial(
+            DPConfig, privacy_unit="user", user_column="user_id", user_sampling="example", max_examples_per_user=3
+        )
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
@@ -74,13 +81,25 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     model, config_class = build(method)
     model.double()  # the comparison with one process is at 1e-6: keep summation-order error far below it
     # rgp-entropy: no test seed, so the carriers' seed comes from OS entropy on rank 0 and must be broadcast
-    dp = config_class(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP,
-                      noise_seed=None if method == "rgp-entropy" else 11)
+    dp = config_class(
+        noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=None if method == "rgp-entropy" else 11
+    )
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
-        gradient_accumulation_steps=GRAD_ACCUM, max_steps=3 if case == "update" else 1, optim="sgd",
-        learning_rate=LEARNING_RATE[case], lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(out),
+        per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
+        gradient_accumulation_steps=GRAD_ACCUM,
+        max_steps=3 if case == "update" else 1,
+        optim="sgd",
+        learning_rate=LEARNING_RATE[case],
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     calls = {"card": 0, "ledger": 0, "model": 0}
     _count_calls(calls, model)
@@ -93,16 +112,27 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     if method in USER_LEVEL:
         dataset = dataset.add_column("user_id", [i % USERS if i < 40 else (i * 7) % 13 for i in range(DATASET_SIZE)])
     trainer = PrivateTrainer(
-        model=model, args=args, train_dataset=dataset,
-        data_collator=DataCollatorWithPadding(tok), dp_config=dp, per_example_loss=per_example_loss,
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tok),
+        dp_config=dp,
+        per_example_loss=per_example_loss,
     )
     before = _trainable(trainer)
     trainer.train()
     trainer.save_model(str(out / "model"))
     torch.save(
-        {"before": before, "after": _trainable(trainer), "report": trainer.privacy_report(), "calls": calls,
-         "world_size": trainer.args.world_size, "wrapped": type(trainer.model_wrapped).__name__,
-         "global_step": trainer.state.global_step, "releases": releases},
+        {
+            "before": before,
+            "after": _trainable(trainer),
+            "report": trainer.privacy_report(),
+            "calls": calls,
+            "world_size": trainer.args.world_size,
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "global_step": trainer.state.global_step,
+            "releases": releases,
+        },
         out / f"rank{trainer.args.process_index}.pt",
     )
 
@@ -131,9 +161,7 @@ def _zero_loss(model, outputs, labels) -> torch.Tensor:
 def _count_calls(calls: dict[str, int], model) -> None:
     """Count real writes of the card, the ledger and the weights (save_pretrained as the main process, or the
     private adapter of a method that trains only some tensors)."""
-    write_card, save_ledger, save_pretrained = (
-        card_facts.write_model_card, PrivacyLedger.save, model.save_pretrained
-    )
+    write_card, save_ledger, save_pretrained = (card_facts.write_model_card, PrivacyLedger.save, model.save_pretrained)
 
     def counted_write_card(*a, **kw):
         calls["card"] += 1
@@ -161,9 +189,11 @@ def _count_calls(calls: dict[str, int], model) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--method", choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy", "users",
-                                             "users-els", "frost-users"],
-                        required=True)
+    parser.add_argument(
+        "--method",
+        choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy", "users", "users-els", "frost-users"],
+        required=True,
+    )
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()

@@ -106,17 +106,28 @@ def _handler(hub: FakeHub):
                 files = hub.repos.get(match["repo"])
                 if files is None:
                     return self._missing("RepoNotFound", "Repository not found")
-                return self._json(200, {"files": [
-                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                     "oid": git_blob_oid(files[f["path"]]) if f["path"] in files else None}
-                    for f in json.loads(body)["files"]
-                ]})
+                return self._json(
+                    200,
+                    {
+                        "files": [
+                            {
+                                "path": f["path"],
+                                "uploadMode": "regular",
+                                "shouldIgnore": False,
+                                "oid": git_blob_oid(files[f["path"]]) if f["path"] in files else None,
+                            }
+                            for f in json.loads(body)["files"]
+                        ]
+                    },
+                )
             if match := re.fullmatch(rf"/api/models/{_REPO}/commit/[^/]+", path):
                 if match["repo"] not in hub.repos:
                     return self._missing("RepoNotFound", "Repository not found")
                 oid = hub.commit(match["repo"], [json.loads(line) for line in body.splitlines() if line.strip()])
-                return self._json(200, {"commitUrl": f"{hub.url}/{match['repo']}/commit/{oid}", "commitOid": oid,
-                                        "pullRequestUrl": None})
+                return self._json(
+                    200,
+                    {"commitUrl": f"{hub.url}/{match['repo']}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None},
+                )
             hub.unhandled.append(f"POST {path}")
             return self._missing("EntryNotFound", "not faked")
 
@@ -132,15 +143,29 @@ def _handler(hub: FakeHub):
                 files = hub.repos.get(match["repo"])
                 if files is None:
                     return self._missing("RepoNotFound", "Repository not found")
-                return self._json(200, {"id": match["repo"], "modelId": match["repo"], "sha": hub.head(match["repo"]),
-                                        "private": False, "siblings": [{"rfilename": f} for f in sorted(files)]})
+                return self._json(
+                    200,
+                    {
+                        "id": match["repo"],
+                        "modelId": match["repo"],
+                        "sha": hub.head(match["repo"]),
+                        "private": False,
+                        "siblings": [{"rfilename": f} for f in sorted(files)],
+                    },
+                )
             if match := re.fullmatch(rf"/api/models/{_REPO}/tree/[^/]+(?:/(?P<sub>.*))?", path):
                 files = hub.repos.get(match["repo"])
                 if files is None:
                     return self._missing("RepoNotFound", "Repository not found")
                 prefix = f"{match['sub']}/" if match["sub"] else ""
-                return self._json(200, [{"type": "file", "path": name, "size": len(data), "oid": git_blob_oid(data)}
-                                        for name, data in sorted(files.items()) if name.startswith(prefix)])
+                return self._json(
+                    200,
+                    [
+                        {"type": "file", "path": name, "size": len(data), "oid": git_blob_oid(data)}
+                        for name, data in sorted(files.items())
+                        if name.startswith(prefix)
+                    ],
+                )
             if match := re.fullmatch(rf"/{_REPO}/resolve/[^/]+/(?P<file>.+)", path):
                 files = hub.repos.get(match["repo"])
                 if files is None:
@@ -148,8 +173,11 @@ def _handler(hub: FakeHub):
                 if match["file"] not in files:
                     return self._missing("EntryNotFound", f"{match['file']} does not exist")
                 data = files[match["file"]]
-                headers = {"ETag": f'"{git_blob_oid(data)}"', "X-Repo-Commit": hub.head(match["repo"]),
-                           "Content-Type": "application/octet-stream"}
+                headers = {
+                    "ETag": f'"{git_blob_oid(data)}"',
+                    "X-Repo-Commit": hub.head(match["repo"]),
+                    "Content-Type": "application/octet-stream",
+                }
                 return self._send(200, data, headers, include_body)
             hub.unhandled.append(f"{self.command} {path}")
             return self._missing("EntryNotFound", "not faked")

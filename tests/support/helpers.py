@@ -14,16 +14,33 @@ from tests.support import tiny
 
 def training_args(output_dir, **overrides) -> TrainingArguments:
     defaults = dict(
-        per_device_train_batch_size=8, num_train_epochs=1, learning_rate=5e-3, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        per_device_train_batch_size=8,
+        num_train_epochs=1,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
 
 
 # TRL configs (SFTConfig, DPOConfig) in tests: on CPU, nothing saved or reported, and the settings private training
 # needs where TRL's defaults differ (gradient checkpointing and bf16 on by default)
-TRL_TEST_ARGS = dict(report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-                     disable_tqdm=True, bf16=False, gradient_checkpointing=False, max_length=32)
+TRL_TEST_ARGS = dict(
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    seed=0,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    max_length=32,
+)
 
 
 def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides) -> PrivateTrainer:
@@ -32,8 +49,12 @@ def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides)
     dp = dp if dp is not None else DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)
     tok = tiny.tokenizer()
     return PrivateTrainer(
-        model=model, args=training_args(output_dir, **arg_overrides), train_dataset=dataset,
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=dp,
+        model=model,
+        args=training_args(output_dir, **arg_overrides),
+        train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=dp,
     )
 
 

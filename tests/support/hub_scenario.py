@@ -36,11 +36,21 @@ def _batch(tokenizer, texts) -> dict:
 def bitfit_round_trip(workdir: str) -> dict:
     tok = tiny.tokenizer()
     trainer = PrivateTrainer(
-        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96), eval_dataset=tiny.sentiment_dataset(32, seed=4),
+        model=tiny.roberta(),
+        train_dataset=tiny.sentiment_dataset(96),
+        eval_dataset=tiny.sentiment_dataset(32, seed=4),
         # save_steps=1: Trainer also pushes from each checkpoint (every_save) before the final push.
-        args=training_args(os.path.join(workdir, "bitfit"), max_steps=2, push_to_hub=True, hub_model_id=BITFIT_REPO,
-                           save_strategy="steps", save_steps=1),
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=BitFitConfig(target_epsilon=3.0),
+        args=training_args(
+            os.path.join(workdir, "bitfit"),
+            max_steps=2,
+            push_to_hub=True,
+            hub_model_id=BITFIT_REPO,
+            save_strategy="steps",
+            save_steps=1,
+        ),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=BitFitConfig(target_epsilon=3.0),
     )
     trainer.train()
     trainer.evaluate()
@@ -74,8 +84,22 @@ def lora_recipe_round_trip(workdir: str) -> dict:
     from demo_task import demo_model, demo_tokenizer
 
     output_dir = os.path.join(workdir, "recipe")
-    result = glue.main(["--method", "dp-lora", "--max_steps", "2", "--output_dir", output_dir, "--push_to_hub", "true",
-                        "--hub_model_id", LORA_REPO, "--disable_tqdm", "true"])
+    result = glue.main(
+        [
+            "--method",
+            "dp-lora",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            output_dir,
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            LORA_REPO,
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     batch = _batch(demo_tokenizer(), ["a great and moving film", "not good , quite dull"])
     local = load_private_adapter(demo_model(), output_dir)
     from_hub = load_private_adapter(demo_model(), LORA_REPO)
@@ -101,19 +125,42 @@ def trl_round_trip(workdir: str, kind: str) -> dict:
     from hf_private import DPConfig, privatize
 
     repo = TRL_REPOS[kind]
-    config = dict(output_dir=os.path.join(workdir, kind), max_steps=2, per_device_train_batch_size=8, report_to="none",
-                  use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", learning_rate=5e-2,
-                  push_to_hub=True, hub_model_id=repo, disable_tqdm=True, max_length=32)
+    config = dict(
+        output_dir=os.path.join(workdir, kind),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        learning_rate=5e-2,
+        push_to_hub=True,
+        hub_model_id=repo,
+        disable_tqdm=True,
+        max_length=32,
+    )
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     dp = DPConfig(target_epsilon=8.0)
     if kind == "sft":
         trainer = privatize(trl.SFTTrainer)(
-            tiny.llama(), trl.SFTConfig(**config, assistant_only_loss=True), train_dataset=tiny.conversations(64),
-            processing_class=tiny.chat_tokenizer(), peft_config=lora, dp_config=dp)
+            tiny.llama(),
+            trl.SFTConfig(**config, assistant_only_loss=True),
+            train_dataset=tiny.conversations(64),
+            processing_class=tiny.chat_tokenizer(),
+            peft_config=lora,
+            dp_config=dp,
+        )
     else:
         trainer = privatize(trl.DPOTrainer)(
-            tiny.llama(), None, trl.DPOConfig(**config), train_dataset=tiny.preference_pairs(64),
-            processing_class=tiny.chat_tokenizer(), peft_config=lora, dp_config=dp)
+            tiny.llama(),
+            None,
+            trl.DPOConfig(**config),
+            train_dataset=tiny.preference_pairs(64),
+            processing_class=tiny.chat_tokenizer(),
+            peft_config=lora,
+            dp_config=dp,
+        )
     trainer.train()
     trainer.push_to_hub()
 
@@ -145,10 +192,20 @@ def push_with_strategy(workdir: str, strategy: str) -> list[str]:
     tok = tiny.tokenizer()
     output_dir = os.path.join(workdir, strategy)
     trainer = PrivateTrainer(
-        model=tiny.roberta(), train_dataset=tiny.sentiment_dataset(96),
-        args=training_args(output_dir, max_steps=2, push_to_hub=True, hub_model_id=f"me/tiny-{strategy}",
-                           hub_strategy=strategy, save_strategy="steps", save_steps=1),
-        data_collator=DataCollatorWithPadding(tok), processing_class=tok, dp_config=BitFitConfig(noise_multiplier=1.0),
+        model=tiny.roberta(),
+        train_dataset=tiny.sentiment_dataset(96),
+        args=training_args(
+            output_dir,
+            max_steps=2,
+            push_to_hub=True,
+            hub_model_id=f"me/tiny-{strategy}",
+            hub_strategy=strategy,
+            save_strategy="steps",
+            save_steps=1,
+        ),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=BitFitConfig(noise_multiplier=1.0),
     )
     _leave_junk(trainer)  # present at every checkpoint push
     trainer.train()
@@ -161,6 +218,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         findings = {strategy: push_with_strategy(sys.argv[1], strategy) for strategy in sys.argv[2:]}
     else:
-        findings = {**bitfit_round_trip(sys.argv[1]), **lora_recipe_round_trip(sys.argv[1]),
-                    **trl_round_trip(sys.argv[1], "sft"), **trl_round_trip(sys.argv[1], "dpo")}
+        findings = {
+            **bitfit_round_trip(sys.argv[1]),
+            **lora_recipe_round_trip(sys.argv[1]),
+            **trl_round_trip(sys.argv[1], "sft"),
+            **trl_round_trip(sys.argv[1], "dpo"),
+        }
     print(json.dumps(findings))

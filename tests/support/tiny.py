@@ -47,8 +47,13 @@ def multiple_choice_dataset(n: int, choices: int = 3, seed: int = 0) -> Dataset:
         endings = [rng.choice(POSITIVE if c == label else NEGATIVE) for c in range(choices)]
         rows.append(tok([f"{context} {ending}" for ending in endings], truncation=True, max_length=SEQ_LEN))
         labels.append(label)
-    return Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
-                              "attention_mask": [r["attention_mask"] for r in rows], "label": labels})
+    return Dataset.from_dict(
+        {
+            "input_ids": [r["input_ids"] for r in rows],
+            "attention_mask": [r["attention_mask"] for r in rows],
+            "label": labels,
+        }
+    )
 
 
 def lm_dataset(n: int, seed: int = 0) -> Dataset:
@@ -56,9 +61,16 @@ def lm_dataset(n: int, seed: int = 0) -> Dataset:
     return sentiment_dataset(n, seed).remove_columns(["label"])
 
 
-_ENCODER = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                max_position_embeddings=SEQ_LEN + 4)
+_ENCODER = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    max_position_embeddings=SEQ_LEN + 4,
+)
 
 
 def bert(**kw) -> BertForSequenceClassification:
@@ -88,17 +100,38 @@ def roberta_multiple_choice(**kw) -> RobertaForMultipleChoice:
 
 def gpt2(**kw) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB_SIZE, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ_LEN + 4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=2, eos_token_id=3,
-                        pad_token_id=0, **kw)
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=SEQ_LEN + 4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        **kw,
+    )
     return GPT2LMHeadModel(config)
 
 
 def llama(**kw) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=SEQ_LEN + 4,
-                         bos_token_id=2, eos_token_id=3, pad_token_id=0, **kw)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=SEQ_LEN + 4,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        **kw,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -118,8 +151,14 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {word: i for i, word in enumerate((*CHAT_SPECIAL, *demo.POSITIVE, *demo.NEGATIVE, *demo.NEUTRAL))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
-                                        eos_token="<eos>", additional_special_tokens=list(CHAT_SPECIAL[4:]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        additional_special_tokens=list(CHAT_SPECIAL[4:]),
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -131,32 +170,48 @@ def _words(rng, k: int) -> str:
 def texts(n: int = 32) -> Dataset:
     """Plain text (TRL's language-modeling kind)."""
     rng = random.Random(0)
-    return Dataset.from_dict({"text": [f"{_words(rng, rng.randint(2, 8))} {rng.choice(demo.POSITIVE)}"
-                                       for _ in range(n)]})
+    return Dataset.from_dict(
+        {"text": [f"{_words(rng, rng.randint(2, 8))} {rng.choice(demo.POSITIVE)}" for _ in range(n)]}
+    )
 
 
 def prompt_completions(n: int = 32) -> Dataset:
     """A prompt and its completion (TRL trains the completion only, by default)."""
     rng = random.Random(1)
-    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 8)) for _ in range(n)],
-                              "completion": [f" {rng.choice(demo.POSITIVE)} {rng.choice(demo.NEGATIVE)}"
-                                             for _ in range(n)]})
+    return Dataset.from_dict(
+        {
+            "prompt": [_words(rng, rng.randint(2, 8)) for _ in range(n)],
+            "completion": [f" {rng.choice(demo.POSITIVE)} {rng.choice(demo.NEGATIVE)}" for _ in range(n)],
+        }
+    )
 
 
 def preference_pairs(n: int = 32) -> Dataset:
     """A prompt with a chosen and a rejected completion (TRL's DPO kind): positive words chosen, negative rejected."""
     rng = random.Random(3)
-    return Dataset.from_dict({"prompt": [_words(rng, rng.randint(2, 6)) for _ in range(n)],
-                              "chosen": [f" {rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".rstrip()
-                                         for _ in range(n)],
-                              "rejected": [f" {rng.choice(demo.NEGATIVE)} {_words(rng, rng.randint(0, 2))}".rstrip()
-                                           for _ in range(n)]})
+    return Dataset.from_dict(
+        {
+            "prompt": [_words(rng, rng.randint(2, 6)) for _ in range(n)],
+            "chosen": [f" {rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".rstrip() for _ in range(n)],
+            "rejected": [f" {rng.choice(demo.NEGATIVE)} {_words(rng, rng.randint(0, 2))}".rstrip() for _ in range(n)],
+        }
+    )
 
 
 def conversations(n: int = 32) -> Dataset:
     """A user turn and an assistant turn each (`messages`, through the chat template)."""
     rng = random.Random(2)
-    return Dataset.from_dict({"messages": [
-        [{"role": "user", "content": _words(rng, rng.randint(2, 6))},
-         {"role": "assistant", "content": f"{rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".strip()}]
-        for _ in range(n)]})
+    return Dataset.from_dict(
+        {
+            "messages": [
+                [
+                    {"role": "user", "content": _words(rng, rng.randint(2, 6))},
+                    {
+                        "role": "assistant",
+                        "content": f"{rng.choice(demo.POSITIVE)} {_words(rng, rng.randint(0, 2))}".strip(),
+                    },
+                ]
+                for _ in range(n)
+            ]
+        }
+    )

@@ -24,9 +24,27 @@ NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
 def _launch(method: str, case: str, out: Path) -> list[dict]:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(ROOT / "tests" / "distributed_worker.py"), "--method", method, "--case", case, "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "tests" / "distributed_worker.py"),
+        "--method",
+        method,
+        "--case",
+        case,
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -75,14 +93,16 @@ def test_ledger_and_epsilon_identical_on_ranks_and_global(update_runs):
     method, (rank0, rank1), single = update_runs
     assert rank0["report"] == rank1["report"]
     # at user level N counts users (ULS) or the examples users keep (ELS)
-    units = {"users": worker.USERS, "frost-users": worker.USERS, "users-els": worker.KEPT}.get(method,
-                                                                                             worker.DATASET_SIZE)
+    units = {"users": worker.USERS, "frost-users": worker.USERS, "users-els": worker.KEPT}.get(
+        method, worker.DATASET_SIZE
+    )
     assert rank0["report"]["sample_rate"] == worker.LOGICAL_BATCH / units  # global q, not per rank
     assert rank0["report"]["steps"] == rank0["global_step"]  # one ledger step per logical batch
     # test-mode sampling: no guarantee, so the accounting is under not_a_guarantee (the same numbers)
     figure = "accounting_with_a_secret_seed"
     assert rank0["report"]["not_a_guarantee"][figure]["value"] == pytest.approx(
-        single["report"]["not_a_guarantee"][figure]["value"], rel=1e-12)
+        single["report"]["not_a_guarantee"][figure]["value"], rel=1e-12
+    )
 
 
 def test_card_ledger_and_weights_written_once(update_runs):

@@ -9,8 +9,14 @@ import pytest
 from hf_private.trainer.preflight import check_process_count
 from tests.support.helpers import make_trainer
 
-LAUNCH_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MASTER_ADDR",
-                    "ACCELERATE_MIXED_PRECISION")
+LAUNCH_VARIABLES = (
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "MASTER_ADDR",
+    "ACCELERATE_MIXED_PRECISION",
+)
 
 
 @pytest.fixture

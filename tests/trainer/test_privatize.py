@@ -48,28 +48,29 @@ GENERATED = PROMPT + 4  # generation_max_length: prompt and 4 new tokens
 TRAIN_SIZE, BATCH = 64, 8  # 8 steps of an expected 8 examples
 
 
-
-
 # ---------------------------------------------------------------- privatize(Seq2SeqTrainer) on a decoder-only model
 def prompts(n: int = 10, seed: int = 7) -> Dataset:
     """Openings of reviews the training set does not hold, left-padded to PROMPT tokens when tokenized."""
     texts, _ = sentiment_texts(n, seed)
-    openings = [" ".join(text.split()[:2 + i % 3]) for i, text in enumerate(texts)]
+    openings = [" ".join(text.split()[: 2 + i % 3]) for i, text in enumerate(texts)]
     encoded = tiny.tokenizer()(openings, padding="max_length", max_length=PROMPT, padding_side="left")
     return Dataset.from_dict(dict(encoded))
 
 
 def repeats(token_ids: np.ndarray) -> float:
     """The metric: how often a new token repeats the prompt's last token (any function of the generated ids)."""
-    return float((token_ids[:, PROMPT:] == token_ids[:, PROMPT - 1:PROMPT]).mean())
+    return float((token_ids[:, PROMPT:] == token_ids[:, PROMPT - 1 : PROMPT]).mean())
 
 
 def generate(model, dataset: Dataset, width: int, pad: int, **generation) -> np.ndarray:
     """`model.generate` on the prompts, padded on the right to `width` as Seq2SeqTrainer pads its predictions."""
     model.eval()
     with torch.no_grad():
-        ids = model.generate(input_ids=torch.tensor(dataset["input_ids"]),
-                             attention_mask=torch.tensor(dataset["attention_mask"]), **generation).numpy()
+        ids = model.generate(
+            input_ids=torch.tensor(dataset["input_ids"]),
+            attention_mask=torch.tensor(dataset["attention_mask"]),
+            **generation,
+        ).numpy()
     return np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad)
 
 
@@ -84,16 +85,32 @@ def test_seq2seq_trainer_evaluates_a_decoder_only_model_by_generation(tmp_path, 
         return {"repeats": repeats(prediction.predictions)}
 
     args = Seq2SeqTrainingArguments(
-        str(tmp_path), predict_with_generate=True, generation_max_length=GENERATED, generation_num_beams=beams,
-        per_device_train_batch_size=BATCH, per_device_eval_batch_size=4, num_train_epochs=1, learning_rate=5e-3,
-        eval_strategy="steps", eval_steps=4, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        str(tmp_path),
+        predict_with_generate=True,
+        generation_max_length=GENERATED,
+        generation_num_beams=beams,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=4,
+        num_train_epochs=1,
+        learning_rate=5e-3,
+        eval_strategy="steps",
+        eval_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
         disable_tqdm=True,
     )
     model = make_model()
     trainer = privatize(Seq2SeqTrainer)(
-        model=model, args=args, train_dataset=tiny.lm_dataset(TRAIN_SIZE), eval_dataset=evaluation,
-        processing_class=tok, data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        compute_metrics=compute_metrics, dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        model=model,
+        args=args,
+        train_dataset=tiny.lm_dataset(TRAIN_SIZE),
+        eval_dataset=evaluation,
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        compute_metrics=compute_metrics,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
     )
     assert isinstance(trainer, Seq2SeqTrainer)
     trainer.train()
@@ -118,8 +135,9 @@ def test_seq2seq_trainer_evaluates_a_decoder_only_model_by_generation(tmp_path, 
     # evaluate's generation keywords reach Seq2SeqTrainer through the private class
     trainer.evaluate(max_new_tokens=2)
     shorter = received[-1].predictions
-    np.testing.assert_array_equal(shorter, generate(
-        model, evaluation, width, tok.pad_token_id, max_new_tokens=2, num_beams=beams))
+    np.testing.assert_array_equal(
+        shorter, generate(model, evaluation, width, tok.pad_token_id, max_new_tokens=2, num_beams=beams)
+    )
 
     predicted = trainer.predict(evaluation)
     np.testing.assert_array_equal(predicted.predictions, expected)
@@ -165,10 +183,15 @@ def test_a_user_trainer_keeps_its_metric_and_callback_and_trains_privately(tmp_p
     tok = tiny.tokenizer()
     counter = StepsAndEvaluations()
     trainer = privatize(PerplexityTrainer)(
-        model=tiny.bert(), args=training_args(tmp_path, eval_strategy="steps", eval_steps=3),
-        train_dataset=tiny.sentiment_dataset(TRAIN_SIZE), eval_dataset=tiny.sentiment_dataset(24, seed=5),
-        processing_class=tok, data_collator=DataCollatorWithPadding(tok), compute_metrics=accuracy,
-        callbacks=[counter], dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        model=tiny.bert(),
+        args=training_args(tmp_path, eval_strategy="steps", eval_steps=3),
+        train_dataset=tiny.sentiment_dataset(TRAIN_SIZE),
+        eval_dataset=tiny.sentiment_dataset(24, seed=5),
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=accuracy,
+        callbacks=[counter],
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
     )
     assert isinstance(trainer, PerplexityTrainer)
     trainer.train()
@@ -208,8 +231,14 @@ def test_a_user_trainer_with_args_and_its_own_keyword_gets_both(tmp_path):
     keyword reaches the user's __init__."""
     tok = tiny.tokenizer()
     trainer = privatize(FlaggedTrainer)(
-        tiny.bert(), training_args(tmp_path), DataCollatorWithPadding(tok), tiny.sentiment_dataset(TRAIN_SIZE),
-        processing_class=tok, shout=True, dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0))
+        tiny.bert(),
+        training_args(tmp_path),
+        DataCollatorWithPadding(tok),
+        tiny.sentiment_dataset(TRAIN_SIZE),
+        processing_class=tok,
+        shout=True,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+    )
     assert trainer.shout and trainer.dataset_size == TRAIN_SIZE and trainer.args.output_dir == str(tmp_path)
     trainer.train()
     assert trainer.training_steps() > 0
@@ -252,11 +281,22 @@ def released_sum(tmp_path, trainer_class: type, dataset: Dataset, **trainer_kwar
     before = torch.cat([p.detach().flatten() for p in trained]).double()
     tok = tiny.tokenizer()
     trainer = trainer_class(
-        model=model, args=training_args(tmp_path, per_device_train_batch_size=len(dataset), max_steps=1,
-                                        learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-                                        weight_decay=0.0),
-        train_dataset=dataset, data_collator=DataCollatorWithPadding(tok), processing_class=tok,
-        dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=CLIP, noise_seed=0), **trainer_kwargs)
+        model=model,
+        args=training_args(
+            tmp_path,
+            per_device_train_batch_size=len(dataset),
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+        ),
+        train_dataset=dataset,
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=0.5, max_grad_norm=CLIP, noise_seed=0),
+        **trainer_kwargs,
+    )
     assert trainer.sample_rate == 1.0
     trainer.train()
     return (before - torch.cat([p.detach().flatten() for p in trained]).double()) * len(dataset)
@@ -281,8 +321,9 @@ def test_an_overridden_compute_loss_never_trains_when_per_example_loss_is_given(
 
 def test_mutation_training_through_compute_loss_moves_the_release_by_more_than_C(tmp_path, monkeypatch):
     """Each chunk through Trainer.training_step (and so self.compute_loss), as before: the sensitivity exceeds C."""
-    monkeypatch.setattr(PrivateTrainingMixin, "_chunk_step",
-                        lambda self, model, inputs: Trainer.training_step(self, model, inputs))
+    monkeypatch.setattr(
+        PrivateTrainingMixin, "_chunk_step", lambda self, model, inputs: Trainer.training_step(self, model, inputs)
+    )
     assert moved_by_one_example(tmp_path, LOSS_SETUPS["subclass"], per_example_loss=cross_entropy) > 1.5
 
 
@@ -294,10 +335,15 @@ def larger_half_losses(model, outputs, labels):
 
 def coupled_loss_trainer(tmp_path) -> PrivateTrainer:
     tok = tiny.tokenizer()
-    return PrivateTrainer(model=tiny.bert(), args=training_args(tmp_path, max_steps=1),
-                          train_dataset=tiny.sentiment_dataset(TRAIN_SIZE), data_collator=DataCollatorWithPadding(tok),
-                          processing_class=tok, dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
-                          per_example_loss=larger_half_losses)
+    return PrivateTrainer(
+        model=tiny.bert(),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=tiny.sentiment_dataset(TRAIN_SIZE),
+        data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        per_example_loss=larger_half_losses,
+    )
 
 
 def test_the_independence_probe_recomputes_the_loss_that_trains(tmp_path):
@@ -310,14 +356,18 @@ def test_the_independence_probe_recomputes_the_loss_that_trains(tmp_path):
 
 def test_mutation_a_probe_on_another_loss_lets_the_coupled_loss_train(tmp_path, monkeypatch):
     """The probe given the default loss instead of the one that trains: the coupled loss passes and is released."""
+
     def default_loss(model, batch):
         batch = dict(batch)
         labels = batch.pop("labels")
         return F.cross_entropy(model(**batch).logits, labels, reduction="sum")
 
     probe = trainer_module.probe_example_independence
-    monkeypatch.setattr(trainer_module, "probe_example_independence",
-                        lambda engine, model, chunks, summed_loss, low: probe(engine, model, chunks, default_loss, low))
+    monkeypatch.setattr(
+        trainer_module,
+        "probe_example_independence",
+        lambda engine, model, chunks, summed_loss, low: probe(engine, model, chunks, default_loss, low),
+    )
     trainer = coupled_loss_trainer(tmp_path)
     trainer.train()
     assert trainer.ledger.total_steps == 1
@@ -332,8 +382,11 @@ def test_privatize_returns_one_private_subclass_per_trainer_class():
     assert privatize(PerplexityTrainer) is not privatize(Trainer)
 
 
-@pytest.mark.parametrize("not_a_trainer", [torch.nn.Module, TrainerCallback, "Trainer", Trainer.__init__],
-                         ids=["nn.Module", "TrainerCallback", "str", "function"])
+@pytest.mark.parametrize(
+    "not_a_trainer",
+    [torch.nn.Module, TrainerCallback, "Trainer", Trainer.__init__],
+    ids=["nn.Module", "TrainerCallback", "str", "function"],
+)
 def test_privatize_refuses_what_is_not_a_trainer_class(not_a_trainer):
     with pytest.raises(TypeError, match="privatize takes a transformers.Trainer subclass"):
         privatize(not_a_trainer)
@@ -345,27 +398,51 @@ def test_a_refused_override_is_named_with_its_class(tmp_path):
             return super().training_step(model, inputs, num_items_in_batch)
 
     with pytest.raises(TypeError, match=r"StepCountingTrainer overrides training_step\(\)"):
-        privatize(StepCountingTrainer)(model=tiny.gpt2(), args=training_args(tmp_path),
-                                       train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0))
+        privatize(StepCountingTrainer)(
+            model=tiny.gpt2(),
+            args=training_args(tmp_path),
+            train_dataset=tiny.lm_dataset(32),
+            dp_config=DPConfig(noise_multiplier=1.0),
+        )
 
 
 def _t5():
-    return T5ForConditionalGeneration(T5Config(vocab_size=tiny.VOCAB_SIZE, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                               num_heads=2, decoder_start_token_id=0))
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=tiny.VOCAB_SIZE,
+            d_model=32,
+            d_kv=16,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            decoder_start_token_id=0,
+        )
+    )
 
 
 def _bart():
-    return BartForConditionalGeneration(BartConfig(
-        vocab_size=tiny.VOCAB_SIZE, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32))
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=tiny.VOCAB_SIZE,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=32,
+        )
+    )
 
 
 @pytest.mark.parametrize("make_model", [_t5, _bart], ids=["t5", "bart"])
 def test_encoder_decoder_models_stay_refused_by_the_private_seq2seq_trainer(tmp_path, make_model):
     args = Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True, use_cpu=True, report_to="none")
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        privatize(Seq2SeqTrainer)(model=make_model(), args=args, train_dataset=tiny.lm_dataset(32),
-                                  dp_config=DPConfig(noise_multiplier=1.0))
+        privatize(Seq2SeqTrainer)(
+            model=make_model(), args=args, train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0)
+        )
 
 
 # ---------------------------------------------------------------- the docs' script

@@ -29,8 +29,7 @@ def _regression_batch(examples: list[int], labels: list[float]) -> dict[str, tor
     """Padded to a fixed length, so an example's activations do not depend on which others share its batch."""
     data = tiny.sentiment_dataset(8, seed=5)
     texts = [" ".join(tiny.VOCAB[i] for i in data[b]["input_ids"][1:-1]) for b in examples]
-    batch = tiny.tokenizer()(texts, padding="max_length", max_length=tiny.SEQ_LEN, truncation=True,
-                             return_tensors="pt")
+    batch = tiny.tokenizer()(texts, padding="max_length", max_length=tiny.SEQ_LEN, truncation=True, return_tensors="pt")
     return {**batch, "labels": torch.tensor([labels[b] for b in examples], dtype=torch.float64)}
 
 
@@ -83,9 +82,11 @@ def _trainer(tmp_path, per_example_loss, dataset=None, model=None, **overrides) 
     tok = tiny.tokenizer()
     args = {"per_device_train_batch_size": 4, "max_steps": 2, **overrides}
     return PrivateTrainer(
-        model=model if model is not None else tiny.bert(), args=training_args(tmp_path, **args),
+        model=model if model is not None else tiny.bert(),
+        args=training_args(tmp_path, **args),
         train_dataset=dataset if dataset is not None else tiny.sentiment_dataset(96),
-        data_collator=DataCollatorWithPadding(tok), dp_config=DPConfig(noise_multiplier=1.0, noise_seed=0),
+        data_collator=DataCollatorWithPadding(tok),
+        dp_config=DPConfig(noise_multiplier=1.0, noise_seed=0),
         per_example_loss=per_example_loss,
     )
 
@@ -102,7 +103,8 @@ def test_finite_float_labels_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "reduce", [lambda losses: losses.mean(), lambda losses: losses[:, None], lambda losses: losses[1:]],
+    "reduce",
+    [lambda losses: losses.mean(), lambda losses: losses[:, None], lambda losses: losses[1:]],
     ids=["batch-mean", "column", "one-short"],
 )
 def test_per_example_loss_must_return_one_value_per_example(tmp_path, reduce):
@@ -110,8 +112,11 @@ def test_per_example_loss_must_return_one_value_per_example(tmp_path, reduce):
         return reduce(default_per_example_loss(model, outputs, labels))
 
     trainer = _trainer(tmp_path, loss)
-    with pytest.raises(ValueError, match=r"per_example_loss must return a tensor of shape \[B\] = \[\d+\].*got "
-                                         r"shape \[.*\]\. A batch-mean or scalar loss is not allowed"):
+    with pytest.raises(
+        ValueError,
+        match=r"per_example_loss must return a tensor of shape \[B\] = \[\d+\].*got "
+        r"shape \[.*\]\. A batch-mean or scalar loss is not allowed",
+    ):
         trainer.train()
     assert trainer.ledger.total_steps == 0
 
@@ -125,8 +130,14 @@ def test_logged_loss_and_weights_stay_finite_when_one_loss_is_not(tmp_path):
         scale = torch.where(labels == 2, math.inf, 1.0)
         return default_per_example_loss(model, outputs, labels) * scale
 
-    trainer = _trainer(tmp_path, loss, dataset=Dataset.from_dict(data), model=tiny.bert(num_labels=3),
-                       per_device_train_batch_size=16, logging_nan_inf_filter=False)
+    trainer = _trainer(
+        tmp_path,
+        loss,
+        dataset=Dataset.from_dict(data),
+        model=tiny.bert(num_labels=3),
+        per_device_train_batch_size=16,
+        logging_nan_inf_filter=False,
+    )
     before = snapshot(trainer.model)
     trainer.train()
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -193,8 +204,9 @@ def test_interrupted_logical_batch_is_not_released_with_the_next(tmp_path, how):
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return default_per_example_loss(model, outputs, labels)
 
-    trainer = _trainer(tmp_path, flaky_loss, gradient_accumulation_steps=2,
-                       auto_find_batch_size=how == "out-of-memory-retry")
+    trainer = _trainer(
+        tmp_path, flaky_loss, gradient_accumulation_steps=2, auto_find_batch_size=how == "out-of-memory-retry"
+    )
     _spy_on_releases(trainer.engine, events)
     if how == "train-again":
         with pytest.raises(RuntimeError, match="allocate memory"):
@@ -208,6 +220,8 @@ def test_interrupted_logical_batch_is_not_released_with_the_next(tmp_path, how):
     first = kinds.index("release")
     fresh = torch.stack([c for kind, c in events[cut:first] if kind == "chunk"]).sum(0)
     released = events[first][1]
-    print(f"{how}: ‖stale‖ = {torch.stack(stale).sum(0).norm():.4g}, ‖fresh‖ = {fresh.norm():.4g}, "
-          f"‖released - fresh‖ = {(released - fresh).norm():.3g}")
+    print(
+        f"{how}: ‖stale‖ = {torch.stack(stale).sum(0).norm():.4g}, ‖fresh‖ = {fresh.norm():.4g}, "
+        f"‖released - fresh‖ = {(released - fresh).norm():.3g}"
+    )
     assert torch.allclose(released, fresh, rtol=0, atol=1e-6)

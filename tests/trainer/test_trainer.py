@@ -30,8 +30,14 @@ def test_trains_and_a_test_seed_run_claims_no_guarantee(tmp_path):
     # A deterministic test seed: the utility check must not depend on a secret draw (privacy is tested elsewhere).
     dp = DPConfig(target_epsilon=30.0, noise_seed=0)
     # lr 2e-2: at 5e-3 the held-out loss fell for only 2 of 4 noise seeds (40 steps at ε = 30).
-    trainer = make_trainer(tmp_path, dataset=tiny.sentiment_dataset(800), dp=dp, num_train_epochs=5,
-                           learning_rate=2e-2, per_device_train_batch_size=100)
+    trainer = make_trainer(
+        tmp_path,
+        dataset=tiny.sentiment_dataset(800),
+        dp=dp,
+        num_train_epochs=5,
+        learning_rate=2e-2,
+        per_device_train_batch_size=100,
+    )
     trainer.eval_dataset = dev
     start = trainer.evaluate()["eval_loss"]
     trainer.train()
@@ -45,8 +51,13 @@ def test_trains_and_a_test_seed_run_claims_no_guarantee(tmp_path):
 
 
 def test_logs_epsilon_every_step_and_writes_card(tmp_path):
-    trainer = make_trainer(tmp_path, dataset=tiny.sentiment_dataset(800), dp=DPConfig(target_epsilon=30.0),
-                           max_steps=6, per_device_train_batch_size=100)
+    trainer = make_trainer(
+        tmp_path,
+        dataset=tiny.sentiment_dataset(800),
+        dp=DPConfig(target_epsilon=30.0),
+        max_steps=6,
+        per_device_train_batch_size=100,
+    )
     trainer.train()
     steps = _logged(trainer, "loss")
     assert len(steps) == trainer.state.global_step
@@ -89,8 +100,11 @@ def test_lora_adapter_is_saved_with_privacy_card(tmp_path):
 def test_causal_lm_trains(tmp_path, factory):
     tok = tiny.tokenizer()
     trainer = PrivateTrainer(
-        model=factory(), args=training_args(tmp_path, max_steps=2), train_dataset=tiny.lm_dataset(64),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False), dp_config=DPConfig(noise_multiplier=1.0),
+        model=factory(),
+        args=training_args(tmp_path, max_steps=2),
+        train_dataset=tiny.lm_dataset(64),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        dp_config=DPConfig(noise_multiplier=1.0),
     )
     trainer.train()
     assert trainer.ledger.total_steps == 2
@@ -131,8 +145,9 @@ def test_a_run_that_reaches_its_planned_steps_ends_with_one_info_line(tmp_path, 
 
 
 def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_path, caplog):
-    first = make_trainer(tmp_path, dp=DPConfig(target_epsilon=8.0, max_grad_norm=1.0), max_steps=8,
-                         save_strategy="steps", save_steps=4)
+    first = make_trainer(
+        tmp_path, dp=DPConfig(target_epsilon=8.0, max_grad_norm=1.0), max_steps=8, save_strategy="steps", save_steps=4
+    )
     first.add_callback(_Kill(at_step=5))
     with pytest.raises(KeyboardInterrupt):
         first.train()
@@ -142,8 +157,9 @@ def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_pat
     assert "target_epsilon 8.0 → 20.0" in caplog.text and "max_grad_norm 1.0 → 5.0" in caplog.text
     assert "ε already spent" in caplog.text
     caplog.clear()
-    longer = make_trainer(tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=8, save_strategy="steps",
-                          save_steps=4)
+    longer = make_trainer(
+        tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=8, save_strategy="steps", save_steps=4
+    )
     longer.add_callback(_Kill(at_step=5))
     with pytest.raises(KeyboardInterrupt):
         longer.train()
@@ -248,8 +264,9 @@ def test_no_trainable_parameters_is_refused(tmp_path):
 
 def test_unsupported_trainable_layer_is_refused(tmp_path):
     model = tiny.bert()
-    model.classifier = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 32)), torch.nn.Conv1d(1, 2, 32),
-                                           torch.nn.Flatten())
+    model.classifier = torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 32)), torch.nn.Conv1d(1, 2, 32), torch.nn.Flatten()
+    )
     with pytest.raises(UnsupportedLayerError, match="Conv1d"):
         make_trainer(tmp_path, model=model)
 

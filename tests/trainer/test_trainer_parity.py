@@ -30,8 +30,13 @@ def test_group_by_length_sorts_each_poisson_batch_into_chunks(tmp_path):
     dp = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3)
 
     def steps(strategy: str) -> list[list[torch.Tensor]]:
-        trainer = make_trainer(tmp_path / strategy, dp=dp, per_device_train_batch_size=4,
-                               gradient_accumulation_steps=4, train_sampling_strategy=strategy)
+        trainer = make_trainer(
+            tmp_path / strategy,
+            dp=dp,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            train_sampling_strategy=strategy,
+        )
         batches = iter(trainer.get_train_dataloader())
         return [[next(batches)["attention_mask"] for _ in range(4)] for _ in range(6)]
 
@@ -93,8 +98,12 @@ def test_default_per_example_loss_is_the_models_own_loss_per_example(build):
     labels = extra["labels"]
     with torch.no_grad():
         ours = default_per_example_loss(model, model(**inputs), labels)
-        own = torch.stack([model(**{k: v[i:i + 1] for k, v in inputs.items()}, labels=labels[i:i + 1]).loss
-                           for i in range(len(labels))])
+        own = torch.stack(
+            [
+                model(**{k: v[i : i + 1] for k, v in inputs.items()}, labels=labels[i : i + 1]).loss
+                for i in range(len(labels))
+            ]
+        )
     torch.testing.assert_close(ours, own.float(), rtol=1e-5, atol=1e-6)
 
 
@@ -106,15 +115,17 @@ def test_label_smoothing_is_applied_per_example_as_trainer_does(tmp_path):
         outputs = model(input_ids=inputs["input_ids"])
         ours = trainer.per_example_loss(model, outputs, inputs["labels"])
         smoother = LabelSmoother(epsilon=0.2)
-        hf = torch.stack([smoother(type(outputs)(logits=outputs.logits[i:i + 1]), inputs["labels"][i:i + 1])
-                          for i in range(2)])
+        hf = torch.stack(
+            [smoother(type(outputs)(logits=outputs.logits[i : i + 1]), inputs["labels"][i : i + 1]) for i in range(2)]
+        )
         plain = default_per_example_loss(model, outputs, inputs["labels"])
     torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(ours, plain)
     regression = tiny.bert(num_labels=1)
     with pytest.raises(ValueError, match="no meaning for regression"):
-        default_per_example_loss(regression, regression(input_ids=inputs["input_ids"]), torch.tensor([0.1, 0.2]),
-                                 label_smoothing=0.2)
+        default_per_example_loss(
+            regression, regression(input_ids=inputs["input_ids"]), torch.tensor([0.1, 0.2]), label_smoothing=0.2
+        )
 
 
 # ---------------------------------------------------------------- the run says what it does
@@ -140,8 +151,7 @@ def test_plan_is_logged_and_heavy_noise_is_a_warning(tmp_path, caplog):
         make_trainer(tmp_path, dp=DPConfig(target_epsilon=8.0), per_device_train_batch_size=16, num_train_epochs=2)
     plan = [r for r in caplog.records if "Private training plan" in r.getMessage()]
     assert len(plan) == 1 and plan[0].levelno == logging.WARNING  # transformers' default verbosity shows it
-    for field in ("N=96", "q=0.16667", "expected logical batch 16", "σ=", "C=1", "δ=", "prv accountant",
-                  "target ε=8"):
+    for field in ("N=96", "q=0.16667", "expected logical batch 16", "σ=", "C=1", "δ=", "prv accountant", "target ε=8"):
         assert field in plan[0].getMessage()
     assert not [r for r in caplog.records if "mostly noise" in r.getMessage()]
 
@@ -178,9 +188,13 @@ def test_resuming_with_the_budget_spent_says_so_and_takes_no_step(tmp_path, capl
 def test_causal_lm_collator_and_plain_trainer_interface_still_work(tmp_path):
     """The refusals look at settings, not at ordinary use: a GPT-2 LM run constructs and trains one step."""
     tok = tiny.tokenizer()
-    trainer = PrivateTrainer(tiny.gpt2(), training_args(tmp_path, max_steps=1), train_dataset=tiny.lm_dataset(32),
-                             data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-                             dp_config=DPConfig(noise_multiplier=1.0, noise_seed=0))
+    trainer = PrivateTrainer(
+        tiny.gpt2(),
+        training_args(tmp_path, max_steps=1),
+        train_dataset=tiny.lm_dataset(32),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        dp_config=DPConfig(noise_multiplier=1.0, noise_seed=0),
+    )
     assert isinstance(trainer, Trainer)
     trainer.train()
     assert trainer.ledger.total_steps == 1
@@ -190,8 +204,13 @@ def test_docs_per_example_loss_example_trains(tmp_path):
     """The custom-loss example of docs/guides/custom-losses.md, executed as written (so the documentation stays
     true)."""
     block = doc_block("guides/custom-losses.md")
-    namespace = {"PrivateTrainer": PrivateTrainer, "model": tiny.bert(), "args": training_args(tmp_path, max_steps=2),
-                 "train": tiny.sentiment_dataset(32), "cfg": DPConfig(noise_multiplier=1.0, noise_seed=0)}
+    namespace = {
+        "PrivateTrainer": PrivateTrainer,
+        "model": tiny.bert(),
+        "args": training_args(tmp_path, max_steps=2),
+        "train": tiny.sentiment_dataset(32),
+        "cfg": DPConfig(noise_multiplier=1.0, noise_seed=0),
+    }
     exec(block, namespace)
     trainer = namespace["trainer"]
     trainer.data_collator = DataCollatorWithPadding(tiny.tokenizer())

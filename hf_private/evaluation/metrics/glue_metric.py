@@ -19,8 +19,7 @@ _INPUTS = """predictions: predicted labels (class ids; similarity scores for sts
 Returns accuracy for every classification task, plus f1 (mrpc, qqp) or matthews_correlation (cola);
 pearson and spearmanr for stsb."""
 
-CLASSIFICATION = ("sst2", "mnli", "mnli_matched", "mnli_mismatched", "qnli", "rte", "wnli", "mrpc", "qqp", "cola",
-                  "ax")
+CLASSIFICATION = ("sst2", "mnli", "mnli_matched", "mnli_mismatched", "qnli", "rte", "wnli", "mrpc", "qqp", "cola", "ax")
 REGRESSION = ("stsb",)
 
 

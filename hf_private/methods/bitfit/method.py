@@ -22,20 +22,26 @@ class BitFitMethod(DPMethod):
             self.start_stage(1, model)
 
     def start_stage(self, index: int, model: nn.Module) -> None:
-        select_bitfit_parameters(model, train_head=self.config.train_head,
-                                 train_norm_weights=self.config.train_norm_weights)
+        select_bitfit_parameters(
+            model, train_head=self.config.train_head, train_norm_weights=self.config.train_norm_weights
+        )
 
     def stages(self) -> list[Stage]:
         bitfit = Stage(self.name, sensitivity="flat L2 clip C over biases (and the head)")
         if self.config.full_finetune_epochs > 0:  # X+BiTFiT: same σ and q, one ledger
-            return [Stage(DP_SGD, epochs=self.config.full_finetune_epochs,
-                          sensitivity="flat L2 clip C over every parameter"), bitfit]
+            return [
+                Stage(
+                    DP_SGD, epochs=self.config.full_finetune_epochs, sensitivity="flat L2 clip C over every parameter"
+                ),
+                bitfit,
+            ]
         return [bitfit]
 
     def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "Bu, Wang, Zha, Karypis, *Differentially Private Bias-Term Fine-tuning of Foundation Models*, "
-                "ICML 2024.")
+        return (
+            *super().citations(),
+            "Bu, Wang, Zha, Karypis, *Differentially Private Bias-Term Fine-tuning of Foundation Models*, ICML 2024.",
+        )
 
     @classmethod
     def recipe_defaults(cls, task: str) -> RecipeDefaults:

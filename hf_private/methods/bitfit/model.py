@@ -19,8 +19,10 @@ def _is_norm(module: nn.Module) -> bool:
 def select_bitfit_parameters(model: nn.Module, *, train_head: bool, train_norm_weights: bool) -> None:
     """Freeze everything, then unfreeze biases (and the head / norm gains): requires_grad is the selection."""
     if hasattr(model, "peft_config"):
-        raise ValueError("BitFitConfig selects parameters of a plain transformers model; pass the base model, not "
-                         "a PeftModel (use DPConfig for DP-LoRA).")
+        raise ValueError(
+            "BitFitConfig selects parameters of a plain transformers model; pass the base model, not "
+            "a PeftModel (use DPConfig for DP-LoRA)."
+        )
     selected = {name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"}
     if not selected:
         if not train_norm_weights:
@@ -35,8 +37,10 @@ def select_bitfit_parameters(model: nn.Module, *, train_head: bool, train_norm_w
     if train_norm_weights:
         selected |= {
             f"{module_name}.{param_name}" if module_name else param_name
-            for module_name, module in model.named_modules() if _is_norm(module)
-            for param_name, p in module.named_parameters(recurse=False) if param_name == "weight"
+            for module_name, module in model.named_modules()
+            if _is_norm(module)
+            for param_name, p in module.named_parameters(recurse=False)
+            if param_name == "weight"
         }
     train_only(model, selected)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -21,26 +21,32 @@ class DPFPConfig(MethodConfig):
 
     mode: str = field(
         default="sound",
-        metadata={"help": "'sound': the encoder below the noise point is frozen and the head above it trains with "
-                          "DP-SGD (per-example clip + noise), so ε is a formal guarantee, labels included. 'paper': "
-                          "the published algorithm, the whole model trained by the plain optimizer on the noisy "
-                          "representation; it has NO finite guarantee (the encoder reads raw inputs, labels are "
-                          "unprotected), so no ε is reported, only the paper's CLT figure as an estimate."},
+        metadata={
+            "help": "'sound': the encoder below the noise point is frozen and the head above it trains with "
+            "DP-SGD (per-example clip + noise), so ε is a formal guarantee, labels included. 'paper': "
+            "the published algorithm, the whole model trained by the plain optimizer on the noisy "
+            "representation; it has NO finite guarantee (the encoder reads raw inputs, labels are "
+            "unprotected), so no ε is reported, only the paper's CLT figure as an estimate."
+        },
     )
     representation_clip: float = field(
         default=1.0, metadata={"help": "C of Eq. 8: each example's representation is clipped to L2 norm C."}
     )
     micro_batches: int = field(
         default=32,
-        metadata={"help": "M: the paper's micro-batches per step of B examples. hf_private runs every micro-batch as "
-                          "one training step at rate B/(M·N): set the logical batch (per_device_train_batch_size × "
-                          "gradient_accumulation_steps) to B/M, as the recipe does."},
+        metadata={
+            "help": "M: the paper's micro-batches per step of B examples. hf_private runs every micro-batch as "
+            "one training step at rate B/(M·N): set the logical batch (per_device_train_batch_size × "
+            "gradient_accumulation_steps) to B/M, as the recipe does."
+        },
     )
     noise_point: str | None = field(
         default=None,
-        metadata={"help": "The module whose output is the representation ('input:<name>' for its input). None: "
-                          "`bert.pooler` (BERT-style), `input:classifier.out_proj` (RoBERTa-style: after dense and "
-                          "tanh)."},
+        metadata={
+            "help": "The module whose output is the representation ('input:<name>' for its input). None: "
+            "`bert.pooler` (BERT-style), `input:classifier.out_proj` (RoBERTa-style: after dense and "
+            "tanh)."
+        },
     )
 
     def __post_init__(self) -> None:

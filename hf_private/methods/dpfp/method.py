@@ -70,30 +70,39 @@ class DPFPMethod(DPMethod):
         try:
             model.get_submodule(module_name)
         except AttributeError:
-            raise ValueError(f"noise_point {self.noise_point!r}: {type(model).__name__} has no module "
-                             f"{module_name!r}.") from None
+            raise ValueError(
+                f"noise_point {self.noise_point!r}: {type(model).__name__} has no module {module_name!r}."
+            ) from None
         if self.config.mode == "paper":
             model.requires_grad_(True)
             logger.warning("DP-FP paper mode: %s", PAPER_MODE_REASON)
             return
         head = head_above(model, self.noise_point)
         if not head:
-            raise ValueError(f"No parameter of {type(model).__name__} lies above the noise point {self.noise_point!r}: "
-                             "sound DP-FP trains the head above it. Name another noise_point.")
+            raise ValueError(
+                f"No parameter of {type(model).__name__} lies above the noise point {self.noise_point!r}: "
+                "sound DP-FP trains the head above it. Name another noise_point."
+            )
         train_only(model, head)
 
     def stages(self) -> list[Stage]:
         if self.config.mode == "paper":
-            return [Stage(self.name, no_guarantee=PAPER_MODE_REASON,
-                          sensitivity="none on the gradients; representations clipped to C and noised")]
+            return [
+                Stage(
+                    self.name,
+                    no_guarantee=PAPER_MODE_REASON,
+                    sensitivity="none on the gradients; representations clipped to C and noised",
+                )
+            ]
         return [Stage(self.name, sensitivity="flat L2 clip C over the head above the noise point")]
 
     def attach_engine(self, engine: PerExampleGradientEngine) -> None:
         if self.config.mode == "paper":
             engine.max_grad_norm = math.inf  # the plain optimizer: no per-example clip
 
-    def attach_forward_mechanisms(self, model: nn.Module, noise: GaussianNoise,
-                                  plan: PrivacyPlan) -> list[RemovableHandle]:
+    def attach_forward_mechanisms(
+        self, model: nn.Module, noise: GaussianNoise, plan: PrivacyPlan
+    ) -> list[RemovableHandle]:
         self._plan = plan
         steps = plan[self.name].steps
         if self.config.target_epsilon is not None:
@@ -106,8 +115,12 @@ class DPFPMethod(DPMethod):
         mechanism = ClippedNoisyOutput(self.config.representation_clip, sigma, noise)
         module = model.get_submodule(self.noise_point.removeprefix(_INPUT))
         attach = mechanism.attach_to_input if self.noise_point.startswith(_INPUT) else mechanism.attach
-        logger.info("DP-FP: representation at %s clipped to %g with noise σ_r=%.4g (the paper's Eq. 11 calibration).",
-                    self.noise_point, self.config.representation_clip, sigma)
+        logger.info(
+            "DP-FP: representation at %s clipped to %g with noise σ_r=%.4g (the paper's Eq. 11 calibration).",
+            self.noise_point,
+            self.config.representation_clip,
+            sigma,
+        )
         return [attach(module)]
 
     # ------------------------------------------------------------------ report
@@ -117,12 +130,16 @@ class DPFPMethod(DPMethod):
         if self._epsilons is None:
             plan, sigma = self._plan, self.representation_noise_multiplier
             if plan is None or sigma is None:
-                raise RuntimeError("The representation releases are planned by attach_forward_mechanisms(): call it "
-                                   "before asking for their ε.")
+                raise RuntimeError(
+                    "The representation releases are planned by attach_forward_mechanisms(): call it "
+                    "before asking for their ε."
+                )
             steps = plan[self.name].steps
             release = MechanismGroup("dp-fp-representations", sigma, plan.sample_rate, steps)
-            self._epsilons = (clt_epsilon(sigma, plan.sample_rate, steps, plan.delta),
-                              *epsilon_bound([release], plan.delta, "prv"))
+            self._epsilons = (
+                clt_epsilon(sigma, plan.sample_rate, steps, plan.delta),
+                *epsilon_bound([release], plan.delta, "prv"),
+            )
         return self._epsilons
 
     def report(self) -> dict[str, Any]:
@@ -141,20 +158,22 @@ class DPFPMethod(DPMethod):
             "clt_approximation": {
                 "value": clt,
                 "what": "The paper's Gaussian-DP central-limit figure for the planned representation releases: an "
-                        "approximation (it under-states their privacy loss 2-3×), not a bound, and not about this "
-                        "model, whose encoder was trained on raw inputs.",
+                "approximation (it under-states their privacy loss 2-3×), not a bound, and not about this "
+                "model, whose encoder was trained on raw inputs.",
             },
             "representation_releases_alone": {
                 "value": exact,
                 "what": f"The {accountant} accountant's upper bound for the representation releases alone, as "
-                        "planned: one part of the algorithm, not this model, whose encoder and labels were used "
-                        "without noise.",
+                "planned: one part of the algorithm, not this model, whose encoder and labels were used "
+                "without noise.",
             },
         }
 
     def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "DP-FP: differentially private forward propagation (seed 004; methods_spec §5, its soundness §6.1).")
+        return (
+            *super().citations(),
+            "DP-FP: differentially private forward propagation (seed 004; methods_spec §5, its soundness §6.1).",
+        )
 
     @classmethod
     def recipe_defaults(cls, task: str) -> RecipeDefaults:
@@ -179,5 +198,5 @@ def head_above(model: nn.Module, noise_point: str) -> set[str]:
     module = noise_point.removeprefix(_INPUT)
     inside = [i for i, name in enumerate(head) if name.startswith(f"{module}.")]
     if noise_point.startswith(_INPUT):
-        return set(head[inside[0]:]) if inside else set()
-    return set(head[inside[-1] + 1:]) if inside else set(head)
+        return set(head[inside[0] :]) if inside else set()
+    return set(head[inside[-1] + 1 :]) if inside else set(head)

@@ -30,8 +30,10 @@ logger = get_logger(__name__)
 SELECTION_STAGE = "dp-frost-selection"
 # §2.9: SST-2 B = 1024 and 3 epochs; the other tasks keep B/N at SST-2's (≈ 0.0152), with Li et al.'s epochs.
 _PAPER_SCHEDULE = {"sst2": (1024, 3), "qnli": (1593, 6), "qqp": (5532, 18), "mnli": (5971, 18)}
-_PAPER = ("DP-FROST §2.9 (methods_spec): B and epochs as the paper, C = 0.1 (Li et al. 2022), AdamW; lr and γ from "
-          "the paper's grids (it does not report the tuned values)")
+_PAPER = (
+    "DP-FROST §2.9 (methods_spec): B and epochs as the paper, C = 0.1 (Li et al. 2022), AdamW; lr and γ from "
+    "the paper's grids (it does not report the tuned values)"
+)
 
 
 @register_dp_method(FrostConfig)
@@ -47,8 +49,10 @@ class FrostMethod(DPMethod):
     # ------------------------------------------------------------------ model and plan
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if is_peft_model(model):
-            raise ValueError("FrostConfig selects whole weight matrices of a plain transformers model; pass the base "
-                             "model, not a PeftModel (use DPLoRAConfig for DP-LoRA).")
+            raise ValueError(
+                "FrostConfig selects whole weight matrices of a plain transformers model; pass the base "
+                "model, not a PeftModel (use DPLoRAConfig for DP-LoRA)."
+            )
         return model
 
     def prepare_model(self, model: nn.Module) -> None:
@@ -70,14 +74,17 @@ class FrostMethod(DPMethod):
     def stages(self) -> list[Stage]:
         config = self.config
         selection = Stage(
-            SELECTION_STAGE, sample_rate=config.selection_sample_rate,
-            steps=config.num_selections * config.rounds_per_selection, training=False,
+            SELECTION_STAGE,
+            sample_rate=config.selection_sample_rate,
+            steps=config.num_selections * config.rounds_per_selection,
+            training=False,
             sensitivity=f"Lemma 3: DP-{config.variant.upper()} magnitudes clipped in the L{config.norm_order} norm, "
-                        "recomputed on the remaining partitions every round",
+            "recomputed on the remaining partitions every round",
         )
         share = config.sgd_budget_ratio if config.target_epsilon is not None else None
-        training = Stage(self.name, epsilon_share=share,
-                         sensitivity="flat L2 clip C over the selected partitions (and the head)")
+        training = Stage(
+            self.name, epsilon_share=share, sensitivity="flat L2 clip C over the selected partitions (and the head)"
+        )
         return [selection, training]
 
     # ------------------------------------------------------------------ selection
@@ -124,23 +131,54 @@ class FrostMethod(DPMethod):
             deltas.append(reducer.sensitivity)
             v, lambdas = estimate_pgms(observations, deltas, config.selection_sample_rate, config.mle_iterations)
             sigma_v = pgm_std(sigma, lambdas, deltas)
-            new = select_round(v, remaining, selected, sizes, total, t, rounds, config.unfreeze_ratio,
-                               config.gap_coefficient, sigma_v, config.skip_oversized)
+            new = select_round(
+                v,
+                remaining,
+                selected,
+                sizes,
+                total,
+                t,
+                rounds,
+                config.unfreeze_ratio,
+                config.gap_coefficient,
+                sigma_v,
+                config.skip_oversized,
+            )
             selected += new
             remaining = [i for i in remaining if i not in set(new)]
-            log.append({"round": t, "candidates": candidates,
-                        "sensitivity": reducer.sensitivity, "pgm_std": sigma_v,
-                        "selected": [self.partitions[i].name for i in new]})
-            logger.info("DP-FROST selection %d, round %d/%d: %d candidates, Δ=%.4g, σ_v=%.4g, %d selected.",
-                        len(self.selections) + 1, t, rounds, candidates, reducer.sensitivity, sigma_v,
-                        len(new))
+            log.append(
+                {
+                    "round": t,
+                    "candidates": candidates,
+                    "sensitivity": reducer.sensitivity,
+                    "pgm_std": sigma_v,
+                    "selected": [self.partitions[i].name for i in new],
+                }
+            )
+            logger.info(
+                "DP-FROST selection %d, round %d/%d: %d candidates, Δ=%.4g, σ_v=%.4g, %d selected.",
+                len(self.selections) + 1,
+                t,
+                rounds,
+                candidates,
+                reducer.sensitivity,
+                sigma_v,
+                len(new),
+            )
         names = [self.partitions[i].name for i in selected]
         fraction = float(sizes[selected].sum() / total) if selected else 0.0
-        logger.info("DP-FROST selected %d partitions (%.3f%% of the parameters) before step %d: %s", len(names),
-                    100 * fraction, step, ", ".join(names) or "none")
+        logger.info(
+            "DP-FROST selected %d partitions (%.3f%% of the parameters) before step %d: %s",
+            len(names),
+            100 * fraction,
+            step,
+            ", ".join(names) or "none",
+        )
         if not selected:
-            logger.warning("DP-FROST selected no partition: only the head trains. A larger unfreeze_ratio, "
-                           "skip_oversized=True or a larger budget may help.")
+            logger.warning(
+                "DP-FROST selected no partition: only the head trains. A larger unfreeze_ratio, "
+                "skip_oversized=True or a larger budget may help."
+            )
         return {"step": step, "partitions": names, "fraction": fraction, "rounds": log}
 
     def _measure(self, run: MethodRun, remaining: list[int]) -> PartitionMagnitudeReducer:
@@ -152,8 +190,9 @@ class FrostMethod(DPMethod):
         for group in groups:
             for param in group:
                 param.requires_grad_(True)
-        reducer = PartitionMagnitudeReducer(groups, self.config.max_grad_norm, order=self.config.norm_order,
-                                            variant=self.config.variant)
+        reducer = PartitionMagnitudeReducer(
+            groups, self.config.max_grad_norm, order=self.config.norm_order, variant=self.config.variant
+        )
         engine = run.new_engine(reducer)
         try:
             run.accumulate(engine, run.poisson_sample(SELECTION_STAGE))
@@ -189,8 +228,8 @@ class FrostMethod(DPMethod):
         config = self.config
         details: dict[str, Any] = {
             "selection": f"DP-{config.variant.upper()}, α={config.norm_order}, {config.rounds_per_selection} "
-                         f"round(s) at q={config.selection_sample_rate:g} per selection, {config.num_selections} "
-                         f"selection(s), γ={config.unfreeze_ratio:g}, ν={config.gap_coefficient:g}",
+            f"round(s) at q={config.selection_sample_rate:g} per selection, {config.num_selections} "
+            f"selection(s), γ={config.unfreeze_ratio:g}, ν={config.gap_coefficient:g}",
         }
         if self.selections:
             latest = self.selections[-1]
@@ -200,12 +239,22 @@ class FrostMethod(DPMethod):
         return details
 
     def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "DP-FROST: *Differentially Private Fine-tuning of Pre-trained Models with Freezing Model Parameters* "
-                "(seed 000; methods_spec §2).")
+        return (
+            *super().citations(),
+            "DP-FROST: *Differentially Private Fine-tuning of Pre-trained Models with Freezing Model Parameters* "
+            "(seed 000; methods_spec §2).",
+        )
 
     @classmethod
     def recipe_defaults(cls, task: str) -> RecipeDefaults:
         batch, epochs = _PAPER_SCHEDULE.get(task, _PAPER_SCHEDULE["sst2"])
-        return RecipeDefaults(batch, epochs, 1e-3, 0.1, 256, _PAPER, from_paper=task in _PAPER_SCHEDULE,
-                              method_fields={"unfreeze_ratio": 0.25**2})
+        return RecipeDefaults(
+            batch,
+            epochs,
+            1e-3,
+            0.1,
+            256,
+            _PAPER,
+            from_paper=task in _PAPER_SCHEDULE,
+            method_fields={"unfreeze_ratio": 0.25**2},
+        )

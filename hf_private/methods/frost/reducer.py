@@ -66,8 +66,9 @@ class PartitionMagnitudeReducer(Reducer):
 
     VARIANTS = ("mg", "mgn", "mgna")
 
-    def __init__(self, partitions: Sequence[Iterable[nn.Parameter]], clip: float, *, order: int = 1,
-                 variant: str = "mgna") -> None:
+    def __init__(
+        self, partitions: Sequence[Iterable[nn.Parameter]], clip: float, *, order: int = 1, variant: str = "mgna"
+    ) -> None:
         if order not in (1, 2):
             raise ValueError(f"order must be 1 (L1) or 2 (L2), got {order}.")
         if variant not in self.VARIANTS:
@@ -81,8 +82,10 @@ class PartitionMagnitudeReducer(Reducer):
         for i, group in enumerate(self.partitions):
             for param in group:
                 if param in self.index:
-                    raise ValueError(f"A parameter of shape {tuple(param.shape)} is in partitions {self.index[param]} "
-                                     f"and {i}: partitions must be disjoint (a tied tensor belongs to one of them).")
+                    raise ValueError(
+                        f"A parameter of shape {tuple(param.shape)} is in partitions {self.index[param]} "
+                        f"and {i}: partitions must be disjoint (a tied tensor belongs to one of them)."
+                    )
                 self.index[param] = i
         self.order = order
         self.variant = variant
@@ -117,8 +120,10 @@ class PartitionMagnitudeReducer(Reducer):
         trainable = {p for _, p in parameters}
         missing = [i for i, group in enumerate(self.partitions) if any(p not in trainable for p in group)]
         if missing:
-            raise ValueError(f"Partitions {missing} hold parameters the engine does not train: their per-example "
-                             "gradients are never collected. Make them trainable before creating the engine.")
+            raise ValueError(
+                f"Partitions {missing} hold parameters the engine does not train: their per-example "
+                "gradients are never collected. Make them trainable before creating the engine."
+            )
 
     def _powers(self, chunk: ChunkTerms) -> torch.Tensor:
         """[examples, M]: ‖g_{P_i}(x)‖_α^α for every example and partition (zero where the chunk did not reach P_i)."""

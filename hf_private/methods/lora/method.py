@@ -29,11 +29,21 @@ class DPLoRAMethod(DPMethod):
         return apply_lora(model, self.config.lora_r, self.config.lora_alpha, self.config.lora_target_modules)
 
     def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "Hu et al., *LoRA: Low-Rank Adaptation of Large Language Models*, ICLR 2022.",
-                "Yu et al., *Differentially Private Fine-tuning of Language Models*, ICLR 2022.")
+        return (
+            *super().citations(),
+            "Hu et al., *LoRA: Low-Rank Adaptation of Large Language Models*, ICLR 2022.",
+            "Yu et al., *Differentially Private Fine-tuning of Language Models*, ICLR 2022.",
+        )
 
     @classmethod
     def recipe_defaults(cls, task: str) -> RecipeDefaults:
-        return RecipeDefaults(2000, 20, 1e-3, 10.0, 256, _SEED003, from_paper=task in _SEED003_TASKS,
-                              method_fields={"lora_r": 16, "lora_alpha": 16})
+        return RecipeDefaults(
+            2000,
+            20,
+            1e-3,
+            10.0,
+            256,
+            _SEED003,
+            from_paper=task in _SEED003_TASKS,
+            method_fields={"lora_r": 16, "lora_alpha": 16},
+        )

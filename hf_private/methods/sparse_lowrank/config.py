@@ -26,30 +26,38 @@ class SparseLowRankConfig(MethodConfig):
 
     variant: str = field(
         default="lora",
-        metadata={"help": "'lora': DP-SGD on PEFT LoRA factors of the frozen model (a standard PEFT adapter). 'rgp': "
-                          "the weights themselves train; each step's gradient is estimated through rank-k carriers "
-                          "recomputed from the current weight (reparametrized gradient perturbation)."},
+        metadata={
+            "help": "'lora': DP-SGD on PEFT LoRA factors of the frozen model (a standard PEFT adapter). 'rgp': "
+            "the weights themselves train; each step's gradient is estimated through rank-k carriers "
+            "recomputed from the current weight (reparametrized gradient perturbation)."
+        },
     )
     rank: int | None = field(
         default=None, metadata={"help": "k, the rank of the factors; None: the paper's Table 1 (LoRA 32, RGP 8)."}
     )
     sparsity: float | None = field(
         default=None,
-        metadata={"help": "p in [0, 1): the share of rows and the share of columns of each weight whose units are "
-                          "masked (⌊p·m⌋ rows, ⌊p·n⌋ columns with the smallest L1 norms). None: Table 1 for SST-2 "
-                          "(LoRA 0.1, RGP 0.5; the paper used RGP 0.1 on QNLI)."},
+        metadata={
+            "help": "p in [0, 1): the share of rows and the share of columns of each weight whose units are "
+            "masked (⌊p·m⌋ rows, ⌊p·n⌋ columns with the smallest L1 norms). None: Table 1 for SST-2 "
+            "(LoRA 0.1, RGP 0.5; the paper used RGP 0.1 on QNLI)."
+        },
     )
     target_modules: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated names of the layers to adapt (module-name suffixes, as PEFT). None: PEFT's "
-                          "LoRA default for the model type (LoRA); every Linear/Conv1D of the transformer blocks "
-                          "(RGP, as its reference code adapts attention and FFN matrices)."},
+        metadata={
+            "help": "Comma-separated names of the layers to adapt (module-name suffixes, as PEFT). None: PEFT's "
+            "LoRA default for the model type (LoRA); every Linear/Conv1D of the transformer blocks "
+            "(RGP, as its reference code adapts attention and FFN matrices)."
+        },
     )
     mask_source: str | None = field(
         default=None,
-        metadata={"help": "Which weight the unit importances are computed from: 'pretrained' (W0, fixed masks; the "
-                          "LoRA default) or 'current' (recomputed after every step from the weight so far, a DP "
-                          "output; the RGP default). Either is a function of weights only, so it costs no privacy."},
+        metadata={
+            "help": "Which weight the unit importances are computed from: 'pretrained' (W0, fixed masks; the "
+            "LoRA default) or 'current' (recomputed after every step from the weight so far, a DP "
+            "output; the RGP default). Either is a function of weights only, so it costs no privacy."
+        },
     )
     lora_alpha: float | None = field(
         default=None, metadata={"help": "LoRA scaling alpha (update scaled by alpha / k); None: alpha = k."}

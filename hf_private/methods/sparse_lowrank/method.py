@@ -81,8 +81,10 @@ class SparseLowRankMethod(DPMethod):
             self.lora_layers = [(m, m.active_adapters[0]) for m in model.modules() if isinstance(m, LoraLayer)]
             for lora_layer, adapter in self.lora_layers:
                 rows, cols = unit_masks(_lora_weight(lora_layer, adapter), sparsity)
-                self.factors += [MaskedFactor(_weight(lora_layer.lora_B[adapter]), 0, rows),
-                                 MaskedFactor(_weight(lora_layer.lora_A[adapter]), 1, cols)]
+                self.factors += [
+                    MaskedFactor(_weight(lora_layer.lora_B[adapter]), 0, rows),
+                    MaskedFactor(_weight(lora_layer.lora_A[adapter]), 1, cols),
+                ]
             self._count_other_trainable(model)
             return
         train_only(model, self.head)
@@ -92,8 +94,10 @@ class SparseLowRankMethod(DPMethod):
             layer.left.weight.requires_grad_(True)
             layer.right.weight.requires_grad_(True)
             rows, cols = unit_masks(layer.weight_out_in(), sparsity)
-            self.factors += [MaskedFactor(_weight(layer.left), 0, rows, keep_values=False),
-                             MaskedFactor(_weight(layer.right), 1, cols, keep_values=False)]
+            self.factors += [
+                MaskedFactor(_weight(layer.left), 0, rows, keep_values=False),
+                MaskedFactor(_weight(layer.right), 1, cols, keep_values=False),
+            ]
         self._count_other_trainable(model)
 
     def _count_other_trainable(self, model: nn.Module) -> None:
@@ -122,9 +126,11 @@ class SparseLowRankMethod(DPMethod):
         if self.config.resolved_mask_source == "current":
             for (layer, adapter), index in zip(self.lora_layers, range(0, len(self.factors), 2)):
                 current = _lora_weight(layer, adapter) + layer.scaling[adapter] * (
-                    _weight(layer.lora_B[adapter]) @ _weight(layer.lora_A[adapter]))
-                self.factors[index].mask, self.factors[index + 1].mask = unit_masks(current,
-                                                                                    self.config.resolved_sparsity)
+                    _weight(layer.lora_B[adapter]) @ _weight(layer.lora_A[adapter])
+                )
+                self.factors[index].mask, self.factors[index + 1].mask = unit_masks(
+                    current, self.config.resolved_sparsity
+                )
 
     def _carrier_gradients_to_weights(self) -> None:
         """The released carrier gradients become W's (post-processing); the carriers themselves are not stepped."""
@@ -166,11 +172,13 @@ class SparseLowRankMethod(DPMethod):
         }
 
     def citations(self) -> tuple[str, ...]:
-        return (*super().citations(),
-                "Sparse + low-rank DP-SGD (seed 003; methods_spec §4).",
-                "Yu, Zhang, Chen, Yin, Liu, *Large Scale Private Learning via Low-rank Reparametrization* (RGP), "
-                "ICML 2021.",
-                "Hu et al., *LoRA: Low-Rank Adaptation of Large Language Models*, ICLR 2022.")
+        return (
+            *super().citations(),
+            "Sparse + low-rank DP-SGD (seed 003; methods_spec §4).",
+            "Yu, Zhang, Chen, Yin, Liu, *Large Scale Private Learning via Low-rank Reparametrization* (RGP), "
+            "ICML 2021.",
+            "Hu et al., *LoRA: Low-Rank Adaptation of Large Language Models*, ICLR 2022.",
+        )
 
     @classmethod
     def recipe_defaults(cls, task: str) -> RecipeDefaults:

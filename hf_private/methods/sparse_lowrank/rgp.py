@@ -109,8 +109,10 @@ class RGPLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "Conv1D" if self.is_conv1d else "Linear"
-        return (f"{kind}, in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"{kind}, in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"bias={self.bias is not None}"
+        )
 
     # ------------------------------------------------------------------ layouts
     def weight_out_in(self) -> Tensor:
@@ -121,8 +123,10 @@ class RGPLinear(nn.Module):
         """An [out, in] tensor (e.g. `full_weight_gradient`'s result) in this layer's weight layout ([in, out] for
         Conv1D)."""
         if tuple(tensor_out_in.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"Expected a tensor of shape [out, in] = {[self.out_features, self.in_features]}, got "
-                             f"{list(tensor_out_in.shape)}.")
+            raise ValueError(
+                f"Expected a tensor of shape [out, in] = {[self.out_features, self.in_features]}, got "
+                f"{list(tensor_out_in.shape)}."
+            )
         return tensor_out_in.t() if self.is_conv1d else tensor_out_in
 
     def weight_gradient(self, grad_left: Tensor, grad_right: Tensor) -> Tensor:
@@ -221,15 +225,21 @@ def full_weight_gradient(grad_left: Tensor | None, grad_right: Tensor | None, le
     if grad_left is None or grad_right is None or left is None or right is None:
         raise ValueError("full_weight_gradient needs the two carrier gradients and the two carriers (got None).")
     out_features, rank = left.shape
-    if tuple(grad_left.shape) != (out_features, rank) or right.shape[0] != rank or (
-            tuple(grad_right.shape) != tuple(right.shape)):
+    if (
+        tuple(grad_left.shape) != (out_features, rank)
+        or right.shape[0] != rank
+        or (tuple(grad_right.shape) != tuple(right.shape))
+    ):
         raise ValueError(
             f"Shapes must be grad_left, left [out, k] and grad_right, right [k, in]; got grad_left "
             f"{list(grad_left.shape)}, grad_right {list(grad_right.shape)}, left {list(left.shape)}, right "
             f"{list(right.shape)}."
         )
-    dtype = _compute_dtype(torch.promote_types(torch.promote_types(grad_left.dtype, grad_right.dtype),
-                                               torch.promote_types(left.dtype, right.dtype)))
+    dtype = _compute_dtype(
+        torch.promote_types(
+            torch.promote_types(grad_left.dtype, grad_right.dtype), torch.promote_types(left.dtype, right.dtype)
+        )
+    )
     grad_left, grad_right, left, right = (t.detach().to(dtype) for t in (grad_left, grad_right, left, right))
     return torch.cat([grad_left, left], 1) @ torch.cat([right, grad_right - (left.t() @ grad_left) @ right], 0)
 
@@ -239,8 +249,9 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def wrap_rgp(model: nn.Module, target_modules: Sequence[str], rank: int, *,
-             generator: torch.Generator | None = None) -> dict[str, RGPLinear]:
+def wrap_rgp(
+    model: nn.Module, target_modules: Sequence[str], rank: int, *, generator: torch.Generator | None = None
+) -> dict[str, RGPLinear]:
     """Replace the targeted `nn.Linear` / `Conv1D` layers of `model` in place by `RGPLinear`s; return {name: wrapper}.
 
     Matching works like PEFT's list form of `target_modules`: an entry matches a module whose full dotted name
@@ -254,8 +265,10 @@ def wrap_rgp(model: nn.Module, target_modules: Sequence[str], rank: int, *,
     carriers at once (`set_carriers`); otherwise call `set_carriers` before training.
     """
     if isinstance(target_modules, str) or not isinstance(target_modules, Sequence):
-        raise TypeError("target_modules must be a list of module names or name suffixes, e.g. ['query', 'value'], "
-                        f"got {target_modules!r}.")
+        raise TypeError(
+            "target_modules must be a list of module names or name suffixes, e.g. ['query', 'value'], "
+            f"got {target_modules!r}."
+        )
     targets = [str(t) for t in target_modules]
     if not targets or any(not t for t in targets):
         raise ValueError(f"target_modules must be a non-empty list of non-empty names, got {targets!r}.")
@@ -301,8 +314,11 @@ def unwrap_rgp(model: nn.Module, wrapped: Mapping[str, RGPLinear] | None = None)
     so updates made while the layer was wrapped are kept. Their `requires_grad` flags go back to what they were before
     wrapping. The carriers are dropped, and the state_dict is again the plain model's.
     """
-    wrappers = list(wrapped.values()) if wrapped is not None else [
-        m for _, m in model.named_modules() if isinstance(m, RGPLinear)]
+    wrappers = (
+        list(wrapped.values())
+        if wrapped is not None
+        else [m for _, m in model.named_modules() if isinstance(m, RGPLinear)]
+    )
     targets = {id(w) for w in wrappers}
     places = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if id(m) in targets]
     missing = [w for w in wrappers if not any(m is w for _, m in places)]

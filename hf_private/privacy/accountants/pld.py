@@ -89,12 +89,16 @@ def pld_epsilon(releases: Sequence[Releases], delta: float) -> tuple[float, str]
             interval = _pld_interval(releases)
             composed = functools.reduce(  # releases are never empty: "prv" sends the histories with an ELS release
                 lambda history, step: history.compose(step),
-                (_pld_per_step(sigma, q, k, interval).self_compose(steps) for sigma, q, k, steps in releases))
+                (_pld_per_step(sigma, q, k, interval).self_compose(steps) for sigma, q, k, steps in releases),
+            )
             epsilon = float(composed.get_epsilon_for_delta(delta))
         if not math.isnan(epsilon):
             return epsilon, PLD_LABEL
         raise ValueError("ε is NaN")
     except (ArithmeticError, RuntimeError, ValueError) as err:
-        logger.warning("PLD accounting failed (%s); using the RDP bound of the Poisson-subsampled Gaussian that "
-                       "dominates each ELS release (els_fallback), also a rigorous upper bound.", err)
+        logger.warning(
+            "PLD accounting failed (%s); using the RDP bound of the Poisson-subsampled Gaussian that "
+            "dominates each ELS release (els_fallback), also a rigorous upper bound.",
+            err,
+        )
         return rdp_epsilon(fallback_history(releases), delta), "rdp"

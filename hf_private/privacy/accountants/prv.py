@@ -36,8 +36,7 @@ _PRV_DELTA_ERROR_FRACTION = 1e-3
 _PRV_MAX_GRID = 2**23
 
 
-def _safe_domain_half_width(history: Sequence[tuple[float, float, int]], eps_error: float,
-                            delta_error: float) -> float:
+def _safe_domain_half_width(history: Sequence[tuple[float, float, int]], eps_error: float, delta_error: float) -> float:
     """Half-width L of the privacy-loss interval PRV discretises on (Gopi et al. 2021, remark 5.6).
 
     The truncated mass must stay below the δ error: L covers the RDP ε of the whole composition at
@@ -60,12 +59,18 @@ def _prv_mesh(total_steps: int, eps_error: float, delta_error: float) -> float:
 class _CachedPRVAccountant(PRVAccountant):
     """opacus' PRVAccountant, its discretisation domain computed from the cached per-step RDP curves."""
 
-    def _get_domain(self, prvs: list[PoissonSubsampledGaussianPRV], num_self_compositions: list[int],
-                    eps_error: float, delta_error: float) -> Domain:
+    def _get_domain(
+        self,
+        prvs: list[PoissonSubsampledGaussianPRV],
+        num_self_compositions: list[int],
+        eps_error: float,
+        delta_error: float,
+    ) -> Domain:
         history = [(prv.noise_multiplier, prv.sample_rate, k) for prv, k in zip(prvs, num_self_compositions)]
         half_width = _safe_domain_half_width(history, eps_error, delta_error)
-        return Domain.create_aligned(-half_width, half_width,
-                                     _prv_mesh(sum(num_self_compositions), eps_error, delta_error))
+        return Domain.create_aligned(
+            -half_width, half_width, _prv_mesh(sum(num_self_compositions), eps_error, delta_error)
+        )
 
 
 def _prv_grid_size(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -82,7 +87,8 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> tuple
     if grid > _PRV_MAX_GRID:
         logger.info(
             "PRV would need a %.3g-point grid for this history (ε is very large); using the RDP bound, "
-            "which is also a rigorous upper bound.", grid,
+            "which is also a rigorous upper bound.",
+            grid,
         )
         return rdp_epsilon(history, delta), "rdp"
     accountant = _CachedPRVAccountant()

@@ -23,8 +23,10 @@ def register_accountant(name: str) -> Callable[[type[Accountant]], type[Accounta
             registered = type(_ACCOUNTANTS[name]).__name__
             raise ValueError(f"An accountant named {name!r} is already registered ({registered}).")
         if cls.search_seed is not None and cls.search_seed not in _ACCOUNTANTS:
-            raise ValueError(f"Accountant {name!r} is seeded by {cls.search_seed!r}, which is not registered: import "
-                             "the seed's module first.")
+            raise ValueError(
+                f"Accountant {name!r} is seeded by {cls.search_seed!r}, which is not registered: import "
+                "the seed's module first."
+            )
         _ACCOUNTANTS[name] = cls()
         return cls
 
