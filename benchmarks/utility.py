@@ -588,7 +588,7 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
     trainer.train()
     train_seconds = time.time() - t0
     t1 = time.time()
-    with _WarningRecorder("transformers.hf_private.prediction_collapse") as collapse:
+    with _WarningRecorder("transformers.hf_private.evaluation.prediction_collapse") as collapse:
         metrics = trainer.evaluate(evaluation)
     eval_seconds = time.time() - t1
     peak = peak_bytes(device)

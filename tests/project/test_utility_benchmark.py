@@ -92,7 +92,9 @@ def test_grid_writes_one_record_per_run_and_resumes(tiny_setup, tmp_path):
         assert r["eval_split"] == "dev" and r["eval_size"] == 24 and r["train_size"] == 96
         assert 0.0 <= r["dev_accuracy"] <= 1.0 and 0.5 <= r["eval_majority_accuracy"] <= 1.0
         assert r["hyperparameters"]["accumulation"] == 2 and isinstance(r["loss_rose"], bool)
-        assert 0.3 < r["loss_first"] < 1.2 and 0 < r["loss_last"]  # a per-example mean (ln 2 at chance), not 2x it
+        # a per-example mean (ln 2 at chance), not 2x it nor divided twice; the first Poisson batch is secret-random,
+        # so its mean loss moves from run to run (0.2995 seen once in CI): the bounds are the bugs', not chance's
+        assert 0.1 < r["loss_first"] < 1.2 and 0 < r["loss_last"]
         assert r["train_seconds"] > 0 and r["peak_memory_bytes"] > 0
         assert {"batch", "epochs", "lr", "clip", "max_length"} <= set(r["hyperparameters"])
         if r["private"]:

@@ -37,7 +37,7 @@ def _launch(method: str, case: str, out: Path) -> list[dict]:
         "no",
         "--dynamo_backend",
         "no",
-        str(ROOT / "tests" / "distributed_worker.py"),
+        str(ROOT / "tests" / "support" / "distributed_worker.py"),
         "--method",
         method,
         "--case",

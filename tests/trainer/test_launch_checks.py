@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from hf_private.trainer import preflight
 from hf_private.trainer.preflight import check_process_count
 from tests.support.helpers import make_trainer
 
@@ -27,7 +28,7 @@ def clean_launch_environment(monkeypatch):
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "transformers.hf_private.preflight"]
+    return [r.getMessage() for r in caplog.records if r.name == preflight.logger.name]
 
 
 def test_accelerate_simple_launcher_asked_for_two_processes_is_named(tmp_path, clean_launch_environment, caplog):
