@@ -25,18 +25,20 @@ from __future__ import annotations
 import functools
 import numbers
 import operator
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from ..data.packing import PackedLayout
 from ..logs import get_logger
-from .layers import UnsupportedLayerError, handler_for, supported_layer_names
+from .layers import UnsupportedLayerError, rule_for
 from .layers.base import LayerHandler
 from .packed_tokens import PackedTokens
 from .reducers import ChunkTerms, ClippedSumReducer, FlatL2ClipReducer, Reducer, flat_norms
@@ -72,8 +74,10 @@ class ChunkUnits:
 #: the audit's map of a whole chunk's terms to others (gradient canaries: a canary unit's gradient replaced by the
 #: one inserted for it); it must act on each unit alone and keep the number of units
 ChunkTransform = Callable[[ChunkTerms, ChunkUnits], ChunkTerms]
-# Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total.
-_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+# Self-check tolerance: relative to the parameter's gradient norm, floored by a small share of the total. Float64 is
+# held to float32's rounding of a sum, not its own: many modules compute in float32 whatever their input (the RMSNorm
+# variants), so autograd's own float64 reference carries float32 rounding.
+_CHECK_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 _CHECK_TOLERANCE_LOW_PRECISION = 5e-2
 
 
@@ -168,9 +172,18 @@ class _Chunk:
 @dataclass
 class _Call:
     layer: _HookedLayer
-    saved: torch.Tensor | None
-    saved_version: int | None
+    saved: Any  # a tensor, a structure of tensors (the generic rule's inputs), or None
+    saved_version: tuple[int, ...]
     terms: dict[str, Term] = field(default_factory=dict)
+
+
+def _versions(saved: Any) -> tuple[int, ...]:
+    """The saved tensors' version counters: a change means the input was modified in place after the forward."""
+    return tuple(t._version for t in tree_leaves(saved) if isinstance(t, torch.Tensor))
+
+
+def _shapes(saved: Any) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tree_leaves(saved) if isinstance(t, torch.Tensor))
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -307,16 +320,11 @@ class PerExampleGradientEngine:
             if any(layer.module is module for layer in layers):
                 continue  # the same module reached through a second path
             label = f"{module_name or '<root>'} ({type(module).__name__})"
-            handler = handler_for(module)
-            unknown = sorted(set(own) - set(handler.params)) if handler else sorted(own)
-            if handler is None or unknown:
-                partly = f": {type(module).__name__} supports {', '.join(handler.params)} only" if handler else ""
-                raise UnsupportedLayerError(
-                    f"Trainable parameter(s) {unknown} of {label} have no per-example gradient rule{partly}. "
-                    f"Supported layers: {', '.join(supported_layer_names())} (and PEFT LoRA, built from them). "
-                    "Freeze these parameters (requires_grad=False) or replace the layer."
-                )
-            handler.check(module, set(own))
+            handler = rule_for(module, set(own))
+            try:
+                handler.check(module, set(own))
+            except UnsupportedLayerError as error:
+                raise UnsupportedLayerError(f"{label}: {error}") from None
             layers.append(_HookedLayer(label, module, handler, own, handler.needs_input(set(own))))
             for p in own.values():
                 owners[id(p)].append(label)
@@ -325,11 +333,22 @@ class PerExampleGradientEngine:
             raise UnsupportedLayerError(f"Trainable parameters not owned by any module: {missing}.")
         return layers
 
+    def rule_lines(self) -> list[str]:
+        """Which per-example gradient rule each trainable module uses: one line per rule, counted by module type."""
+        by_rule: dict[str, Counter[str]] = defaultdict(Counter)
+        for layer in self.layers:
+            by_rule[layer.handler.rule][type(layer.module).__name__] += 1
+        return [
+            f"Per-example gradient rule {rule}: {sum(types.values())} module(s) "
+            f"({', '.join(f'{name} ×{count}' for name, count in sorted(types.items()))})"
+            for rule, types in by_rule.items()
+        ]
+
     def attach(self) -> None:
         if self._handles:
             return
         for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer)))
+            self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -339,23 +358,29 @@ class PerExampleGradientEngine:
 
     # ------------------------------------------------------------------ hooks
     def _forward_hook(self, layer: _HookedLayer):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if self._rows is None or not torch.is_grad_enabled():
                 return None
-            saved, watched = layer.handler.on_forward(module, args, output, self._rows, layer.save_input)
-            saved = saved.detach() if saved is not None else None  # the values only, never the forward graph
-            call = _Call(layer, saved, saved._version if saved is not None else None)
+            saved, watched = layer.handler.on_forward(module, args, kwargs, output, self._rows, layer.save_input)
+            saved = tree_map_only(torch.Tensor, torch.Tensor.detach, saved)  # the values only, never the forward graph
+            call = _Call(layer, saved, _versions(saved))
             self._calls.append(call)
             if not watched.requires_grad:  # nothing trainable upstream: start the backward graph here
+                if watched is not output:
+                    raise UnsupportedLayerError(
+                        f"{layer.name}: the output its rule watches does not depend on anything that trains."
+                    )
                 watched = watched.detach().requires_grad_(True)
             watched.register_hook(self._grad_hook(call))
-            return watched if watched is not output else None
+            if watched is output or not isinstance(output, torch.Tensor):
+                return None  # watched in place (a tuple output's element is watched where it lies)
+            return watched
 
         return hook
 
     def _grad_hook(self, call: _Call):
         def hook(grad_output: torch.Tensor) -> None:
-            if call.saved is not None and call.saved._version != call.saved_version:
+            if _versions(call.saved) != call.saved_version:
                 raise RuntimeError(
                     f"The input of {call.layer.name} was modified in place after the forward pass; its "
                     "per-example gradient cannot be computed."
@@ -366,15 +391,19 @@ class PerExampleGradientEngine:
             if packed is not None and not (grad_output.dim() >= 3 and packed.holds(grad_output)):
                 packed = None  # a layer whose output has no packed token axis: its rows already are the examples
             if packed is not None:
-                if saved is not None and not packed.holds(saved):
+                if saved is not None and not (isinstance(saved, torch.Tensor) and packed.holds(saved)):
                     raise ValueError(
-                        f"{call.layer.name} reads an input of shape {tuple(saved.shape)} in a packed chunk of "
+                        f"{call.layer.name} reads an input of shape {_shapes(saved)} in a packed chunk of "
                         f"{packed.tokens} tokens: without the packed row's token axis its examples' gradients cannot "
                         "be separated. Pad each example to a row of its own for this model."
                     )
                 grad_output = packed.split(grad_output)
                 saved = packed.split(saved) if saved is not None else None
-            call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
+            rows, self._rows = self._rows, None  # a rule that replays the module's forward must not be recorded
+            try:
+                call.terms = call.layer.handler.terms(call.layer.module, saved, grad_output, set(call.layer.trainable))
+            finally:
+                self._rows = rows
             if packed is not None:  # a factored term's sum then runs over the examples' own tokens
                 call.terms = packed.marked(call.terms)
             call.saved = None  # keep only what the terms reference

@@ -3,5 +3,13 @@
 from . import conv, conv1d, embedding, layer_norm, linear, rms_norm  # noqa: F401  (registration on import)
 from .base import LayerHandler, UnsupportedLayerError
 from .registry import handler_for, register_layer, supported_layer_names
+from .rules import rule_for
 
-__all__ = ["LayerHandler", "UnsupportedLayerError", "handler_for", "register_layer", "supported_layer_names"]
+__all__ = [
+    "LayerHandler",
+    "UnsupportedLayerError",
+    "handler_for",
+    "register_layer",
+    "rule_for",
+    "supported_layer_names",
+]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -13,13 +15,12 @@ class UnsupportedLayerError(TypeError):
 
 
 class LayerHandler:
+    #: the rule's name in the plan log ("linear", "embedding", ...): which rule each module uses, counted
+    rule: str = "dedicated"
     #: parameter names (as in `module._parameters`) whose per-example gradient this handler computes
     params: tuple[str, ...] = ()
     #: parameters whose gradient needs the layer input (so the input is stored only when one is trainable)
     input_params: tuple[str, ...] = ()
-    #: the layer's other parameters, which have no rule: named in the supported-layer list so that it says exactly
-    #: what of the layer may train (a trainable one is refused)
-    refused: tuple[str, ...] = ()
 
     def check(self, module: nn.Module, trainable: set[str]) -> None:
         """Raise `UnsupportedLayerError` for a configuration whose per-example gradient would be wrong."""
@@ -28,17 +29,17 @@ class LayerHandler:
         return any(name in trainable for name in self.input_params)
 
     def on_forward(
-        self, module: nn.Module, args: tuple, output: torch.Tensor, rows: int, save_input: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Return (what to keep for backward, the output tensor to watch). May replace the output.
+        self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any, rows: int, save_input: bool
+    ) -> tuple[Any, torch.Tensor]:
+        """Return (what to keep for backward: a tensor, a structure of tensors or None; the output tensor to watch).
 
-        `rows`: the chunk's row count (examples × rows per example), to which a broadcast input is expanded.
+        The watched tensor may replace a tensor output (an expanded broadcast), or be one element of a tuple output
+        (a router's logits). `rows`: the chunk's row count (examples × rows per example), to which a broadcast input
+        is expanded.
         """
         return (args[0] if save_input else None), output
 
-    def terms(
-        self, module: nn.Module, saved: torch.Tensor | None, grad_output: torch.Tensor, trainable: set[str]
-    ) -> dict[str, Term]:
+    def terms(self, module: nn.Module, saved: Any, grad_output: torch.Tensor, trainable: set[str]) -> dict[str, Term]:
         raise NotImplementedError
 
 

@@ -1,6 +1,6 @@
 """`nn.Conv1d/2d/3d` biases (DP-BiTFiT on vision models): Σ over spatial positions of the output gradient.
 
-Conv weights are not supported: a trainable conv weight raises an error naming the layer and saying "bias only".
+A trainable conv weight has no dedicated rule: such a layer takes the generic rule (`module_vjp.py`) whole.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from .registry import register_layer
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvBiasHandler(LayerHandler):
+    rule = "conv bias"
     params = ("bias",)
-    refused = ("weight",)
 
     def terms(self, module, saved, grad_output, trainable):
         return {"bias": SampleTerm(grad_output.flatten(2).sum(2))}

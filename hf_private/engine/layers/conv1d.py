@@ -11,5 +11,7 @@ from .registry import register_layer
 
 @register_layer(Conv1D)
 class Conv1DHandler(LinearHandler):
+    rule = "Conv1D (factored)"
+
     def weight_term(self, grads, inputs):
         return outer_product_term(left=inputs, right=grads)  # weight is [in, out]

@@ -15,6 +15,7 @@ from .registry import register_layer
 
 @register_layer(nn.Embedding)
 class EmbeddingHandler(LayerHandler):
+    rule = "embedding rows"
     params = ("weight",)
     input_params = ("weight",)
 
@@ -30,7 +31,7 @@ class EmbeddingHandler(LayerHandler):
                 "couples examples; set scale_grad_by_freq=False."
             )
 
-    def on_forward(self, module, args, output, rows, save_input):
+    def on_forward(self, module, args, kwargs, output, rows, save_input):
         ids = args[0]
         if ids.dim() >= 1 and ids.shape[0] == 1 and rows > 1:
             ids = ids.expand(rows, *ids.shape[1:])

@@ -12,6 +12,7 @@ from .registry import register_layer
 
 @register_layer(nn.LayerNorm)
 class LayerNormHandler(LayerHandler):
+    rule = "layer norm"
     params = ("weight", "bias")
     input_params = ("weight",)
 

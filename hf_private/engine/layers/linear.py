@@ -12,6 +12,7 @@ from .registry import register_layer
 
 @register_layer(nn.Linear)
 class LinearHandler(LayerHandler):
+    rule = "linear (factored)"
     params = ("weight", "bias")
     input_params = ("weight",)
 

@@ -1,4 +1,5 @@
-"""Layer type → handler table. Exact types only: a subclass may override `forward` and change the math."""
+"""Layer type → dedicated handler table. Exact types only: a subclass may override `forward` and change the math
+(it is then probed like any other module, `rules.py`)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,11 @@ def register_layer(*module_types: type[nn.Module]) -> Callable[[type[LayerHandle
 
 
 def handler_for(module: nn.Module) -> LayerHandler | None:
+    """The dedicated rule registered for the module's exact type, if any."""
     return _HANDLERS.get(type(module))
 
 
 def supported_layer_names() -> list[str]:
-    """Every supported layer type, with what of it may train when that is not all of it ("Conv2d (bias only; weight
-    refused)"), so an error listing them never suggests that a refused parameter would work."""
-    return sorted(_describe(t.__name__, handler) for t, handler in _HANDLERS.items())
-
-
-def _describe(name: str, handler: LayerHandler) -> str:
-    if not handler.refused:
-        return name
-    return f"{name} ({', '.join(handler.params)} only; {', '.join(handler.refused)} refused)"
+    """The layer types with a dedicated rule (every other module is probed for a matched rule, else takes the
+    generic one)."""
+    return sorted(t.__name__ for t in _HANDLERS)

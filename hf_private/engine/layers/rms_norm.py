@@ -21,6 +21,7 @@ def _llama_family_rms_norms() -> tuple[type, ...]:
 
 @register_layer(nn.RMSNorm)
 class TorchRMSNormHandler(LayerHandler):
+    rule = "RMSNorm"
     params = ("weight",)
     input_params = ("weight",)
 
