@@ -5,6 +5,8 @@ A layer call contributes to a parameter's per-example gradient in one of three s
 * `OuterTerm`:   g_b = Σ_t left[b,t] ⊗ right[b,t]   (Linear, Conv1D weights, kept factored for the ghost norm)
 * `IndexTerm`:   g_b = Σ_t e_{index[b,t]} ⊗ right[b,t]  (Embedding weights; rows picked by token id)
 * `SampleTerm`:  g_b given explicitly, shape [B, *param.shape]  (biases, norm gains: cheap to hold)
+* `RoutedOuterTerm`: g_b[e] = Σ_{s of b routed to e} left[s] ⊗ right[s]  (a mixture of experts' stacked expert
+  weights [E, P, D]: one factor pair per (token, expert) pair the router chose, never [B, E, P, D])
 
 Besides the L2 algebra of the flat clip (`squared_norm`, `inner`, `clipped_sum`) this module holds what reducers and
 methods need on the same terms: an L1 norm (`combined_l1_norm`), and masks applied to every example's gradient
@@ -71,8 +73,30 @@ class SampleTerm:
         return self.grad.shape[0]
 
 
+@dataclass
+class RoutedOuterTerm:
+    """Per-example gradients of stacked expert weights [experts, P, D] (`layers/moe.py`), one factor pair per (token,
+    expert) pair the router chose: g_b[e] = Σ_{s: example[s] = b, expert[s] = e} left[s] ⊗ right[s].
+
+    An expert's per-example gradient is a linear layer's over the example's tokens routed to it, so the ghost norm
+    and the clipped sum run per expert on the pairs alone; the [B, E, P, D] gradients are never formed (an example
+    touches each expert's whole weight, so they would be E/K times a dense layer's).
+    """
+
+    left: torch.Tensor  # [S, P]
+    right: torch.Tensor  # [S, D]
+    example: torch.Tensor  # [S] long: the example (row of the chunk) each pair belongs to
+    expert: torch.Tensor  # [S] long: the expert it was routed to
+    examples: int
+    experts: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.examples
+
+
 #: one parameter's per-example gradients as a layer handler forms them
-Term = OuterTerm | IndexTerm | SampleTerm
+Term = OuterTerm | IndexTerm | SampleTerm | RoutedOuterTerm
 
 
 def in_compute_dtype(saved: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -136,6 +160,8 @@ def group_rows(term, rows_per_example):
     if isinstance(term, SampleTerm):
         grad = term.grad
         return SampleTerm(grad.reshape(-1, rows_per_example, *grad.shape[1:]).sum(1))
+    if isinstance(term, RoutedOuterTerm):  # a unit's pairs are its rows' pairs
+        return replace(term, example=term.example // rows_per_example, examples=term.examples // rows_per_example)
     if isinstance(term, IndexTerm):
         examples = term.index.shape[0] // rows_per_example
         return IndexTerm(
@@ -199,6 +225,9 @@ def _group_unequal_rows(term, sizes: tuple[int, ...]):
     if isinstance(term, SampleTerm):
         owner, _ = unit_slots(sizes, term.grad.device)
         return SampleTerm(term.grad.new_zeros(units, *term.grad.shape[1:]).index_add_(0, owner, term.grad))
+    if isinstance(term, RoutedOuterTerm):
+        owner, _ = unit_slots(sizes, term.example.device)
+        return replace(term, example=owner[term.example], examples=units)
     if isinstance(term, IndexTerm):
         # A padding position looks up row 0 with a zero gradient: it adds nothing to that row.
         owner, slot = unit_slots(sizes, term.index.device)
@@ -230,6 +259,8 @@ def zero_examples(term, keep: torch.Tensor):
         return SampleTerm(masked(term.grad))
     if isinstance(term, IndexTerm):
         return IndexTerm(index=term.index, right=masked(term.right), num_rows=term.num_rows)
+    if isinstance(term, RoutedOuterTerm):
+        return _routed_where(term, keep[term.example])
     return replace(term, left=masked(term.left), right=masked(term.right))
 
 
@@ -293,6 +324,8 @@ class FactorGrams:
 def squared_norm(term, grams: FactorGrams | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """‖g_b‖² for every example b, in one pass and without the O(B·P·D) tensor where avoidable, computed in `dtype`
     (the term's own by default). `grams`: Gram blocks shared with the other terms of the same chunk (`FactorGrams`)."""
+    if isinstance(term, RoutedOuterTerm):
+        return _routed_squared_norm(cast_term(term, dtype) if dtype is not None else term)
     if not isinstance(term, OuterTerm):
         term = cast_term(term, dtype) if dtype is not None else term
         return term.grad.flatten(1).pow(2).sum(1) if isinstance(term, SampleTerm) else _index_squared_norm(term)
@@ -327,6 +360,8 @@ def inner(a, b) -> torch.Tensor:
     def rank(term) -> int:
         return 0 if isinstance(term, SampleTerm) else 1 if isinstance(term, IndexTerm) else 2
 
+    if isinstance(a, RoutedOuterTerm) or isinstance(b, RoutedOuterTerm):
+        return _routed_inner(a, b)
     if rank(a) > rank(b):
         a, b = b, a
     if isinstance(a, SampleTerm):
@@ -366,6 +401,8 @@ def clipped_sum(term, factors: torch.Tensor, shape: torch.Size, out: torch.Tenso
         scaled = (term.right * factors.view(-1, 1, 1)).reshape(-1, width)
         out = scaled.new_zeros(shape) if out is None else out
         return out.index_add_(0, term.index.reshape(-1), scaled)
+    if isinstance(term, RoutedOuterTerm):
+        return _routed_clipped_sum(term, factors, shape, out)
     # One GEMM over all (example, position) rows, as autograd's own weight gradient would be; a packed term's over
     # its examples' own tokens.
     per_row = factors.view(-1, 1).expand(term.left.shape[:2])
@@ -416,11 +453,27 @@ def instantiate(term) -> torch.Tensor:
         batch, _, width = term.right.shape
         out = term.right.new_zeros(batch, term.num_rows, width)
         return out.scatter_add_(1, term.index.unsqueeze(2).expand(-1, -1, width), term.right)
+    if isinstance(term, RoutedOuterTerm):
+        out = term.left.new_zeros(term.examples, term.experts, term.left.shape[1], term.right.shape[1])
+        for expert, left, right in _padded_by_expert(term):
+            out[:, expert] = torch.bmm(left.transpose(1, 2), right)
+        return out
     return torch.einsum("btp,btd->bpd", term.left, term.right)
 
 
 def select_examples(term, start: int, stop: int):
     """The term restricted to examples [start, stop)."""
+    if isinstance(term, RoutedOuterTerm):
+        stop = min(stop, term.examples)
+        kept = (term.example >= start) & (term.example < stop)
+        return replace(
+            term,
+            left=term.left[kept],
+            right=term.right[kept],
+            example=term.example[kept] - start,
+            expert=term.expert[kept],
+            examples=max(stop - start, 0),
+        )
     return type(term)(**{k: (v[start:stop] if torch.is_tensor(v) else v) for k, v in vars(term).items()})
 
 
@@ -505,6 +558,8 @@ def _numel_per_example(term) -> int:
         return term.grad[0].numel() if term.batch_size else 0
     if isinstance(term, IndexTerm):
         return term.num_rows * term.right.shape[2]
+    if isinstance(term, RoutedOuterTerm):
+        return term.experts * term.left.shape[1] * term.right.shape[1]
     return term.left.shape[2] * term.right.shape[2]
 
 
@@ -542,6 +597,8 @@ def zero_rows(term, rows):
         keep = _keep(rows, term.num_rows, term.index.device)[term.index]  # [B, T]: the token's row is kept
         right = torch.where(keep.unsqueeze(2), term.right, term.right.new_zeros(()))
         return IndexTerm(index=term.index, right=right, num_rows=term.num_rows)
+    if isinstance(term, RoutedOuterTerm):  # dimension 0 of stacked expert weights: the experts
+        return _routed_where(term, _keep(rows, term.experts, term.expert.device)[term.expert])
     keep = _keep(rows, term.left.shape[2], term.left.device)
     return OuterTerm(left=_where(keep, term.left, 2), right=term.right)
 
@@ -559,5 +616,93 @@ def zero_columns(term, columns):
     if isinstance(term, IndexTerm):
         keep = _keep(columns, term.right.shape[2], term.right.device)
         return IndexTerm(index=term.index, right=_where(keep, term.right, 2), num_rows=term.num_rows)
+    if isinstance(term, RoutedOuterTerm):  # dimension 1 of stacked expert weights: each expert's output features
+        return replace(term, left=_where(_keep(columns, term.left.shape[1], term.left.device), term.left, 1))
     keep = _keep(columns, term.right.shape[2], term.right.device)
     return OuterTerm(left=term.left, right=_where(keep, term.right, 2))
+
+
+# ---------------------------------------------------------------- routed terms (a mixture of experts' expert weights)
+def _routed_where(term: RoutedOuterTerm, keep: torch.Tensor) -> RoutedOuterTerm:
+    """The term with the pairs outside `keep` (a [S] bool mask) contributing exactly zero."""
+    return replace(term, left=_where(keep, term.left, 0), right=_where(keep, term.right, 0))
+
+
+def _pairs_by_expert(term: RoutedOuterTerm):
+    """(expert, indices of its pairs) for every expert that at least one pair was routed to."""
+    order = torch.argsort(term.expert, stable=True)
+    start = 0
+    for expert, count in enumerate(torch.bincount(term.expert, minlength=term.experts).tolist()):
+        if count:
+            yield expert, order[start : start + count]
+        start += count
+
+
+def _padded_by_expert(term: RoutedOuterTerm):
+    """(expert, left [B, L, P], right [B, L, D]) per expert: each example's pairs routed to it, zero-padded to the
+    longest (L), so that an expert's per-example gradient is a linear layer's over L positions."""
+    for expert, pairs in _pairs_by_expert(term):
+        example = term.example[pairs]
+        order = torch.argsort(example, stable=True)
+        pairs, example = pairs[order], example[order]
+        sizes = torch.bincount(example, minlength=term.examples)
+        slot = torch.arange(example.numel(), device=example.device) - (torch.cumsum(sizes, 0) - sizes)[example]
+        longest = int(sizes.max())
+        left = term.left.new_zeros(term.examples, longest, term.left.shape[1])
+        right = term.right.new_zeros(term.examples, longest, term.right.shape[1])
+        left[example, slot] = term.left[pairs]
+        right[example, slot] = term.right[pairs]
+        yield expert, left, right
+
+
+def _routed_squared_norm(term: RoutedOuterTerm) -> torch.Tensor:
+    """Σ_e ‖g_b[e]‖²: per expert the ghost norm Σ_{s,t} (l_s·l_t)(r_s·r_t) over the example's pairs routed to it, or
+    the expert's [B, P, D] gradient formed for a moment where that is cheaper (`ghost_norm_is_cheaper`)."""
+    out = term.left.new_zeros(term.examples)
+    for _, left, right in _padded_by_expert(term):
+        if ghost_norm_is_cheaper(left.shape[1], left.shape[2], right.shape[2]):
+            grams = torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))
+            out += grams.flatten(1).sum(1)
+        else:
+            out += torch.bmm(left.transpose(1, 2), right).pow(2).flatten(1).sum(1)
+    return out
+
+
+def _routed_inner(a, b) -> torch.Tensor:
+    """⟨g_b^a, g_b^b⟩ when one term is routed: expert by expert, against a routed or an instantiated term."""
+    if not isinstance(a, RoutedOuterTerm):
+        a, b = b, a
+    out = a.left.new_zeros(a.examples)
+    if isinstance(b, SampleTerm):  # grad [B, E, P, D]
+        for expert, left, right in _padded_by_expert(a):
+            out += torch.einsum("bpd,blp,bld->b", b.grad[:, expert], left, right)
+        return out
+    if not isinstance(b, RoutedOuterTerm):
+        raise TypeError(
+            f"inner: a {type(b).__name__} and a RoutedOuterTerm cannot be terms of one parameter (stacked expert "
+            "weights [experts, P, D] get routed or instantiated terms only)."
+        )
+    other = {expert: (left, right) for expert, left, right in _padded_by_expert(b)}
+    for expert, left, right in _padded_by_expert(a):
+        if expert in other:
+            left_b, right_b = other[expert]
+            grams = torch.bmm(left, left_b.transpose(1, 2)) * torch.bmm(right, right_b.transpose(1, 2))
+            out += grams.flatten(1).sum(1)
+    return out
+
+
+def _routed_clipped_sum(
+    term: RoutedOuterTerm, factors: torch.Tensor, shape: torch.Size, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Σ_b factors[b]·g_b: one GEMM per expert over the pairs routed to it, each pair scaled by its example's
+    factor, as autograd's own expert weight gradient is one GEMM per expert."""
+    out = term.left.new_zeros(shape) if out is None else out
+    scale = factors[term.example].unsqueeze(1)
+    for expert, pairs in _pairs_by_expert(term):
+        left, right = term.left[pairs], term.right[pairs]
+        if left.shape[1] <= right.shape[1]:  # scale the narrower factor
+            left = left * scale[pairs]
+        else:
+            right = right * scale[pairs]
+        out[expert].addmm_(left.t(), right)
+    return out

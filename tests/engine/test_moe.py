@@ -1,0 +1,195 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) train with full DP: the router's and the fused experts'
+per-example norms and clipped sums equal a float64 per-example autograd loop, whatever kernel ran the experts' forward.
+
+The oracle runs in float64 with the "eager" experts kernel: transformers' default "grouped_mm" refuses float64 on the
+CPU. The kernel's own float32 comparison (eager vs grouped_mm) checks that the rule does not depend on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, terms
+from hf_private.integrations.losses import default_per_example_loss
+from tests.support import tiny
+
+BATCH, SEQ = 5, 12
+_SHAPE = dict(
+    vocab_size=tiny.VOCAB_SIZE,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=tiny.SEQ_LEN + 4,
+    num_experts_per_tok=2,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=3,
+)
+
+
+def mixtral(**kw) -> MixtralForCausalLM:
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**_SHAPE, intermediate_size=48, num_local_experts=4, **kw))
+
+
+def qwen3_moe(**kw) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**_SHAPE, head_dim=16, moe_intermediate_size=48, intermediate_size=64, num_experts=4, **kw)
+    return Qwen3MoeForCausalLM(config)
+
+
+def olmoe(**kw) -> OlmoeForCausalLM:
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(OlmoeConfig(**_SHAPE, intermediate_size=48, num_experts=4, **kw))
+
+
+FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe}
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, len(tiny.VOCAB), (BATCH, SEQ), generator=gen)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 8:] = 0
+    ids[1, 8:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _loss(model, batch) -> torch.Tensor:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return default_per_example_loss(model, model(**inputs), batch["labels"]).sum()
+
+
+def _per_example_grads(model, batch) -> list[list[torch.Tensor]]:
+    """One backward per example (the oracle)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for b in range(BATCH):
+        model.zero_grad()
+        _loss(model, {k: v[b : b + 1] for k, v in batch.items()}).backward()
+        grads.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+    model.zero_grad()
+    return grads
+
+
+def _engine_results(model, batch, clip: float, chunks: int = 2):
+    """Norms and clipped sums of `chunks` engine chunks (the first with autograd's self-check, then ghost)."""
+    engine = PerExampleGradientEngine(model, clip)
+    engine.attach()
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for _ in range(chunks):
+        with engine.recording(BATCH):
+            _loss(model, batch).backward()
+        norms = engine.finish_backward()
+        sums = engine.pop_clipped_sums()
+        results.append((norms, torch.cat([sums[p].flatten() for p in params])))
+    engine.detach()
+    return engine, results
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_dp_matches_fp64_per_example_loop(family):
+    model = FAMILIES[family]().double()
+    model.set_experts_implementation("eager")
+    model.train()
+    batch = _batch()
+    grads = _per_example_grads(model, batch)
+    ref_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in row)) for row in grads])
+    clip = 0.5 * ref_norms.min().item()  # every example clipped: the sums test the clip factors too
+    factors = [min(1.0, clip / (n.item() + 1e-6)) for n in ref_norms]
+    ref_sums = torch.cat([sum(f * row[i] for f, row in zip(factors, grads)).flatten() for i in range(len(grads[0]))])
+
+    engine, results = _engine_results(model, batch, clip)
+    rules = "\n".join(engine.rule_lines())
+    assert "mixture-of-experts router" in rules and "mixture-of-experts experts" in rules
+    assert "generic" not in rules  # no MoE part fell to the per-example VJP
+    for norms, sums in results:
+        assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
+        assert ((sums - ref_sums).norm() / ref_sums.norm()).item() <= 1e-6
+
+
+def test_experts_kernel_does_not_change_per_example_gradients():
+    """grouped_mm (transformers' default) and eager forwards give the same norms and sums (float32)."""
+    batch = _batch()
+    outcomes = {}
+    for kernel in ("eager", "grouped_mm", "batched_mm"):
+        model = mixtral()
+        model.set_experts_implementation(kernel)
+        model.train()
+        _, results = _engine_results(model, batch, clip=1e-3, chunks=1)
+        outcomes[kernel] = results[0]
+    for kernel in ("grouped_mm", "batched_mm"):
+        norms, sums = outcomes[kernel]
+        assert torch.allclose(norms, outcomes["eager"][0], rtol=1e-4)
+        assert ((sums - outcomes["eager"][1]).norm() / sums.norm()).item() <= 1e-4
+
+
+def test_routed_term_algebra_matches_instantiated_gradients():
+    """Every term function on a RoutedOuterTerm equals the same function on its instantiated [B, E, P, D] form."""
+    gen = torch.Generator().manual_seed(0)
+    pairs, examples, experts = 23, 4, 3
+    routed = terms.RoutedOuterTerm(
+        left=torch.randn(pairs, 5, generator=gen, dtype=torch.float64),
+        right=torch.randn(pairs, 7, generator=gen, dtype=torch.float64),
+        example=torch.randint(0, examples, (pairs,), generator=gen),
+        expert=torch.randint(0, experts, (pairs,), generator=gen),
+        examples=examples,
+        experts=experts,
+    )
+    dense = terms.SampleTerm(terms.instantiate(routed))
+    assert dense.grad.shape == (examples, experts, 5, 7)
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+
+    assert close(terms.squared_norm(routed), dense.grad.flatten(1).pow(2).sum(1))
+    assert close(terms.inner(routed, routed), terms.squared_norm(routed))
+    assert close(terms.inner(routed, dense), terms.squared_norm(routed))
+    assert close(terms.combined_squared_norm([routed, dense], torch.float64), 4 * terms.squared_norm(routed))
+    factors = torch.rand(examples, generator=gen, dtype=torch.float64)
+    shape = dense.grad.shape[1:]
+    assert close(terms.clipped_sum(routed, factors, shape), terms.clipped_sum(dense, factors, shape))
+    assert close(terms.combined_l1_norm([routed], torch.float64), dense.grad.flatten(1).abs().sum(1))
+    assert close(
+        terms.clipped_abs_sum([routed], factors, shape, torch.float64, block_elements=300),
+        terms.clipped_abs_sum([dense], factors, shape, torch.float64),
+    )
+    keep = torch.tensor([True, False, True, True])
+    assert close(terms.instantiate(terms.zero_examples(routed, keep)), terms.zero_examples(dense, keep).grad)
+    assert close(terms.instantiate(terms.zero_rows(routed, [1])), terms.zero_rows(dense, [1]).grad)
+    assert close(terms.instantiate(terms.zero_columns(routed, [0, 3])), terms.zero_columns(dense, [0, 3]).grad)
+    assert close(terms.instantiate(terms.select_examples(routed, 1, 3)), dense.grad[1:3])
+    assert close(terms.instantiate(terms.group_rows(routed, 2)), terms.group_rows(dense, 2).grad)
+    assert close(terms.instantiate(terms.group_rows(routed, [1, 3])), terms.group_rows(dense, [1, 3]).grad)
+    assert terms.cast_term(routed, torch.float32).left.dtype == torch.float32
+
+
+def test_experts_whose_forward_differs_are_refused():
+    """A module registered as fused experts but computing something else is never given the rule."""
+    model = mixtral()
+    experts = model.model.layers[0].mlp.experts
+    experts.act_fn = torch.nn.Identity()  # fine: the rule replays the module's own act_fn
+    PerExampleGradientEngine(model, 1.0)
+    experts.has_bias = True
+    with pytest.raises(UnsupportedLayerError, match="expert layout"):
+        PerExampleGradientEngine(model, 1.0)
+    experts.has_bias = False
+    original = type(experts)._apply_gate
+    try:
+        type(experts)._apply_gate = lambda self, gate_up: gate_up.chunk(2, -1)[1]  # a gate the rule does not replay
+        model.set_experts_implementation("grouped_mm")
+        with pytest.raises(UnsupportedLayerError, match="does not compute"):
+            PerExampleGradientEngine(model, 1.0)
+    finally:
+        type(experts)._apply_gate = original
