@@ -442,6 +442,17 @@ def check_model(model: nn.Module | None) -> nn.Module:
             f"BatchNorm layers {batch_norms} mix examples in train mode, which breaks per-example clipping and "
             "the guarantee. Replace them with GroupNorm/LayerNorm (opacus.validators.ModuleValidator.fix)."
         )
+    # the model's own switch, which the arguments never see (named `is_gradient_checkpointing` before transformers 5.x)
+    switch = (
+        "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    )
+    if getattr(model, switch, False):
+        raise ValueError(
+            "The model has activation (gradient) checkpointing turned on, as peft's prepare_model_for_kbit_training "
+            "does by default: it is not supported yet, as it re-runs the forward pass, and its hooks, during backward. "
+            "Call prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), or turn it off with "
+            "model.gradient_checkpointing_disable(), before creating the trainer."
+        )
     return model
 
 

@@ -8,12 +8,17 @@ from torch import nn
 from .base import LayerHandler
 from .matched import matched_handler
 from .module_vjp import ModuleVJPHandler
+from .quantized import QuantizedWeightRefusal, quantized_parameter_names
 from .registry import handler_for
 
 
 def rule_for(module: nn.Module, trainable: set[str]) -> LayerHandler:
     """The rule for a module whose parameters `trainable` train: its dedicated rule when that covers them all, else a
-    fast rule its forward was shown to match, else the generic rule for the whole module."""
+    fast rule its forward was shown to match, else the generic rule for the whole module; none for a trainable
+    quantized weight (refused by its `check`)."""
+    quantized = quantized_parameter_names(module, trainable)
+    if quantized:
+        return QuantizedWeightRefusal(quantized)
     handler = handler_for(module)
     if handler is not None and trainable <= set(handler.params):
         return handler
