@@ -35,6 +35,47 @@ def check_per_example_losses(losses: object, examples: int) -> torch.Tensor:
 def default_per_example_loss(
     model: nn.Module, outputs, labels: torch.Tensor, label_smoothing: float = 0.0
 ) -> torch.Tensor:
+    """ℓ_b: the head's loss for example b alone (`head_losses`) plus, when a mixture of experts returns its router
+    logits (`output_router_logits=True`), the example's own load-balancing loss (`router_aux_losses`): the model's
+    auxiliary loss is never dropped silently."""
+    losses = head_losses(model, outputs, labels, label_smoothing)
+    aux = router_aux_losses(model, outputs, labels)
+    return losses if aux is None else losses + aux.to(losses.dtype)
+
+
+def router_aux_losses(model: nn.Module, outputs, labels: torch.Tensor) -> torch.Tensor | None:
+    """Each example's load-balancing loss × `router_aux_loss_coef`, or None when the model returns no router logits.
+
+    Transformers' `load_balancing_loss_func` (E · Σ_e f_e · P_e: the share of top-k choices and the mean router
+    probability of expert e, over every layer's tokens) couples the examples through the batch's fractions; here it
+    is the same formula over the example's own tokens, those its labels train (≠ -100), so that padding, whose
+    amount depends on the other examples of the chunk, never counts.
+    """
+    router_logits = getattr(outputs, "router_logits", None)
+    config = getattr(unwrap_peft(model), "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if not router_logits or coef is None:
+        return None
+    if labels.dim() != 2:
+        raise ValueError(
+            f"{type(unwrap_peft(model)).__name__} returns router logits (output_router_logits=True), whose "
+            "load-balancing loss hf_private computes per example over the tokens its labels train; labels of shape "
+            f"{tuple(labels.shape)} mark no tokens. Set model.config.output_router_logits = False (the auxiliary loss "
+            "is then not trained), or pass PrivateTrainer(per_example_loss=fn) computing each example's own."
+        )
+    examples, width = labels.shape
+    trained = (labels != IGNORE_INDEX).unsqueeze(2).float()  # [B, T, 1]
+    chosen_sum = probs_sum = torch.zeros((), device=labels.device)
+    for layer in router_logits:
+        probs = F.softmax(layer.float(), dim=-1).reshape(examples, width, -1)
+        chosen = F.one_hot(probs.topk(config.num_experts_per_tok, dim=-1).indices, probs.shape[-1]).sum(2)
+        chosen_sum = chosen_sum + (chosen * trained).sum(1)
+        probs_sum = probs_sum + (probs * trained).sum(1)
+    tokens = (trained.sum((1, 2)) * len(router_logits)).clamp(min=1).unsqueeze(1)
+    return coef * probs.shape[-1] * ((chosen_sum / tokens) * (probs_sum / tokens)).sum(1)
+
+
+def head_losses(model: nn.Module, outputs, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """ℓ_b as the model's own loss would compute it for example b alone: sequence classification/regression,
     multi-label (mean over labels), token classification and causal LM (mean over the example's tokens).
 

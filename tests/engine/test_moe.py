@@ -7,9 +7,12 @@ CPU. The kernel's own float32 comparison (eager vs grouped_mm) checks that the r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import (
+    DataCollatorForLanguageModeling,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -17,10 +20,13 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from hf_private import DPConfig, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, terms
-from hf_private.integrations.losses import default_per_example_loss
+from hf_private.integrations.losses import default_per_example_loss, head_losses, router_aux_losses
 from tests.support import tiny
+from tests.support.helpers import training_args
 
 BATCH, SEQ = 5, 12
 _SHAPE = dict(
@@ -53,7 +59,13 @@ def olmoe(**kw) -> OlmoeForCausalLM:
     return OlmoeForCausalLM(OlmoeConfig(**_SHAPE, intermediate_size=48, num_experts=4, **kw))
 
 
-FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe}
+FAMILIES = {
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "olmoe": olmoe,
+    # the per-example load-balancing loss reaches the router through its logits (the watched output) too
+    "mixtral-aux-loss": lambda: mixtral(output_router_logits=True, router_aux_loss_coef=0.5),
+}
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -193,3 +205,45 @@ def test_experts_whose_forward_differs_are_refused():
             PerExampleGradientEngine(model, 1.0)
     finally:
         type(experts)._apply_gate = original
+
+
+def test_load_balancing_loss_is_each_examples_own():
+    """With output_router_logits=True the default loss adds, per example, transformers' load_balancing_loss_func of
+    that example alone × router_aux_loss_coef (a padded example's equals its unpadded one: padding never counts)."""
+    model = mixtral(output_router_logits=True).double()
+    model.set_experts_implementation("eager")
+    batch = _batch()
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    aux = router_aux_losses(model, outputs, batch["labels"])
+    for b in range(BATCH):
+        alone = model(input_ids=batch["input_ids"][b : b + 1, : int(batch["attention_mask"][b].sum())])
+        expected = model.config.router_aux_loss_coef * load_balancing_loss_func(alone.router_logits, 4, 2)
+        assert torch.allclose(aux[b].double(), expected.double(), rtol=1e-5)
+    total = default_per_example_loss(model, outputs, batch["labels"])
+    assert torch.allclose(total, head_losses(model, outputs, batch["labels"]) + aux)
+    assert router_aux_losses(mixtral(), mixtral()(input_ids=batch["input_ids"]), batch["labels"]) is None
+
+
+def test_load_balancing_loss_without_token_labels_is_refused():
+    outputs = SimpleNamespace(logits=torch.zeros(2, 3), router_logits=(torch.zeros(8, 4),))
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        default_per_example_loss(mixtral(output_router_logits=True), outputs, torch.tensor([0, 1]))
+
+
+def test_private_trainer_trains_a_mixture_of_experts(tmp_path):
+    """Full DP through PrivateTrainer (transformers' default experts kernel), the load-balancing loss on."""
+    tok = tiny.tokenizer()
+    model = mixtral(output_router_logits=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = PrivateTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=2),
+        train_dataset=tiny.lm_dataset(32),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        processing_class=tok,
+        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert any("experts.gate_up_proj" in n for n in moved) and any("gate.weight" in n for n in moved)
