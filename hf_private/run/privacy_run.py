@@ -441,6 +441,8 @@ class PrivacyRun:
             noise_multiplier=self.noise_multiplier,
         ):
             logger.warning("%s", line)
+        for line in self.engine.rule_lines():  # which per-example gradient rule each trainable module uses
+            logger.warning("%s", line)
 
     # ------------------------------------------------------------------ report, audits, checkpoints
     @property
