@@ -3,10 +3,18 @@ loop, and the README's table of supported families generated from it (`tests/sup
 
 from __future__ import annotations
 
-import pytest
+import logging
 
-from tests.support import family_table
-from tests.support.families import FAMILIES
+import pytest
+import torch
+from transformers import DataCollatorForLanguageModeling
+
+from hf_private import DPConfig, PrivateTrainer
+from tests.support import family_table, tiny
+from tests.support.families import FAMILIES, FAMILY
+from tests.support.helpers import snapshot, training_args
+
+HF_LOGGER = "transformers.hf_private"
 
 #: the cells that are refused, and why (anything else must match the loop)
 REFUSED = {
@@ -36,3 +44,25 @@ def test_the_readme_table_is_the_matrix(matrix):
     assert family_table.readme_table(family_table.README.read_text()) == family_table.render(list(matrix.values())), (
         "README.md's family table is out of date: run python -m tests.support.family_table"
     )
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Gemma 3"])
+def test_a_new_family_trains_end_to_end_and_the_plan_names_its_rules(tmp_path, caplog, family):
+    """A new user's full DP fine-tune of a family that was refused before: PrivateTrainer with DPConfig trains, logs
+    which rule each module uses, and reports ε."""
+    model = FAMILY[family].build()
+    with caplog.at_level(logging.WARNING, logger=HF_LOGGER):
+        trainer = PrivateTrainer(
+            model=model,
+            args=training_args(tmp_path, max_steps=2, per_device_train_batch_size=8),
+            train_dataset=tiny.lm_dataset(32),
+            data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
+            dp_config=DPConfig(target_epsilon=8.0),
+        )
+        before = snapshot(model)
+        trainer.train()
+    rules = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Per-example gradient rule")]
+    norms = "Qwen3RMSNorm ×9" if family == "Qwen3" else "Gemma3RMSNorm ×13"
+    assert any(line.endswith(f"({norms})") and "norm gain (matched by probe)" in line for line in rules), rules
+    assert 0 < trainer.privacy_report()["epsilon"] <= 8.0
+    assert all(not torch.equal(before[f"param:{n}"], p) for n, p in model.named_parameters() if "norm" in n)
