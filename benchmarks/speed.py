@@ -27,6 +27,10 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
 )
@@ -46,8 +50,40 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
         RobertaConfig(vocab_size=50265, max_position_embeddings=514, num_labels=2)
     ),
     "gpt2-small": lambda: GPT2LMHeadModel(GPT2Config()),
+    # issue 47's shapes: a Qwen3 (q/k norms: the matched norm rule) and a Mixtral (the router and fused experts)
+    "qwen3-8x512": lambda: Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=2048,
+        )
+    ),
+    "mixtral-4x2": lambda: MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=2048,
+        )
+    ),
 }
-LORA_TARGETS = {"bert-base": ["query", "value"], "roberta-base": ["query", "value"], "gpt2-small": ["c_attn"]}
+LORA_TARGETS = {
+    "bert-base": ["query", "value"],
+    "roberta-base": ["query", "value"],
+    "gpt2-small": ["c_attn"],
+    "qwen3-8x512": ["q_proj", "v_proj"],
+    "mixtral-4x2": ["q_proj", "v_proj"],
+}
 CLIP, SIGMA = 1.0, 1.0
 
 
@@ -55,7 +91,7 @@ def make_chunks(model: torch.nn.Module, batch_size: int, seq_len: int, grad_accu
     """`grad_accum` physical chunks of one logical batch. Position ids are explicit and batch-shaped for every
     arm alike, because Opacus' hooks fail on HF's broadcast [1, T] position ids (hf_private handles both)."""
     base = getattr(model, "get_base_model", lambda: model)()
-    is_lm = isinstance(base, GPT2LMHeadModel)
+    is_lm = type(base).__name__.endswith(("LMHeadModel", "ForCausalLM"))
     gen = torch.Generator().manual_seed(0)
     chunks = []
     for _ in range(grad_accum):
@@ -218,7 +254,7 @@ def build(model_name: str, mode: str, device: torch.device) -> torch.nn.Module:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if mode == "lora":
-        task = "CAUSAL_LM" if model_name.startswith("gpt2") else "SEQ_CLS"
+        task = "CAUSAL_LM" if type(model).__name__.endswith(("LMHeadModel", "ForCausalLM")) else "SEQ_CLS"
         model = get_peft_model(
             model, LoraConfig(task_type=task, r=8, lora_alpha=16, target_modules=LORA_TARGETS[model_name])
         )

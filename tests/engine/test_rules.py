@@ -301,3 +301,25 @@ def test_a_dedicated_rule_that_covers_only_part_of_a_module_hands_it_whole_to_an
     conv = nn.Conv1d(2, 2, 1)
     assert type(rule_for(conv, {"bias"})).__name__ == "ConvBiasHandler"
     assert isinstance(rule_for(conv, {"weight", "bias"}), ModuleVJPHandler)
+
+
+class ShiftedGainNorm(nn.Module):
+    """out = x̂ ⊙ w + 0.5·x̂: affine in w with an offset that is neither 0 nor n(x): two forwards in the backward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normalized * (self.weight + 0.5)
+
+
+@pytest.mark.parametrize(
+    "norm, unit_gain", [(CentredNormWithoutBias, 1.0), (OnePlusGainNorm, 0.0), (ShiftedGainNorm, None)]
+)
+def test_the_gain_rule_reads_the_normalisation_off_one_forward_where_the_probe_found_how(norm, unit_gain):
+    torch.manual_seed(0)
+    model = Tower(norm(6)).double()
+    engine = _assert_matches_oracle(model, rtol=1e-7)
+    assert _rule(engine, model.layer).unit_gain == unit_gain

@@ -38,9 +38,12 @@ class ElementwiseGainHandler(LayerHandler):
 
     rule = "norm gain (matched by probe)"
 
-    def __init__(self, params: tuple[str, ...]) -> None:
+    def __init__(self, params: tuple[str, ...], unit_gain: float | None) -> None:
         self.params = params
         self.input_params = ("weight",) if "weight" in params else ()
+        #: the gain g with out(g, 0) = n(x), when the probe found one (out = (c + w) ⊙ n(x): g = 1 − c, one forward
+        #: in the backward instead of two); None: n(x) = out(1, 0) − out(0, 0)
+        self.unit_gain = unit_gain
 
     def terms(self, module, saved, grad_output, trainable):
         batch = grad_output.shape[0]
@@ -48,7 +51,7 @@ class ElementwiseGainHandler(LayerHandler):
         grads = grad_output.reshape(batch, -1, *shape)
         out = {}
         if "weight" in trainable:
-            normalized = _normalized(module, saved).to(grad_output.dtype).reshape(batch, -1, *shape)
+            normalized = _normalized(module, saved, self.unit_gain).to(grad_output.dtype).reshape(batch, -1, *shape)
             out["weight"] = SampleTerm((grads * normalized).sum(1))
         if "bias" in trainable:
             out["bias"] = SampleTerm(grads.sum(1))
@@ -96,7 +99,8 @@ def _match_gain(module: nn.Module, trainable: set[str]) -> ElementwiseGainHandle
             return None
         if not _close(with_gain, base + gain * normalized) or not _close(shifted, with_gain + shift):
             return None
-    return ElementwiseGainHandler(tuple(sorted(trainable)))
+        unit_gain = 1.0 if _close(base, torch.zeros_like(base)) else 0.0 if _close(base, normalized) else None
+    return ElementwiseGainHandler(tuple(sorted(trainable)), unit_gain)
 
 
 def _match_scaled_embedding(module: nn.Embedding, trainable: set[str]) -> ScaledEmbeddingHandler | None:
@@ -119,11 +123,13 @@ def _match_scaled_embedding(module: nn.Embedding, trainable: set[str]) -> Scaled
     return ScaledEmbeddingHandler(scale)
 
 
-def _normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """n(x) = out(1, 0) − out(0, 0): the module's own normalisation, as its forward computes it."""
-    has_bias = module._parameters.get("bias") is not None
-    zero = 0.0 if has_bias else None
+def _normalized(module: nn.Module, x: torch.Tensor, unit_gain: float | None) -> torch.Tensor:
+    """n(x) = out(1, 0) − out(0, 0): the module's own normalisation, as its forward computes it (one forward when the
+    probe found the gain that gives n(x) alone)."""
+    zero = 0.0 if module._parameters.get("bias") is not None else None
     with torch.no_grad():
+        if unit_gain is not None:
+            return _call(module, x, unit_gain, zero)
         return _call(module, x, 1.0, zero) - _call(module, x, 0.0, zero)
 
 
