@@ -47,7 +47,7 @@ class ElementwiseGainHandler(LayerHandler):
 
     def terms(self, module, saved, grad_output, trainable):
         batch = grad_output.shape[0]
-        shape = tuple(module._parameters["weight"].shape)  # type: ignore[union-attr]
+        shape = tuple(module._parameters["weight"].shape)
         grads = grad_output.reshape(batch, -1, *shape)
         out = {}
         if "weight" in trainable:

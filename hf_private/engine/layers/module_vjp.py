@@ -42,7 +42,8 @@ class ModuleVJPHandler(LayerHandler):
         self.input_params = params  # every parameter's gradient needs the inputs
 
     def check(self, module: nn.Module, trainable: set[str]) -> None:
-        size = sum(module._parameters[name].numel() for name in trainable)  # type: ignore[union-attr]
+        own = dict(module.named_parameters(recurse=False))
+        size = sum(own[name].numel() for name in trainable)
         if size > MAX_PARAMETERS:
             raise UnsupportedLayerError(
                 f"{type(module).__name__} has no dedicated per-example gradient rule, and its trainable parameters "
