@@ -40,6 +40,7 @@ from ..data.packing import PackedLayout
 from ..logs import get_logger
 from .layers import UnsupportedLayerError, rule_for
 from .layers.base import LayerHandler
+from .layers.moe import refuse_parameter_wrappers
 from .packed_tokens import PackedTokens
 from .reducers import ChunkTerms, ClippedSumReducer, FlatL2ClipReducer, Reducer, flat_norms
 from .terms import (
@@ -310,6 +311,7 @@ class PerExampleGradientEngine:
 
     # ------------------------------------------------------------------ set-up
     def _find_layers(self) -> list[_HookedLayer]:
+        refuse_parameter_wrappers(self.model)  # LoRA on parameters: used outside any module's forward
         names = {id(p): n for n, p in self.parameters}
         owners: dict[int, list[str]] = defaultdict(list)
         layers: list[_HookedLayer] = []

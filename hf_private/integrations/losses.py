@@ -54,7 +54,7 @@ def router_aux_losses(model: nn.Module, outputs, labels: torch.Tensor) -> torch.
     router_logits = getattr(outputs, "router_logits", None)
     config = getattr(unwrap_peft(model), "config", None)
     coef = getattr(config, "router_aux_loss_coef", None)
-    if not router_logits or coef is None:
+    if not router_logits or config is None or coef is None:
         return None
     if labels.dim() != 2:
         raise ValueError(

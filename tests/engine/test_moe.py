@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import (
     DataCollatorForLanguageModeling,
     MixtralConfig,
@@ -114,6 +115,28 @@ def _engine_results(model, batch, clip: float, chunks: int = 2):
 def test_full_dp_matches_fp64_per_example_loop(family):
     model = FAMILIES[family]().double()
     model.set_experts_implementation("eager")
+    rules = _check_against_oracle(model)
+    assert "mixture-of-experts router" in rules and "mixture-of-experts experts" in rules
+    assert "generic" not in rules  # no MoE part fell to the per-example VJP
+
+
+def test_lora_on_attention_matches_fp64_per_example_loop():
+    model = mixtral().double()
+    model.set_experts_implementation("eager")
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    _check_against_oracle(get_peft_model(model, lora))
+
+
+def test_lora_on_experts_is_refused_with_what_to_do():
+    """PEFT's all-linear wraps the router and the fused experts in ParamWrapper, whose B·A is used outside any
+    module's forward: refused when the engine is built, naming the attention projections as the alternative."""
+    model = get_peft_model(mixtral(), LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
+    with pytest.raises(UnsupportedLayerError, match=r"mlp\.gate \(MixtralTopKRouter\.weight\).*q_proj"):
+        PerExampleGradientEngine(model, 1.0)
+
+
+def _check_against_oracle(model) -> str:
+    """Engine norms and clipped sums ≤ 1e-6 from the fp64 per-example loop, on two chunks; returns the rule lines."""
     model.train()
     batch = _batch()
     grads = _per_example_grads(model, batch)
@@ -123,12 +146,10 @@ def test_full_dp_matches_fp64_per_example_loop(family):
     ref_sums = torch.cat([sum(f * row[i] for f, row in zip(factors, grads)).flatten() for i in range(len(grads[0]))])
 
     engine, results = _engine_results(model, batch, clip)
-    rules = "\n".join(engine.rule_lines())
-    assert "mixture-of-experts router" in rules and "mixture-of-experts experts" in rules
-    assert "generic" not in rules  # no MoE part fell to the per-example VJP
     for norms, sums in results:
         assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
         assert ((sums - ref_sums).norm() / ref_sums.norm()).item() <= 1e-6
+    return "\n".join(engine.rule_lines())
 
 
 def test_experts_kernel_does_not_change_per_example_gradients():

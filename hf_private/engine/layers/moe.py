@@ -190,3 +190,24 @@ def _forward_matches_replay(module: Any) -> bool:
             return False
         scale = expected.abs().max().clamp(min=1.0)
         return bool(((actual - expected).abs().max() <= _PROBE_TOLERANCE * scale).item())
+
+
+def refuse_parameter_wrappers(model: nn.Module) -> None:
+    """Refuse LoRA adapters on parameters: PEFT's `ParamWrapper` (`target_parameters`, and `target_modules="all-linear"`
+    on a mixture of experts' router and fused expert tensors) adds ΔW = B·A to the wrapped weight while the base
+    module runs, so the adapters' weights are used outside the forward of the modules that own them (their lora_A /
+    lora_B Linears are never called) and no hook sees their per-example gradient."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # a PEFT without LoRA on parameters
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper) and any(p.requires_grad for p in module.parameters()):
+            raise UnsupportedLayerError(
+                f"{name} ({type(module.get_base_layer()).__name__}.{module.parameter_name}) carries a LoRA adapter on "
+                "a parameter (PEFT's ParamWrapper: target_parameters, or target_modules='all-linear' on a mixture of "
+                "experts' router and fused experts). Its B·A is added to the weight inside the base module, so its "
+                "per-example gradient is not seen and private training is refused. Target the attention projections "
+                "only (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])), or train the experts "
+                "and router fully (full DP trains them per example)."
+            )
