@@ -16,7 +16,7 @@ engine's unclipped sums reproduce them, which catches a parameter used outside i
 Every term must cover exactly the units `recording` was told about: one row per example, or (multiple choice, a DPO
 pair) a fixed number of consecutive rows per example, or (a user) each unit's own number of consecutive rows, summed
 into one term. Anything else is refused, since per-example clipping would silently become per-row clipping. A layer
-once seen without a per-example batch dimension (T5's relative_attention_bias, looked up with [query, key] positions)
+once seen without a per-example batch dimension (UMT5's relative_attention_bias, looked up with [query, key] positions)
 stays refused, as its shape can coincide with the chunk's; the trainer's independence probe (units alone) exposes it.
 """
 
@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..data.packing import PackedLayout
 from ..logs import get_logger
-from .layers import UnsupportedLayerError, rule_for
+from .layers import UnsupportedLayerError, handler_for, rule_for
 from .layers.base import LayerHandler
 from .layers.moe import refuse_parameter_wrappers
 from .packed_tokens import PackedTokens
@@ -138,7 +138,7 @@ class _Chunk:
         """Every term must have the chunk's rows; a layer once seen without a per-example batch dimension never again.
 
         A mismatch has two causes. Several examples packed into one row: every layer then has fewer rows than the
-        chunk's. A parameter used for the whole batch at once (T5's `relative_attention_bias`: an nn.Embedding
+        chunk's. A parameter used for the whole batch at once (UMT5's `relative_attention_bias`: an nn.Embedding
         looked up with [query, key] position buckets that every example shares): that layer alone has other rows
         (q) than the layers fed with the examples. Its gradient is a sum over the batch and it has no per-example
         term; when q happens to equal the chunk's size the shapes cannot show it, so such a layer is remembered and
@@ -154,7 +154,7 @@ class _Chunk:
                 raise UnsupportedLayerError(
                     f"{layer.name} is used without a per-example batch dimension (it computed gradients for "
                     f"{layer.unbatched}): its trainable parameter(s) {sorted(layer.trainable)} serve the whole "
-                    "batch at once, e.g. T5's relative_attention_bias, looked up with [query, key] positions that "
+                    "batch at once, e.g. UMT5's relative_attention_bias, looked up with [query, key] positions that "
                     "every example shares. Their gradient is a sum over the batch, so no per-example gradient exists, "
                     "per-example clipping cannot bound them and the privacy guarantee would not hold; the layer stays "
                     "refused even when a chunk's size happens to equal that dimension. Freeze these parameters "
@@ -166,7 +166,7 @@ class _Chunk:
                 "guarantee would not hold. Feed the model one row per example (pad with DataCollatorWithPadding), or "
                 "one packed row of whole examples with engine.recording(packed=their lengths), and pass the chunk's "
                 "number of examples to engine.recording(). If the layer's parameters are used without a per-example "
-                "batch dimension (e.g. T5's relative_attention_bias), freeze them (requires_grad=False)."
+                "batch dimension (e.g. UMT5's relative_attention_bias), freeze them (requires_grad=False)."
             )
 
 
@@ -319,10 +319,11 @@ class PerExampleGradientEngine:
             own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
             if not own:
                 continue
+            module_name, module, own, handler = self._claiming_owner(module_name, module, own)
             if any(layer.module is module for layer in layers):
                 continue  # the same module reached through a second path
             label = f"{module_name or '<root>'} ({type(module).__name__})"
-            handler = rule_for(module, set(own))
+            handler = handler or rule_for(module, set(own))
             try:
                 handler.check(module, set(own))
             except UnsupportedLayerError as error:
@@ -334,6 +335,18 @@ class PerExampleGradientEngine:
         if missing:
             raise UnsupportedLayerError(f"Trainable parameters not owned by any module: {missing}.")
         return layers
+
+    def _claiming_owner(self, name: str, module: nn.Module, own: dict[str, nn.Parameter]):
+        """The parent and its dedicated rule in the module's place when that rule claims these parameters of it (T5's
+        attention claims its relative_attention_bias: the bias gets a batch dimension only in the attention's forward);
+        else the module itself, without a rule yet."""
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if name else None
+        rule = handler_for(parent) if parent is not None else None
+        claimed = {f"{child}.{n}": p for n, p in own.items()}
+        if rule is None or not set(claimed) <= set(rule.params):
+            return name, module, own, None
+        return parent_name, parent, claimed, rule
 
     def rule_lines(self) -> list[str]:
         """Which per-example gradient rule each trainable module uses: one line per rule, counted by module type."""
@@ -350,6 +363,9 @@ class PerExampleGradientEngine:
         if self._handles:
             return
         for layer in self.layers:
+            if type(layer.handler).before_forward is not LayerHandler.before_forward:
+                pre_hook = self._pre_forward_hook(layer)
+                self._handles.append(layer.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
@@ -359,6 +375,14 @@ class PerExampleGradientEngine:
         self._calls.clear()
 
     # ------------------------------------------------------------------ hooks
+    def _pre_forward_hook(self, layer: _HookedLayer):
+        def hook(module, args, kwargs):
+            if self._rows is None or not torch.is_grad_enabled():
+                return None
+            return layer.handler.before_forward(module, args, kwargs, self._rows)
+
+        return hook
+
     def _forward_hook(self, layer: _HookedLayer):
         def hook(module, args, kwargs, output):
             if self._rows is None or not torch.is_grad_enabled():

@@ -28,6 +28,16 @@ class LayerHandler:
     def needs_input(self, trainable: set[str]) -> bool:
         return any(name in trainable for name in self.input_params)
 
+    def before_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict[str, Any], rows: int
+    ) -> tuple[tuple, dict[str, Any]] | None:
+        """New (args, kwargs) for the module's forward while a chunk is recorded, or None to leave them.
+
+        For a rule that must give a tensor the chunk's rows before the module first uses it (T5's relative position
+        bias, broadcast over the batch inside the forward). The engine installs it only where a rule overrides it.
+        """
+        return None
+
     def on_forward(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any, rows: int, save_input: bool
     ) -> tuple[Any, torch.Tensor]:
