@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.labels import IGNORE_INDEX
 from ..data.packing import packed_examples, packed_layout, slice_packed
+from ..models.support import is_seq2seq_lm
 from .core import PerExampleGradientEngine
 from .terms import format_sizes, unit_sizes
 
@@ -76,7 +78,7 @@ def check_example_independence(
         for b in _probe_examples(inputs, num_examples, rows_per_example, units):
             if not torch.isfinite(in_batch[b]):
                 continue
-            single = example_alone(inputs, b, num_examples, rows_per_example, units)
+            single = example_alone(inputs, b, num_examples, rows_per_example, units, is_seq2seq_lm(model))
             size = 1 if units is None else units[b]
             alone = float(_norms(engine, model, single, summed_loss, (1, size * rows_per_example))[0])
             inside = float(in_batch[b])
@@ -162,13 +164,16 @@ def example_alone(
     num_examples: int,
     rows_per_example: int = 1,
     examples_per_unit: Sequence[int] | None = None,
+    seq2seq: bool = False,
 ) -> dict[str, Any]:
     """Example `b` (with `examples_per_unit`: unit `b`, its examples) as a batch of its own, without the columns that
     are padding in all of its rows.
 
     Every tensor with one entry per example (leading dimension `num_examples`) is sliced; every tensor shaped like the
     padding mask (input_ids, position_ids, token_type_ids, token labels, ...) then loses the same columns; tensors
-    broadcast over the batch (leading dimension 1) are kept whole.
+    broadcast over the batch (leading dimension 1) are kept whole. For an encoder-decoder LM (`seq2seq`) the target
+    side (labels, decoder inputs) has a width of its own, equal to the source's only by chance: it loses its trailing
+    label padding instead (`_target_alone`).
     """
     units = _units(examples_per_unit, num_examples)
     if units is None:
@@ -182,15 +187,30 @@ def example_alone(
         k: v[start:stop] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == num_examples else v
         for k, v in inputs.items()
     }
+    target = {k: single.pop(k) for k in _TARGET_KEYS if k in single} if seq2seq else {}
     mask = _mask(single, rows_per_example)
     if mask is None:
-        return single
+        return {**single, **_target_alone(target)}
     columns = mask.reshape(-1, mask.shape[-1]).ne(0).any(0).nonzero().squeeze(1)
     axis = mask.dim() - 1
-    return {
+    source = {
         k: v.index_select(axis, columns) if torch.is_tensor(v) and v.shape[: mask.dim()] == mask.shape else v
         for k, v in single.items()
     }
+    return {**source, **_target_alone(target)}
+
+
+_TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
+
+
+def _target_alone(target: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder LM example's target side without the label padding (-100) after its last label: the decoder
+    is causal, so only trailing columns can go without changing what its labels are predicted from."""
+    labels = target.get("labels")
+    if not torch.is_tensor(labels) or labels.dim() != 2 or not bool(labels.ne(IGNORE_INDEX).any()):
+        return target
+    width = int(labels.ne(IGNORE_INDEX).any(0).nonzero().max()) + 1
+    return {k: v[:, :width] if torch.is_tensor(v) and v.shape[:2] == labels.shape else v for k, v in target.items()}
 
 
 def spread_by_length(dataset: Sequence[Any], count: int = PROBE_EXAMPLES) -> list[int]:

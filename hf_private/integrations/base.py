@@ -30,7 +30,13 @@ from torch import nn
 from ..data.packing import PACKED_LENGTHS_KEY, PACKED_ROWS_KEY, packed_layout
 from ..data.rows import rows_per_example
 from ..models.support import is_causal_lm
-from .losses import PerExampleLoss, check_packed_head, default_per_example_loss, packed_causal_lm_losses
+from .losses import (
+    PerExampleLoss,
+    check_packed_head,
+    default_per_example_loss,
+    packed_causal_lm_losses,
+    with_decoder_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ class TrainerFamily:
         labels = inputs.pop("labels")
         layout = packed_layout(inputs)
         if layout is None:
-            outputs = model(**inputs)
+            outputs = model(**with_decoder_inputs(model, inputs, labels))
             return trainer.per_example_loss(model, outputs, labels), outputs
         inputs.pop(PACKED_LENGTHS_KEY)
         inputs.pop(PACKED_ROWS_KEY, None)

@@ -1,8 +1,8 @@
-"""Which model families private training refuses as a whole: the facts `preflight.check_supported_model` reads.
+"""Model-family facts the launch checks and the per-example losses read.
 
-Layer-level support (which trainable parameters have an exact per-example gradient) is the engine's business
-(`engine/layers/`); encoder-decoder models are refused whole, whatever parameters are frozen, because their
-per-example clipping has never been verified (the refusal and its message are in `preflight`).
+Whether a model trains privately is decided layer by layer, not by family: every trainable parameter needs an exact
+per-example gradient rule (`engine/layers/`), and the engine refuses, naming the module, what has none. Encoder-decoder
+models (T5, BART) are no exception: their privacy unit is one (source, target) pair, one row of each.
 """
 
 from __future__ import annotations
@@ -12,23 +12,17 @@ from torch import nn
 from .peft import unwrap_peft
 
 
-class UnsupportedModelError(ValueError):
-    """The model family is not supported by private training."""
-
-
-def encoder_decoder_submodule(model: nn.Module) -> str | None:
-    """The name of the first submodule ("" for the model itself) whose `config.is_encoder_decoder` is True, else None.
-
-    Every submodule's `config` is read, so a PEFT-wrapped or user-wrapped encoder-decoder model is found too;
-    encoder-only heads of such a family (T5EncoderModel, T5ForTokenClassification) set it False.
-    """
-    for name, module in model.named_modules():
-        if getattr(getattr(module, "config", None), "is_encoder_decoder", False) is True:
-            return name
-    return None
-
-
 def is_causal_lm(model: nn.Module) -> bool:
     """A decoder-only language model head (Llama-style `*ForCausalLM`, GPT-2's `*LMHeadModel`), PEFT-wrapped or not."""
     name = type(unwrap_peft(model)).__name__
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def is_seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder language model whose decoder reads its labels shifted right (T5ForConditionalGeneration,
+    BartForConditionalGeneration), PEFT-wrapped or not: one privacy unit is a (source, target) pair, the source in
+    `input_ids`, the target in `labels`. An encoder-decoder config alone does not make one (UMT5's token classifier
+    keeps `is_encoder_decoder=True` with no decoder)."""
+    base = unwrap_peft(model)
+    encoder_decoder = getattr(getattr(base, "config", None), "is_encoder_decoder", False) is True
+    return encoder_decoder and callable(getattr(base, "prepare_decoder_input_ids_from_labels", None))

@@ -19,8 +19,8 @@ one process, DeepSpeed, FSDP, a model split over devices), the process count and
 
 The rules on the privacy numbers themselves (exactly one of target_epsilon and noise_multiplier, δ, the expected
 batch against N) are the plan's (`privacy.plan`): a DP config and a standalone `PrivacyPlan` apply them too, so they
-are written there once and called from here. Facts computed over the inputs (label counts over Arrow columns, which
-submodule is an encoder-decoder model) are computed where they live; the decisions are taken here.
+are written there once and called from here. Facts computed over the inputs (label counts over Arrow columns) are
+computed where they live; the decisions are taken here.
 
 The settings checks also normalise or warn where nothing is refused: Trainer's clipping of the summed gradient is
 turned off with a note, a logging integration that may carry the training loss off the machine is named, and a launch
@@ -46,7 +46,6 @@ from ..data.users import UserIndex, capped_size
 from ..integrations import TrainerFamily, family_of
 from ..logs import get_logger
 from ..methods import MethodConfig
-from ..models.support import UnsupportedModelError, encoder_decoder_submodule
 from ..privacy.plan import check_expected_batch
 from ..release.artifacts import DP_CONFIG_NAME, LEDGER_NAME
 
@@ -420,8 +419,8 @@ _SUPPORTED_PARALLELISM = (
 
 
 def check_model(model: nn.Module | None) -> nn.Module:
-    """The model itself (not a wrapper), of a supported family, without layers that mix examples; returned once
-    checked."""
+    """The model itself (not a wrapper), without layers that mix examples; returned once checked (whether each
+    trainable parameter has a per-example gradient rule is the engine's check)."""
     if model is None:
         raise ValueError("PrivateTrainer needs a model; model_init (hyperparameter search) is not supported.")
     if isinstance(model, str):
@@ -435,7 +434,6 @@ def check_model(model: nn.Module | None) -> nn.Module:
             f"Pass the model itself, not a {type(model).__name__} wrapper: Trainer wraps it for DDP and "
             f"PrivateTrainer reduces the clipped gradients itself. {_SUPPORTED_PARALLELISM}"
         )
-    check_supported_model(model)  # model families (encoder-decoder refused), whatever is frozen
     batch_norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batch_norms:
         raise ValueError(
@@ -454,30 +452,6 @@ def check_model(model: nn.Module | None) -> nn.Module:
             "model.gradient_checkpointing_disable(), before creating the trainer."
         )
     return model
-
-
-def check_supported_model(model: nn.Module) -> None:
-    """Raise `UnsupportedModelError` for encoder-decoder models (T5, mT5, BART, Pegasus, Marian, ...).
-
-    Every submodule's `config` is read (`model_support.encoder_decoder_submodule`), so a PEFT-wrapped or user-wrapped
-    encoder-decoder model is refused too. Encoder-only heads built from such a family (T5EncoderModel,
-    T5ForTokenClassification) set `config.is_encoder_decoder=False` and pass; their layers are then checked one by one
-    by the engine.
-    """
-    name = encoder_decoder_submodule(model)
-    if name is None:
-        return
-    where = f" (its submodule {name!r})" if name else ""
-    raise UnsupportedModelError(
-        f"{type(model).__name__}{where} is an encoder-decoder model (config.is_encoder_decoder=True, as in T5, "
-        "mT5, BART, Pegasus, Marian), which hf_private does not support, whatever parameters are frozen. "
-        "Per-example clipping has not been verified for this architecture: the decoder reads inputs derived "
-        "from the labels through cross-attention, and some of its layers cannot be clipped per example (T5's "
-        "relative_attention_bias is looked up once for the whole batch, without a per-example batch dimension; "
-        "T5LayerNorm and BartScaledWordEmbedding have no per-example gradient rule), so the privacy guarantee "
-        "could not be stated. Use an encoder-only model (BERT, RoBERTa, or an encoder-only T5 head such as "
-        "T5ForTokenClassification / T5EncoderModel) or a decoder-only model (GPT-2, Llama) instead."
-    )
 
 
 def check_user_level_method(dp_config: MethodConfig) -> None:

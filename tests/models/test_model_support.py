@@ -1,9 +1,12 @@
-"""Encoder-decoder models are refused at construction; no parameter used without a batch dimension is per-example.
+"""Encoder-decoder models build like any other; what is still refused is a parameter used without a batch dimension.
 
-T5's `relative_attention_bias` is an nn.Embedding looked up with [query, key] position buckets shared by every
-example. When the query length equals the chunk's size its shape is that of a per-example lookup, so the refusal
-must not rest on shapes alone: the engine remembers a layer once seen without a batch dimension, and the
-independence probe (one example alone, unpadded) reveals it before anything is released.
+T5's `relative_attention_bias` is looked up with [query, key] position buckets shared by every example; its rule
+(engine/layers/relative_position_bias.py) hands the first layer's attention the bias expanded to the chunk's rows,
+so it trains (tests/models/test_encoder_decoder.py). UMT5 computes a bias in every layer from an embedding of its
+own, which no rule claims: the embedding rule sees [q, k] ids, no per-example batch dimension. When the query length
+equals the chunk's size its shape is that of a per-example lookup, so the refusal must not rest on shapes alone: the
+engine remembers a layer once seen without a batch dimension, and the independence probe (one example alone,
+unpadded) reveals it before anything is released.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from transformers import (
     T5ForConditionalGeneration,
     T5ForSequenceClassification,
     T5ForTokenClassification,
+    UMT5Config,
+    UMT5ForTokenClassification,
 )
 
 from hf_private import DPConfig, PrivateTrainer
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.integrations.losses import default_per_example_loss
-from hf_private.models.support import UnsupportedModelError
-from hf_private.trainer.preflight import check_supported_model
 from tests.support import tiny
 from tests.support.helpers import make_trainer, snapshot, training_args
 
@@ -68,64 +71,38 @@ def _bart_config(**kw) -> BartConfig:
     )
 
 
-def _freeze(model, *type_names: str, names: tuple[str, ...] = ()):
-    """Freeze what the old per-layer error told users to freeze (T5LayerNorm, BartScaledWordEmbedding, ...)."""
-    for module_name, module in model.named_modules():
-        if type(module).__name__ in type_names or module_name.endswith(names):
-            for p in module.parameters(recurse=False):
-                p.requires_grad_(False)
+def _token_classifier(family: str, freeze_bias: bool) -> T5ForTokenClassification | UMT5ForTokenClassification:
+    """An encoder-only T5 or UMT5 (config.is_encoder_decoder=False), every parameter trainable but the bias if asked."""
+    torch.manual_seed(0)
+    if family == "t5":
+        model = T5ForTokenClassification(_t5_config(num_labels=3))
+    else:
+        model = UMT5ForTokenClassification(UMT5Config(**_t5_config(num_labels=3).to_dict()))
+    for name, p in model.named_parameters():
+        if freeze_bias and BIAS in name:
+            p.requires_grad_(False)
     return model
 
 
-def _t5_token_classifier(freeze_bias: bool) -> T5ForTokenClassification:
-    """Encoder-only T5 (config.is_encoder_decoder=False); T5LayerNorm has no per-example rule, so it is frozen."""
-    torch.manual_seed(0)
-    model = T5ForTokenClassification(_t5_config(num_labels=3))
-    return _freeze(model, "T5LayerNorm", names=(BIAS,) if freeze_bias else ())
-
-
-ENCODER_DECODER = {  # name: factory, with what the old error message advised already frozen where marked
+FORMERLY_REFUSED = {  # encoder-decoder set-ups refused whole until issue 47, whatever was frozen
     "t5-lm": lambda: T5ForConditionalGeneration(_t5_config()),
-    "t5-lm-advice-followed": lambda: _freeze(T5ForConditionalGeneration(_t5_config()), "T5LayerNorm"),
-    "t5-seq-cls-advice-followed": lambda: _freeze(
-        T5ForSequenceClassification(_t5_config()), "T5LayerNorm", names=(BIAS,)
-    ),
+    "t5-seq-cls": lambda: T5ForSequenceClassification(_t5_config()),
     "t5-lora": lambda: get_peft_model(
         T5ForConditionalGeneration(_t5_config()),
         LoraConfig(task_type="SEQ_2_SEQ_LM", r=4, lora_alpha=8, lora_dropout=0.0),
     ),
     "bart-seq-cls": lambda: BartForSequenceClassification(_bart_config()),
-    "bart-lm-advice-followed": lambda: _freeze(BartForConditionalGeneration(_bart_config()), "BartScaledWordEmbedding"),
+    "bart-lm": lambda: BartForConditionalGeneration(_bart_config()),
 }
 
 
-@pytest.mark.parametrize("name", list(ENCODER_DECODER))
-def test_encoder_decoder_models_are_refused_at_construction(tmp_path, name):
-    """Whatever is frozen, before the DP config touches the model or any step runs."""
-    model = ENCODER_DECODER[name]()
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    before = snapshot(model)
-    with pytest.raises(UnsupportedModelError, match=r"encoder-decoder model.*whatever parameters are frozen") as err:
-        make_trainer(tmp_path, model=model)
-    message = str(err.value)
-    assert "encoder-only model" in message and "decoder-only model" in message  # what to use instead
-    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags  # refused before prepare_model
-    assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
-
-
-@pytest.mark.parametrize(
-    "factory",
-    [
-        tiny.bert,
-        tiny.roberta,
-        tiny.gpt2,
-        tiny.llama,
-        tiny.roberta_multiple_choice,
-        lambda: _t5_token_classifier(freeze_bias=False),
-    ],
-)
-def test_encoder_only_and_decoder_only_models_pass_the_model_check(factory):
-    check_supported_model(factory())
+@pytest.mark.parametrize("name", list(FORMERLY_REFUSED))
+def test_encoder_decoder_models_build_with_a_rule_for_every_trainable_module(tmp_path, name):
+    """The private trainer is built, and the engine finds a per-example rule for every trainable module."""
+    model = FORMERLY_REFUSED[name]()
+    make_trainer(tmp_path, model=model)
+    engine = PerExampleGradientEngine(model, 1.0)
+    assert not any("generic" in line for line in engine.rule_lines())  # dedicated or matched rules only
 
 
 def _token_batch(examples: int, length: int) -> dict[str, torch.Tensor]:
@@ -143,9 +120,9 @@ def _loss(model, batch) -> torch.Tensor:
     return default_per_example_loss(model, model(**inputs), batch["labels"]).sum()
 
 
-def test_relative_attention_bias_is_refused_and_stays_refused_when_shapes_coincide():
+def test_umt5_relative_attention_bias_is_refused_and_stays_refused_when_shapes_coincide():
     """Chunk 1 (6 examples, 4 positions) shows the [q, k] lookup; chunk 2 (4 examples, 4 positions) would pass."""
-    model = _t5_token_classifier(freeze_bias=False).double()
+    model = _token_classifier("umt5", freeze_bias=False).double()
     engine = PerExampleGradientEngine(model, 1.0)
     engine.attach()
     for examples in (6, 4):
@@ -195,9 +172,9 @@ def _t5_trainer(tmp_path, model) -> PrivateTrainer:
     )
 
 
-def test_trainable_relative_attention_bias_is_refused_before_any_step(tmp_path):
+def test_trainable_umt5_relative_attention_bias_is_refused_before_any_step(tmp_path):
     """Sequence length == chunk size: the shapes pass, the probe (one example alone, unpadded) must refuse."""
-    model = _t5_token_classifier(freeze_bias=False)
+    model = _token_classifier("umt5", freeze_bias=False)
     trainer = _t5_trainer(tmp_path, model)
     before = snapshot(model)
     with pytest.raises(
@@ -212,18 +189,23 @@ def test_trainable_relative_attention_bias_is_refused_before_any_step(tmp_path):
     assert all(torch.equal(v, after[k]) for k, v in before.items()), "nothing may be released"
 
 
-def test_frozen_relative_attention_bias_trains(tmp_path):
-    """Following the message: with the bias frozen, the same set-up trains (the probe finds nothing)."""
-    model = _t5_token_classifier(freeze_bias=True)
+@pytest.mark.parametrize(
+    "family, freeze_bias", [("umt5", True), ("t5", False)], ids=["umt5-bias-frozen", "t5-bias-trains"]
+)
+def test_the_same_set_up_trains_with_umt5s_bias_frozen_or_t5s_bias_trainable(tmp_path, family, freeze_bias):
+    """Following the message (UMT5's bias frozen), or with T5's rule, the same set-up trains; the probe passes."""
+    model = _token_classifier(family, freeze_bias)
     trainer = _t5_trainer(tmp_path, model)
     trainer.train()
     assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe
 
 
-def test_frozen_relative_attention_bias_matches_the_fp64_per_example_loop():
-    """Encoder-only T5, bias (and T5LayerNorm) frozen, 6 examples of 6 positions: norms and clipped sums exact."""
+@pytest.mark.parametrize("family, freeze_bias", [("umt5", True), ("t5", False)], ids=["umt5-bias-frozen", "t5"])
+def test_encoder_only_t5_matches_the_fp64_per_example_loop(family, freeze_bias):
+    """Encoder-only (U)T5, everything trainable but UMT5's bias, 6 examples of 6 positions: norms and clipped sums
+    exact (T5's bias too: its [q, k] lookup has the chunk's shape)."""
     examples = length = 6
-    model = _t5_token_classifier(freeze_bias=True).double()
+    model = _token_classifier(family, freeze_bias).double()
     model.train()
     batch = _token_batch(examples, length)
     params = [p for p in model.parameters() if p.requires_grad]

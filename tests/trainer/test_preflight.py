@@ -22,8 +22,6 @@ from transformers import (
     DataCollatorWithPadding,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    T5Config,
-    T5ForConditionalGeneration,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -35,7 +33,6 @@ import hf_private.trainer.step_boundaries as step_boundaries
 from hf_private import BitFitConfig, DPConfig, DPFPConfig, PrivateTrainer, privatize
 from hf_private.data.sampling import PoissonBatchSampler
 from hf_private.integrations.trl_dpo import PAIR_LOSSES
-from hf_private.models.support import UnsupportedModelError
 from hf_private.trainer import preflight
 from hf_private.trainer.preflight import _PRIVATE_PATH_METHODS
 from tests.support import tiny
@@ -152,22 +149,6 @@ def _bert_with_batch_norm():
     model = tiny.bert()
     model.classifier = torch.nn.Sequential(torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 2))
     return model
-
-
-def _t5():
-    return T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=tiny.VOCAB_SIZE,
-            d_model=32,
-            d_kv=16,
-            d_ff=64,
-            num_layers=2,
-            num_heads=2,
-            dropout_rate=0.0,
-            pad_token_id=0,
-            decoder_start_token_id=0,
-        )
-    )
 
 
 def _split_over_devices():
@@ -635,12 +616,6 @@ ROWS = [
         f"Pass the model itself, not a DataParallel wrapper: Trainer wraps it for DDP and PrivateTrainer reduces the "
         f"clipped gradients itself. {PARALLELISM}",
         model=Fresh(lambda: torch.nn.DataParallel(tiny.bert())),
-    ),
-    _row(
-        "encoder-decoder",
-        UnsupportedModelError,
-        "T5ForConditionalGeneration is an encoder-decoder model (config.is_encoder_decoder=True",
-        model=Fresh(_t5),
     ),
     _row(
         "BatchNorm",

@@ -5,7 +5,7 @@ callbacks and collator, and trains privately.
   prompts left-padded (as generation wants) by the tokenizer, one `DataCollatorForLanguageModeling` for both;
   `evaluate()` (during and after training) and `predict()` hand compute_metrics what `model.generate` gives.
 - A user's Trainer subclass with its own logged metric and a callback, privatized.
-- What privatize() accepts and returns; encoder-decoder models stay refused.
+- What privatize() accepts and returns; encoder-decoder models build a private Seq2SeqTrainer.
 - The docs' "Any Trainer: privatize()" script (docs/guides/privatize.md), run as written.
 """
 
@@ -23,6 +23,7 @@ from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq,
     DataCollatorWithPadding,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
@@ -35,7 +36,6 @@ from transformers import (
 import hf_private.trainer.mixin as trainer_module
 from hf_private import DPConfig, PrivateTrainer, privatize
 from hf_private.demos.sentiment import sentiment_texts
-from hf_private.models.support import UnsupportedModelError
 from hf_private.optimizer import NoisyOptimizer, noisy_optimizer
 from hf_private.trainer.mixin import PrivateTrainingMixin
 from tests.support import tiny
@@ -437,12 +437,17 @@ def _bart():
 
 
 @pytest.mark.parametrize("make_model", [_t5, _bart], ids=["t5", "bart"])
-def test_encoder_decoder_models_stay_refused_by_the_private_seq2seq_trainer(tmp_path, make_model):
+def test_encoder_decoder_models_build_a_private_seq2seq_trainer(tmp_path, make_model):
+    """Refused whole until issue 47; trained and evaluated by generation in tests/models/test_encoder_decoder.py."""
     args = Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True, use_cpu=True, report_to="none")
-    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        privatize(Seq2SeqTrainer)(
-            model=make_model(), args=args, train_dataset=tiny.lm_dataset(32), dp_config=DPConfig(noise_multiplier=1.0)
-        )
+    trainer = privatize(Seq2SeqTrainer)(
+        model=make_model(),
+        args=args,
+        train_dataset=tiny.lm_dataset(32).map(lambda row: {"labels": row["input_ids"]}),  # copy the source
+        data_collator=DataCollatorForSeq2Seq(tiny.tokenizer()),
+        dp_config=DPConfig(noise_multiplier=1.0),
+    )
+    assert type(trainer).__name__ == "PrivateSeq2SeqTrainer"
 
 
 # ---------------------------------------------------------------- the docs' script
