@@ -392,15 +392,14 @@ class PerExampleGradientEngine:
             call = _Call(layer, saved, _versions(saved))
             self._calls.append(call)
             if not watched.requires_grad:  # nothing trainable upstream: start the backward graph here
-                if watched is not output:
+                if not isinstance(output, torch.Tensor):
                     raise UnsupportedLayerError(
                         f"{layer.name}: the output its rule watches does not depend on anything that trains."
                     )
                 watched = watched.detach().requires_grad_(True)
             watched.register_hook(self._grad_hook(call))
-            if watched is output or not isinstance(output, torch.Tensor):
-                return None  # watched in place (a tuple output's element is watched where it lies)
-            return watched
+            # a tensor output may be replaced (an expanded broadcast); a tuple's element is watched where it lies
+            return watched if isinstance(output, torch.Tensor) and watched is not output else None
 
         return hook
 
