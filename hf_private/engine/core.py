@@ -387,6 +387,8 @@ class PerExampleGradientEngine:
         def hook(module, args, kwargs, output):
             if self._rows is None or not torch.is_grad_enabled():
                 return None
+            if self._packed is not None and layer.handler.packed_refusal:
+                raise UnsupportedLayerError(f"{layer.name}: {layer.handler.packed_refusal}")
             saved, watched = layer.handler.on_forward(module, args, kwargs, output, self._rows, layer.save_input)
             saved = tree_map_only(torch.Tensor, torch.Tensor.detach, saved)  # the values only, never the forward graph
             call = _Call(layer, saved, _versions(saved))

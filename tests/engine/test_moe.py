@@ -268,3 +268,14 @@ def test_private_trainer_trains_a_mixture_of_experts(tmp_path):
     assert trainer.state.global_step == 2
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert any("experts.gate_up_proj" in n for n in moved) and any("gate.weight" in n for n in moved)
+
+
+def test_packed_chunks_are_refused_with_what_to_do():
+    """Examples packed end to end in one row cannot be told apart in the block's flattened tokens."""
+    model = mixtral()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    ids, positions = torch.randint(4, 30, (1, 12)), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    with pytest.raises(UnsupportedLayerError, match=r"mlp\.gate \(MixtralTopKRouter\).*Pad each example"):
+        with engine.recording(2, packed=[5, 7]):
+            model(input_ids=ids, position_ids=positions, use_cache=False)

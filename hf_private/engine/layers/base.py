@@ -21,6 +21,9 @@ class LayerHandler:
     params: tuple[str, ...] = ()
     #: parameters whose gradient needs the layer input (so the input is stored only when one is trainable)
     input_params: tuple[str, ...] = ()
+    #: why the rule cannot separate examples packed end to end in rows (its module sees the chunk's tokens flattened,
+    #: without the rows' token axis), or None; a packed chunk reaching the module is refused with this reason
+    packed_refusal: str | None = None
 
     def check(self, module: nn.Module, trainable: set[str]) -> None:
         """Raise `UnsupportedLayerError` for a configuration whose per-example gradient would be wrong."""

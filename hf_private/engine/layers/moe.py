@@ -2,7 +2,7 @@
 
 Their sparse MoE block flattens the chunk's [B, T, H] hidden states to N = B·T token rows before the router and the
 experts see them, so both rules reshape tokens back to the chunk's rows (refusing a token count that is not a
-multiple of them):
+multiple of them, and packed rows, whose examples cannot be told apart in the flattened tokens):
 
 * **router** (`*TopKRouter`, weight [E, H]): logits = x Wᵀ, a linear layer on tokens. The rule watches the logits
   (the first output): the routing weights derive from them inside the forward, so their gradient is the total.
@@ -45,6 +45,13 @@ def _chunk_tokens(module: nn.Module, tokens: int, rows: int) -> int:
     return tokens // rows
 
 
+_PACKED_REFUSAL = (
+    "a mixture-of-experts block flattens the chunk's rows to tokens before its router and experts, so the examples "
+    "packed end to end in a row cannot be told apart there. Pad each example to a row of its own (no packing) for "
+    "mixture-of-experts models."
+)
+
+
 def _first_input(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
@@ -54,6 +61,7 @@ class TopKRouterHandler(LayerHandler):
     """The router's weight gradient Σ_t G_t x_tᵀ over each example's tokens, G = ∂L/∂logits."""
 
     rule = "mixture-of-experts router (factored)"
+    packed_refusal = _PACKED_REFUSAL
     params = ("weight",)
     input_params = ("weight",)
 
@@ -72,6 +80,7 @@ class FusedExpertsHandler(LayerHandler):
     """Per-example gradients of fused expert weights, one factor pair per routed (token, expert) pair."""
 
     rule = "mixture-of-experts experts (routed, factored)"
+    packed_refusal = _PACKED_REFUSAL
     params = ("gate_up_proj", "down_proj")
     input_params = ("gate_up_proj", "down_proj")
 
