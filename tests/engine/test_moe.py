@@ -218,6 +218,11 @@ def test_experts_whose_forward_differs_are_refused():
     with pytest.raises(UnsupportedLayerError, match="expert layout"):
         PerExampleGradientEngine(model, 1.0)
     experts.has_bias = False
+    router = model.model.layers[0].mlp.gate
+    router.forward = lambda hidden: type(router).forward(router, hidden * 2)  # logits no longer x Wᵀ
+    with pytest.raises(UnsupportedLayerError, match="MixtralTopKRouter's first output is not F.linear"):
+        PerExampleGradientEngine(model, 1.0)
+    del router.forward
     original = type(experts)._apply_gate
     try:
         type(experts)._apply_gate = lambda self, gate_up: gate_up.chunk(2, -1)[1]  # a gate the rule does not replay

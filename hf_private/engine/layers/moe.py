@@ -65,6 +65,13 @@ class TopKRouterHandler(LayerHandler):
     params = ("weight",)
     input_params = ("weight",)
 
+    def check(self, module, trainable):
+        if not _router_logits_are_linear(module):
+            raise UnsupportedLayerError(
+                f"{type(module).__name__}'s first output is not F.linear(hidden_states, weight) on random inputs, so "
+                "the router rule would be wrong for it. Freeze the router (requires_grad=False)."
+            )
+
     def on_forward(self, module, args, kwargs, output, rows, save_input):
         tokens = _first_input(args, kwargs).reshape(-1, module.weight.shape[1])
         per_row = _chunk_tokens(module, tokens.shape[0], rows)
@@ -180,6 +187,24 @@ def _replayed_output(module: Any, hidden: torch.Tensor, index: torch.Tensor, wei
             gate, up = (module.gate_up_proj[e] @ hidden[token]).chunk(2)
             out[token] += weights[token, k] * (module.down_proj[e] @ (module.act_fn(gate) * up))
     return out
+
+
+def _router_logits_are_linear(module: nn.Module) -> bool:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(_PROBE_TOKENS, weight.shape[1], generator=generator).to(weight)
+        try:
+            output = module(hidden)
+        except Exception:  # a router that needs more than the hidden states: not the one this rule knows
+            return False
+        logits = output[0] if isinstance(output, tuple) and output else None
+        expected = torch.nn.functional.linear(hidden, weight)
+        if not isinstance(logits, torch.Tensor) or logits.shape != expected.shape:
+            return False
+        scale = expected.abs().max().clamp(min=1.0)
+        return bool(((logits - expected).abs().max() <= _PROBE_TOLERANCE * scale).item())
 
 
 def _forward_matches_replay(module: Any) -> bool:
