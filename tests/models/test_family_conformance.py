@@ -19,7 +19,10 @@ HF_LOGGER = "transformers.hf_private"
 #: the cells that are refused, and why (anything else must match the loop)
 REFUSED = {
     (name, "DP-BiTFiT"): "has no bias parameters"
-    for name in ("Llama", "Mistral", "Qwen3", "OLMo-2", "Gemma", "Gemma 2", "Gemma 3", "Phi-3", "Granite", "Cohere")
+    for name in (
+        *("Llama", "Mistral", "Qwen3", "OLMo-2", "Gemma", "Gemma 2", "Gemma 3", "Phi-3", "Granite", "Cohere"),
+        *("Mixtral", "Qwen3-MoE", "OLMoE", "T5"),
+    )
 }
 TOLERANCE = 1e-6  # float64, but many families compute their norms in float32 (Gemma's, Cohere's)
 

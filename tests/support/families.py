@@ -4,7 +4,7 @@ table of supported families is generated from that matrix (`python -m tests.supp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,10 +46,14 @@ class Family:
     config_class: type
     task: str  # "causal", "classifier" or "seq2seq"
     config: dict[str, Any] = field(default_factory=dict)
+    experts: bool = False  # a mixture of experts: run its experts eagerly (the fused kernels take no float64)
 
     def build(self) -> torch.nn.Module:
         torch.manual_seed(0)
-        return self.model_class(self.config_class(**self.config))
+        model = self.model_class(self.config_class(**self.config))
+        if self.experts:
+            model.set_experts_implementation("eager")
+        return model
 
 
 def _decoder(name: str, config_class: type, model_class: type, **extra: Any) -> Family:
@@ -138,6 +142,67 @@ FAMILIES: list[Family] = [
     _decoder("Cohere", hf.CohereConfig, hf.CohereForCausalLM),
     _decoder("GPT-NeoX", hf.GPTNeoXConfig, hf.GPTNeoXForCausalLM, hidden_dropout=0.0, attention_dropout=0.0),
     _decoder("StarCoder2", hf.Starcoder2Config, hf.Starcoder2ForCausalLM, residual_dropout=0.0, embedding_dropout=0.0),
+    # mixtures of experts (4 experts, top-2)
+    replace(
+        _decoder("Mixtral", hf.MixtralConfig, hf.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
+        experts=True,
+    ),
+    replace(
+        _decoder(
+            "Qwen3-MoE",
+            hf.Qwen3MoeConfig,
+            hf.Qwen3MoeForCausalLM,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            head_dim=16,
+        ),
+        experts=True,
+    ),
+    replace(_decoder("OLMoE", hf.OlmoeConfig, hf.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2), experts=True),
+    # encoder-decoders
+    Family(
+        "T5",
+        hf.T5ForConditionalGeneration,
+        hf.T5Config,
+        "seq2seq",
+        dict(
+            vocab_size=VOCAB_SIZE,
+            d_model=HIDDEN,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+        ),
+    ),
+    Family(
+        "BART",
+        hf.BartForConditionalGeneration,
+        hf.BartConfig,
+        "seq2seq",
+        dict(
+            vocab_size=VOCAB_SIZE,
+            d_model=HIDDEN,
+            encoder_layers=1,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        ),
+    ),
 ]
 
 FAMILY = {family.name: family for family in FAMILIES}

@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
-from hf_private.integrations.losses import default_per_example_loss
+from hf_private.integrations.losses import default_per_example_loss, with_decoder_inputs
 
 from .families import FAMILIES, Family
 
@@ -77,14 +77,18 @@ def batch(family: Family) -> dict[str, torch.Tensor]:
     ids[1, 6:] = 0
     if family.task == "causal":
         labels = ids.masked_fill(mask == 0, -100)
+    elif family.task == "seq2seq":  # targets of their own lengths, padded on their side too
+        labels = torch.randint(4, 64, (BATCH, SEQ // 2), generator=gen)
+        labels[2, 2:] = -100
     else:
         labels = torch.randint(0, 2, (BATCH,), generator=gen)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _loss(model, inputs, rows=slice(None)) -> torch.Tensor:
-    features = {k: v[rows] for k, v in inputs.items() if k != "labels"}
-    return default_per_example_loss(model, model(**features), inputs["labels"][rows]).sum()
+    labels = inputs["labels"][rows]
+    features = with_decoder_inputs(model, {k: v[rows] for k, v in inputs.items() if k != "labels"}, labels)
+    return default_per_example_loss(model, model(**features), labels).sum()
 
 
 def run_cell(family: Family, mode: str) -> Cell:
