@@ -284,3 +284,21 @@ def test_packed_chunks_are_refused_with_what_to_do():
     with pytest.raises(UnsupportedLayerError, match=r"mlp\.gate \(MixtralTopKRouter\).*Pad each example"):
         with engine.recording(2, packed=[5, 7]):
             model(input_ids=ids, position_ids=positions, use_cache=False)
+
+
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm", "batched_mm"])
+def test_bf16_autocast_replays_in_the_forwards_dtype(kernel):
+    """Under bf16 autocast eager and batched_mm multiply in bf16 but grouped_mm in the weights' float32: the replay
+    follows the forward (else the engine's first-chunk check against autograd fails, 1.7e-3 against 1e-3)."""
+    model = mixtral()
+    model.set_experts_implementation(kernel)
+    model.train()
+    batch = _batch()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    with engine.recording(BATCH):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, batch)
+        loss.backward()
+    assert torch.isfinite(engine.finish_backward()).all()
+    assert engine.verified

@@ -34,6 +34,16 @@ _PROBE_TOKENS = 6
 _PROBE_TOLERANCE = 1e-4
 
 
+def _forward_compute_dtype(module: Any, hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls ran in: autocast's where it reaches them (eager's F.linear, batched_mm's bmm),
+    else the weights' (grouped_mm casts its input to them)."""
+    device = hidden.device.type
+    kernel = getattr(getattr(module, "config", None), "_experts_implementation", "eager")
+    if torch.is_autocast_enabled(device) and kernel != "grouped_mm":
+        return torch.get_autocast_dtype(device)
+    return module.gate_up_proj.dtype
+
+
 def _chunk_tokens(module: nn.Module, tokens: int, rows: int) -> int:
     """Tokens per row of the chunk: the block flattened [rows, T, H] to rows·T token rows."""
     if rows < 1 or tokens % rows:
@@ -119,13 +129,15 @@ class FusedExpertsHandler(LayerHandler):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         hidden, index, weights = [*args, *(kwargs[n] for n in names[len(args) :])][:3]
         _chunk_tokens(module, hidden.shape[0], rows)
-        rows_marker = torch.empty(rows, 0)  # the chunk's rows travel with what is saved
-        return ((hidden, index, weights, rows_marker) if save_input else None), output
+        # an empty [rows, 0] tensor carries the chunk's rows and the dtype the forward's matmuls ran in
+        marker = torch.empty(rows, 0, dtype=_forward_compute_dtype(module, hidden))
+        return ((hidden, index, weights, marker) if save_input else None), output
 
     def terms(self, module, saved, grad_output, trainable):
-        hidden, index, weights, rows_marker = saved
-        rows = rows_marker.shape[0]
-        factors = _routed_factors(module, in_compute_dtype(hidden, grad_output), index, weights, grad_output)
+        hidden, index, weights, marker = saved
+        rows = marker.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):  # replayed in the forward's dtype, whatever is on
+            factors = _routed_factors(module, hidden, index, weights, grad_output.to(marker.dtype))
         pair_example = factors.pop("token") // _chunk_tokens(module, hidden.shape[0], rows)
         out: dict[str, Term] = {}
         for name in ("gate_up_proj", "down_proj"):
@@ -152,7 +164,7 @@ def _routed_factors(
     token = order // top_k
     pair_weight = weights.reshape(-1)[order].to(grad_output.dtype).unsqueeze(1)
     dtype = grad_output.dtype
-    x = hidden[token]
+    x = hidden[token].to(dtype)
     out_grad = grad_output[token] * pair_weight  # w·G: the down projection's output gradient
     gate_up_left = x.new_empty(x.shape[0], module.gate_up_proj.shape[1])
     hidden_act = x.new_empty(x.shape[0], module.down_proj.shape[2])
