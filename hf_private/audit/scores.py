@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.support import with_decoder_inputs
 from .canaries import input_embedding
 
 WHITE_BOX = "white-box"
@@ -32,7 +33,7 @@ def _batches(trainer, rows: list[dict[str, Any]], batch_size: int = 64):
         batch = {k: v.to(trainer.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
         batch.pop("label", None)
-        yield batch, labels
+        yield with_decoder_inputs(trainer.model, batch, labels), labels  # a seq2seq decoder reads its own target
 
 
 def _in_eval_mode(function):

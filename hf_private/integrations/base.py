@@ -29,14 +29,8 @@ from torch import nn
 
 from ..data.packing import PACKED_LENGTHS_KEY, PACKED_ROWS_KEY, packed_layout
 from ..data.rows import rows_per_example
-from ..models.support import is_causal_lm
-from .losses import (
-    PerExampleLoss,
-    check_packed_head,
-    default_per_example_loss,
-    packed_causal_lm_losses,
-    with_decoder_inputs,
-)
+from ..models.support import is_causal_lm, with_decoder_inputs
+from .losses import PerExampleLoss, check_packed_head, default_per_example_loss, packed_causal_lm_losses
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ mean (over tokens, for language models), which couples examples through the norm
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,7 @@ from torch import nn
 from ..data.labels import IGNORE_INDEX
 from ..data.packing import PackedLayout
 from ..models.peft import unwrap_peft
-from ..models.support import is_causal_lm, is_seq2seq_lm
+from ..models.support import is_causal_lm
 
 PerExampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 
@@ -80,7 +79,7 @@ def head_losses(model: nn.Module, outputs, labels: torch.Tensor, label_smoothing
     """ℓ_b as the model's own loss would compute it for example b alone: sequence classification/regression,
     multi-label (mean over labels), token classification, causal LM and encoder-decoder LM (mean over the example's
     tokens; an encoder-decoder's logits are already aligned with its labels, its decoder inputs being the labels
-    shifted right: `with_decoder_inputs`). Label padding (-100) is never a token of the example.
+    shifted right: `models.support.with_decoder_inputs`). Label padding (-100) is never a token of the example.
 
     `label_smoothing` is TrainingArguments.label_smoothing_factor, applied per example as Trainer's LabelSmoother
     applies it to the batch (for the cross-entropy heads; it has no meaning for regression or multi-label).
@@ -112,20 +111,6 @@ def head_losses(model: nn.Module, outputs, labels: torch.Tensor, label_smoothing
         f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)} and labels of shape "
         f"{tuple(labels.shape)}. Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) -> [B]."
     )
-
-
-def with_decoder_inputs(model: nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
-    """An encoder-decoder LM's inputs with its decoder inputs made from the labels, when the batch has none.
-
-    Handed `labels`, such a model shifts them right into `decoder_input_ids` itself (T5's `_shift_right`, BART's
-    `shift_tokens_right`: -100 replaced by the pad id) and computes a batch-mean loss, which would couple the examples.
-    The per-example loss keeps the labels from it, so the shift is done here with the model's own
-    `prepare_decoder_input_ids_from_labels`: each pair's decoder reads only its own target.
-    """
-    if not is_seq2seq_lm(model) or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
-        return inputs
-    base: Any = unwrap_peft(model)
-    return {**inputs, "decoder_input_ids": base.prepare_decoder_input_ids_from_labels(labels=labels)}
 
 
 def packed_causal_lm_losses(

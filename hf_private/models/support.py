@@ -7,6 +7,9 @@ models (T5, BART) are no exception: their privacy unit is one (source, target) p
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from .peft import unwrap_peft
@@ -26,3 +29,17 @@ def is_seq2seq_lm(model: nn.Module) -> bool:
     base = unwrap_peft(model)
     encoder_decoder = getattr(getattr(base, "config", None), "is_encoder_decoder", False) is True
     return encoder_decoder and callable(getattr(base, "prepare_decoder_input_ids_from_labels", None))
+
+
+def with_decoder_inputs(model: nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
+    """An encoder-decoder LM's inputs with its decoder inputs made from the labels, when the batch has none.
+
+    Handed `labels`, such a model shifts them right into `decoder_input_ids` itself (T5's `_shift_right`, BART's
+    `shift_tokens_right`: -100 replaced by the pad id) and computes a batch-mean loss, which would couple the examples.
+    The per-example loss keeps the labels from it, so the shift is done here with the model's own
+    `prepare_decoder_input_ids_from_labels`: each pair's decoder reads only its own target.
+    """
+    if not is_seq2seq_lm(model) or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return inputs
+    base: Any = unwrap_peft(model)
+    return {**inputs, "decoder_input_ids": base.prepare_decoder_input_ids_from_labels(labels=labels)}

@@ -28,7 +28,8 @@ from transformers import (
 from hf_private import DPConfig, privatize
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.engine.independence import check_example_independence, example_alone
-from hf_private.integrations.losses import default_per_example_loss, with_decoder_inputs
+from hf_private.integrations.losses import default_per_example_loss
+from hf_private.models.support import with_decoder_inputs
 from tests.support import tiny
 
 PAD, BOS, EOS = 0, 2, 3  # the demo tokenizer's [PAD], [CLS], [SEP]

@@ -21,7 +21,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
-from hf_private.integrations.losses import default_per_example_loss, with_decoder_inputs
+from hf_private.integrations.losses import default_per_example_loss
+from hf_private.models.support import with_decoder_inputs
 
 from .families import FAMILIES, Family
 

@@ -1,7 +1,16 @@
 """One handler per layer type; adding a layer type is adding one file that registers itself."""
 
-from . import conv, conv1d, embedding, layer_norm, linear, moe, rms_norm  # noqa: F401  (registration on import)
-from . import learned_positions, relative_position_bias  # noqa: F401  (encoder-decoder position rules)
+from . import (  # noqa: F401  (registration on import)
+    conv,
+    conv1d,
+    embedding,
+    layer_norm,
+    learned_positions,
+    linear,
+    moe,
+    relative_position_bias,
+    rms_norm,
+)
 from .base import LayerHandler, UnsupportedLayerError
 from .registry import handler_for, register_layer, supported_layer_names
 from .rules import rule_for
