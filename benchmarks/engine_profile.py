@@ -22,7 +22,17 @@ from collections import Counter
 
 import torch
 
-from benchmarks.speed import CLIP, SIGMA, HfPrivate, NonPrivate, build, make_chunks, noise_seconds, per_example_loss
+from benchmarks.speed import (
+    CLIP,
+    MODELS,
+    SIGMA,
+    HfPrivate,
+    NonPrivate,
+    build,
+    make_chunks,
+    noise_seconds,
+    per_example_loss,
+)
 from hf_private.engine.terms import ghost_norm_is_cheaper
 
 
@@ -74,7 +84,7 @@ def engine_profile(profile: cProfile.Profile, steps: int, top: int = 25) -> list
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bert-base", choices=("bert-base", "roberta-base", "gpt2-small"))
+    parser.add_argument("--model", default="bert-base", choices=sorted(MODELS))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=4)
