@@ -323,3 +323,34 @@ def test_the_gain_rule_reads_the_normalisation_off_one_forward_where_the_probe_f
     model = Tower(norm(6)).double()
     engine = _assert_matches_oracle(model, rtol=1e-7)
     assert _rule(engine, model.layer).unit_gain == unit_gain
+
+
+class TokenMixer(nn.Module):
+    """Sees the chunk's tokens flattened to rows, as a mixture of experts' layers do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x):
+        return (x.reshape(-1, x.shape[-1]) @ self.weight).reshape(x.shape)
+
+
+class Flattened(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mixer = TokenMixer(width)
+
+    def forward(self, x):
+        return self.mixer(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+def test_the_generic_rule_refuses_a_module_whose_rows_are_not_the_chunks():
+    """Replayed per row, a module fed flattened tokens would get per-token gradients (and hold one copy per token):
+    refused in the forward, naming the module."""
+    model = Tower(Flattened(6))
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    with pytest.raises(UnsupportedLayerError, match=r"TokenMixer's output has shape \(20, 6\) in a chunk of 4 rows"):
+        with engine.recording(BATCH):
+            _loss(model, _ids())

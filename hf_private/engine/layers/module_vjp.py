@@ -58,6 +58,13 @@ class ModuleVJPHandler(LayerHandler):
                 "gradient rule replays modules with one output tensor. Freeze its parameters (requires_grad=False) or "
                 "train the model with LoRA."
             )
+        if output.dim() == 0 or output.shape[0] != rows:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__}'s output has shape {tuple(output.shape)} in a chunk of {rows} rows: its rows "
+                "are not the chunk's (a module that sees flattened tokens, as an unregistered mixture-of-experts "
+                "layer does, or a batch-wide tensor), so the generic per-example gradient rule cannot replay it one "
+                "example at a time. Freeze its parameters (requires_grad=False) or train the model with LoRA."
+            )
         return (args, kwargs), output
 
     def terms(self, module, saved, grad_output, trainable):
