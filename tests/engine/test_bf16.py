@@ -24,6 +24,7 @@ from hf_private.engine import PerExampleGradientEngine, independence, terms
 from hf_private.engine.independence import RTOL_LOW_PRECISION
 from hf_private.integrations.losses import default_per_example_loss
 from tests.support import tiny
+from tests.support.families import FAMILY
 from tests.support.helpers import snapshot, training_args
 
 BATCH = 5
@@ -68,6 +69,8 @@ CASES = {  # name: (factory, task, what each covers)
     "bert-lora": (lambda: _lora(tiny.bert(), "SEQ_CLS"), "cls"),  # LoRA + the trainable classifier head
     "torch-rmsnorm": (RMSNormNet, "cls"),  # nn.RMSNorm with a bf16 input
     "roberta-multiple-choice": (tiny.roberta_multiple_choice, "mc"),  # rows grouped per example (group_rows)
+    "qwen3": (FAMILY["Qwen3"].build, "lm"),  # q/k norms: the norm rule matched by probe, fp32 statistics
+    "gemma3": (FAMILY["Gemma 3"].build, "lm"),  # x̂·(1 + w) norms and the √d-scaled embedding, both matched
 }
 
 
