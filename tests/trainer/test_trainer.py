@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorForLanguageModeling, TrainerCallback
 
 from hf_private import BudgetError, DPConfig, PrivateTrainer, UnsupportedLayerError
+from hf_private.engine.layers import module_vjp
 from hf_private.privacy import MechanismGroup, compute_epsilon
 from hf_private.release.artifacts import LEDGER_NAME
 from tests.support import tiny
@@ -262,13 +263,26 @@ def test_no_trainable_parameters_is_refused(tmp_path):
         make_trainer(tmp_path, model=model)
 
 
-def test_unsupported_trainable_layer_is_refused(tmp_path):
+def _conv_head_bert():
     model = tiny.bert()
     model.classifier = torch.nn.Sequential(
         torch.nn.Unflatten(1, (1, 32)), torch.nn.Conv1d(1, 2, 32), torch.nn.Flatten()
     )
-    with pytest.raises(UnsupportedLayerError, match="Conv1d"):
-        make_trainer(tmp_path, model=model)
+    return model
+
+
+def test_a_layer_without_a_dedicated_rule_trains_under_the_generic_rule(tmp_path):
+    trainer = make_trainer(tmp_path, model=_conv_head_bert(), max_steps=1)
+    assert any("generic" in line and "Conv1d ×1" in line for line in trainer.privacy_run.engine.rule_lines())
+    trainer.train()
+
+
+def test_a_trainable_layer_the_engine_cannot_handle_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        module_vjp, "MAX_PARAMETERS", 10
+    )  # the conv's 66 elements are then too many to hold per example
+    with pytest.raises(UnsupportedLayerError, match=r"classifier\.1 \(Conv1d\).*66 elements.*LoRA"):
+        make_trainer(tmp_path, model=_conv_head_bert())
 
 
 def test_unreachable_target_is_refused_before_training(tmp_path):
