@@ -23,6 +23,7 @@ stays refused, as its shape can coincide with the chunk's; the trainer's indepen
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import operator
 from collections import Counter, OrderedDict, defaultdict
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ..data.packing import PackedLayout
@@ -170,21 +171,67 @@ class _Chunk:
             )
 
 
-@dataclass
-class _Call:
-    layer: _HookedLayer
-    saved: Any  # a tensor, a structure of tensors (the generic rule's inputs), or None
-    saved_version: tuple[int, ...]
-    terms: dict[str, Term] = field(default_factory=dict)
+class _Stash(torch.autograd.Function):
+    """Holds a layer's saved inputs as autograd holds its own saved tensors, through the saved-tensor hooks in force:
+    inside a non-reentrant activation-checkpointed segment they are dropped after the forward and recomputed when
+    backward reads them, under `save_on_cpu` they wait on the host; elsewhere they are kept as they are."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return (grad, *(None for _ in ctx.saved_tensors))
 
 
-def _versions(saved: Any) -> tuple[int, ...]:
-    """The saved tensors' version counters: a change means the input was modified in place after the forward."""
-    return tuple(t._version for t in tree_leaves(saved) if isinstance(t, torch.Tensor))
+_STASHED = object()
 
 
 def _shapes(saved: Any) -> str:
-    return ", ".join(str(tuple(t.shape)) for t in tree_leaves(saved) if isinstance(t, torch.Tensor))
+    return ", ".join(str(tuple(t.shape)) for t in tree_flatten(saved)[0] if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _SavedInput:
+    """A layer's saved input (a tensor or a structure of tensors), stashed through `_Stash` until its backward."""
+
+    holder: torch.Tensor  # the stash's output: its grad_fn holds the tensors
+    spec: TreeSpec
+    leaves: list  # the structure's leaves, each tensor's place marked _STASHED (the tensors live in the stash)
+
+    @classmethod
+    def stash(cls, saved: Any) -> _SavedInput | None:
+        if saved is None:
+            return None
+        leaves, spec = tree_flatten(saved)
+        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        with torch.enable_grad():
+            holder = _Stash.apply(torch.empty(0, requires_grad=True), *tensors)
+        return cls(holder, spec, [_STASHED if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+
+    def unstash(self, layer_name: str) -> Any:
+        """The saved input, read once in backward (recomputed there when the layer's segment was checkpointed)."""
+        node: Any = self.holder.grad_fn  # the stash's backward node
+        try:
+            tensors = iter(node.saved_tensors)
+        except RuntimeError as error:
+            if "inplace operation" not in str(error):
+                raise
+            raise RuntimeError(
+                f"The input of {layer_name} was modified in place after the forward pass; its per-example gradient "
+                "cannot be computed."
+            ) from error
+        return tree_unflatten([next(tensors) if leaf is _STASHED else leaf for leaf in self.leaves], self.spec)
+
+
+@dataclass
+class _Call:
+    layer: _HookedLayer
+    order: int  # the call's place in the forward pass: terms are reduced in this order, checkpointed or not
+    saved: _SavedInput | None
+    terms: dict[str, Term] = field(default_factory=dict)
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -213,7 +260,8 @@ class PerExampleGradientEngine:
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}
         self._chunk_transforms: OrderedDict[int, ChunkTransform] = OrderedDict()
         self._norm_hooks: OrderedDict[int, NormHook] = OrderedDict()
-        self._calls: list[_Call] = []
+        self._calls: list[_Call] = []  # the calls whose terms backward has formed, this chunk
+        self._call_order = itertools.count()
         self._rows: int | None = None  # rows the model sees while a chunk is recorded (None: not recording)
         self._packed: PackedTokens | None = None  # a packed chunk's examples, while it is recorded
         self._chunk: _Chunk | None = None  # the chunk that `finish_backward` will reduce
@@ -337,16 +385,19 @@ class PerExampleGradientEngine:
         return layers
 
     def _claiming_owner(self, name: str, module: nn.Module, own: dict[str, nn.Parameter]):
-        """The parent and its dedicated rule in the module's place when that rule claims these parameters of it (T5's
-        attention claims its relative_attention_bias: the bias gets a batch dimension only in the attention's forward);
+        """The outermost ancestor whose dedicated rule claims these parameters of it, with all it claims, in the
+        module's place (T5's attention claims its relative_attention_bias: the bias gets a batch dimension only in the
+        attention's forward; PEFT's ParamWrapper its adapters' factors, used as ΔW inside the base module's forward);
         else the module itself, without a rule yet."""
-        parent_name, _, child = name.rpartition(".")
-        parent = self.model.get_submodule(parent_name) if name else None
-        rule = handler_for(parent) if parent is not None else None
-        claimed = {f"{child}.{n}": p for n, p in own.items()}
-        if rule is None or not set(claimed) <= set(rule.params):
-            return name, module, own, None
-        return parent_name, parent, claimed, rule
+        parts = name.split(".") if name else []
+        for depth in range(len(parts)):
+            ancestor_name, child = ".".join(parts[:depth]), ".".join(parts[depth:])
+            ancestor = self.model.get_submodule(ancestor_name)
+            rule = handler_for(ancestor)
+            claimed = rule.claimed(ancestor) if rule is not None else {}
+            if claimed and all(f"{child}.{n}" in claimed for n in own):
+                return ancestor_name, ancestor, claimed, rule
+        return name, module, own, None
 
     def rule_lines(self) -> list[str]:
         """Which per-example gradient rule each trainable module uses: one line per rule, counted by module type."""
@@ -390,9 +441,8 @@ class PerExampleGradientEngine:
             if self._packed is not None and layer.handler.packed_refusal:
                 raise UnsupportedLayerError(f"{layer.name}: {layer.handler.packed_refusal}")
             saved, watched = layer.handler.on_forward(module, args, kwargs, output, self._rows, layer.save_input)
-            saved = tree_map_only(torch.Tensor, torch.Tensor.detach, saved)  # the values only, never the forward graph
-            call = _Call(layer, saved, _versions(saved))
-            self._calls.append(call)
+            # the values only, never the forward graph; recomputed in backward when the layer is checkpointed
+            call = _Call(layer, next(self._call_order), _SavedInput.stash(saved))
             if not watched.requires_grad:  # nothing trainable upstream: start the backward graph here
                 if not isinstance(output, torch.Tensor):
                     raise UnsupportedLayerError(
@@ -407,12 +457,9 @@ class PerExampleGradientEngine:
 
     def _grad_hook(self, call: _Call):
         def hook(grad_output: torch.Tensor) -> None:
-            if _versions(call.saved) != call.saved_version:
-                raise RuntimeError(
-                    f"The input of {call.layer.name} was modified in place after the forward pass; its "
-                    "per-example gradient cannot be computed."
-                )
-            saved = call.saved
+            # read while the chunk's rows are set: a checkpointed segment's recompute must stash as its forward did
+            saved = call.saved.unstash(call.layer.name) if call.saved is not None else None
+            call.saved = None
             packed = self._packed
             # one example per row, as a padded chunk (a token layer's output gradient is [rows, width, features])
             if packed is not None and not (grad_output.dim() >= 3 and packed.holds(grad_output)):
@@ -433,7 +480,7 @@ class PerExampleGradientEngine:
                 self._rows = rows
             if packed is not None:  # a factored term's sum then runs over the examples' own tokens
                 call.terms = packed.marked(call.terms)
-            call.saved = None  # keep only what the terms reference
+            self._calls.append(call)  # a call whose backward never comes (a recompute's own graph) is never reduced
 
         return hook
 
@@ -524,7 +571,7 @@ class PerExampleGradientEngine:
             raise RuntimeError("finish_backward() must follow a backward pass run inside engine.recording().")
         by_param: dict[nn.Parameter, list] = defaultdict(list)
         rows = []
-        for call in self._calls:
+        for call in sorted(self._calls, key=operator.attrgetter("order")):
             for name, term in call.terms.items():
                 by_param[call.layer.trainable[name]].append(term)
                 rows.append((call.layer, term.batch_size))

@@ -341,13 +341,6 @@ def check_training_args(
     """Refuse what cannot be honoured; replace Trainer's gradient clipping by the per-example clip, saying so."""
     if args.fp16:
         raise ValueError("fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.")
-    if args.activation_checkpointing or args.gradient_checkpointing:
-        raise ValueError(
-            "activation_checkpointing=True (gradient_checkpointing, its deprecated alias) is not supported yet: "
-            "activation checkpointing re-runs the forward pass, and its hooks, during backward. Set "
-            f"{type(args).__name__}(activation_checkpointing=False). TRL's SFTConfig and DPOConfig turn it on by "
-            "default (gradient_checkpointing=True): pass activation_checkpointing=False to them."
-        )
     if args.torch_compile:  # also set by torch_compile_backend or torch_compile_mode
         raise ValueError(
             "torch_compile=True is not supported: the hooks that compute and clip each example's gradient register "
@@ -439,17 +432,6 @@ def check_model(model: nn.Module | None) -> nn.Module:
         raise ValueError(
             f"BatchNorm layers {batch_norms} mix examples in train mode, which breaks per-example clipping and "
             "the guarantee. Replace them with GroupNorm/LayerNorm (opacus.validators.ModuleValidator.fix)."
-        )
-    # the model's own switch, which the arguments never see (named `is_gradient_checkpointing` before transformers 5.x)
-    switch = (
-        "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
-    )
-    if getattr(model, switch, False):
-        raise ValueError(
-            "The model has activation (gradient) checkpointing turned on, as peft's prepare_model_for_kbit_training "
-            "does by default: it is not supported yet, as it re-runs the forward pass, and its hooks, during backward. "
-            "Call prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), or turn it off with "
-            "model.gradient_checkpointing_disable(), before creating the trainer."
         )
     return model
 

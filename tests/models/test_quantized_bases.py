@@ -227,11 +227,24 @@ def test_sft_trainer_with_peft_config_trains_on_a_4bit_base(base_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------- refusals
-def test_gradient_checkpointing_from_prepare_model_for_kbit_training_is_refused(base_dir, tmp_path):
-    """peft turns the model's own checkpointing on by default; the training arguments never see it."""
-    model = get_peft_model(prepare_model_for_kbit_training(quantized(base_dir, "nf4")), lora_config())
-    with pytest.raises(ValueError, match=r"checkpointing turned on.*use_gradient_checkpointing=False"):
-        _lm_trainer(model, tmp_path, DPConfig(noise_multiplier=1.0))
+def test_qlora_as_peft_prepares_it_trains_with_its_activation_checkpointing(base_dir, tmp_path):
+    """prepare_model_for_kbit_training turns the model's own checkpointing on by default (the training arguments
+    never see it): the released adapters equal those of the same run without checkpointing."""
+    released = {}
+    for checkpointing in (True, False):
+        model = prepare_model_for_kbit_training(quantized(base_dir, "nf4"), use_gradient_checkpointing=checkpointing)
+        assert model.is_activation_checkpointing is checkpointing
+        torch.manual_seed(1)
+        trainer = _lm_trainer(
+            get_peft_model(model, lora_config()),
+            tmp_path / str(checkpointing),
+            DPConfig(noise_multiplier=1.0, noise_seed=3),
+        )
+        trainer.train()
+        released[checkpointing] = torch.cat(
+            [p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad]
+        )
+    assert (released[True] - released[False]).norm() <= 1e-5 * released[False].norm()
 
 
 def test_a_trainable_quantized_weight_is_refused_by_name(base_dir, tmp_path):

@@ -255,10 +255,6 @@ def _lora():
 
 
 SFT = "is not supported by private trl.SFTTrainer training: "
-CHECKPOINTING = (
-    "activation_checkpointing=True (gradient_checkpointing, its deprecated alias) is not supported yet: "
-    "activation checkpointing re-runs the forward pass, and its hooks, during backward."
-)
 
 
 def _dpo(
@@ -416,16 +412,6 @@ ROWS = [
         "fp16 with a GradScaler rescales gradients before clipping; use bf16=True or fp32.",
         args=dict(fp16=True),
     ),
-    *[
-        _row(
-            name,
-            ValueError,
-            f"{CHECKPOINTING} Set TrainingArguments(activation_checkpointing=False). TRL's "
-            "SFTConfig and DPOConfig turn it on by default",
-            args={name: True},
-        )
-        for name in ("gradient_checkpointing", "activation_checkpointing")
-    ],
     _row("torch_compile", ValueError, "torch_compile=True is not supported", args=dict(torch_compile=True)),
     *[
         _row(
@@ -495,13 +481,6 @@ ROWS = [
         _sft(model=_tiny_mixtral),
         ValueError,
         f"router_aux_loss_coef=None {SFT}the Mixture-of-Experts load-balancing loss",
-    ),
-    Row(
-        "sft-gradient_checkpointing-SFTConfig-default",
-        _sft(gradient_checkpointing=True),
-        ValueError,
-        f"{CHECKPOINTING} Set SFTConfig(activation_checkpointing=False). TRL's SFTConfig and DPOConfig turn it on by "
-        "default (gradient_checkpointing=True): pass activation_checkpointing=False to them.",
     ),
     Row(
         "sft-no-column-it-prepares-from",
