@@ -282,7 +282,7 @@ LONG = [_pair(6, 8 - i, 3 + i, 5 * i) for i in range(6)]
 ADDED = _pair(2, 10, 10, 3)
 
 
-def released_sum(tmp_path, rows: list[dict], clip: float) -> torch.Tensor:
+def released_sum(tmp_path, rows: list[dict], clip: float, **config) -> torch.Tensor:
     """Σ of the clipped per-pair gradients plus the replayed noise, read off one SGD step at q = 1."""
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
@@ -299,6 +299,7 @@ def released_sum(tmp_path, rows: list[dict], clip: float) -> torch.Tensor:
         lr_scheduler_type="constant",
         weight_decay=0.0,
         beta=1.0,
+        **config,
     )
     assert trainer.sample_rate == 1.0
     trainer.train()
@@ -306,9 +307,12 @@ def released_sum(tmp_path, rows: list[dict], clip: float) -> torch.Tensor:
     return (before - after) * len(rows)
 
 
-def sensitivity(tmp_path, rows: list[dict], clip: float) -> float:
+def sensitivity(tmp_path, rows: list[dict], clip: float, **config) -> float:
     return float(
-        (released_sum(tmp_path / "with", [*rows, ADDED], clip) - released_sum(tmp_path / "without", rows, clip)).norm()
+        (
+            released_sum(tmp_path / "with", [*rows, ADDED], clip, **config)
+            - released_sum(tmp_path / "without", rows, clip, **config)
+        ).norm()
     )
 
 

@@ -167,7 +167,7 @@ def batch_normalised_loss(model, outputs, labels):
     return tokens.sum(1) / (labels != IGNORE_INDEX).sum()
 
 
-def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Tensor:
+def released_sum(tmp_path, rows: list[dict], clip: float, loss=None, **config) -> torch.Tensor:
     """Σ of the clipped per-example gradients plus the replayed noise, read off one SGD step at q = 1."""
     model = tiny.llama()
     before = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
@@ -183,6 +183,7 @@ def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Te
         optim="sgd",
         lr_scheduler_type="constant",
         weight_decay=0.0,
+        **config,
     )
     assert trainer.sample_rate == 1.0
     trainer.train()
@@ -190,12 +191,12 @@ def released_sum(tmp_path, rows: list[dict], clip: float, loss=None) -> torch.Te
     return (before - after) * len(rows)
 
 
-def sensitivity(tmp_path, rows: list[dict], clip: float, loss=None) -> float:
+def sensitivity(tmp_path, rows: list[dict], clip: float, loss=None, **config) -> float:
     """‖released sum with ADDED − without‖: the noise is the same in both, so it cancels."""
     return float(
         (
-            released_sum(tmp_path / "with", [*rows, ADDED], clip, loss)
-            - released_sum(tmp_path / "without", rows, clip, loss)
+            released_sum(tmp_path / "with", [*rows, ADDED], clip, loss, **config)
+            - released_sum(tmp_path / "without", rows, clip, loss, **config)
         ).norm()
     )
 
