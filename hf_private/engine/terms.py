@@ -6,7 +6,8 @@ A layer call contributes to a parameter's per-example gradient in one of three s
 * `IndexTerm`:   g_b = Σ_t e_{index[b,t]} ⊗ right[b,t]  (Embedding weights; rows picked by token id)
 * `SampleTerm`:  g_b given explicitly, shape [B, *param.shape]  (biases, norm gains: cheap to hold)
 * `RoutedOuterTerm`: g_b[e] = Σ_{s of b routed to e} left[s] ⊗ right[s]  (a mixture of experts' stacked expert
-  weights [E, P, D]: one factor pair per (token, expert) pair the router chose, never [B, E, P, D])
+  weights [E, P, D]: one factor pair per (token, expert) pair the router chose; `routed_outer_term` instantiates
+  [B, E, P, D] instead where that is no larger than the pairs, as `outer_product_term` does for a linear layer)
 
 Besides the L2 algebra of the flat clip (`squared_norm`, `inner`, `clipped_sum`) this module holds what reducers and
 methods need on the same terms: an L1 norm (`combined_l1_norm`), and masks applied to every example's gradient
@@ -79,8 +80,8 @@ class RoutedOuterTerm:
     expert) pair the router chose: g_b[e] = Σ_{s: example[s] = b, expert[s] = e} left[s] ⊗ right[s].
 
     An expert's per-example gradient is a linear layer's over the example's tokens routed to it, so the ghost norm
-    and the clipped sum run per expert on the pairs alone; the [B, E, P, D] gradients are never formed (an example
-    touches each expert's whole weight, so they would be E/K times a dense layer's).
+    runs per (example, expert) on its pairs alone and the clipped sum per expert; `routed_outer_term` decides, as for
+    a linear layer, whether the pairs or the [B, E, P, D] gradients are the smaller thing to hold.
     """
 
     left: torch.Tensor  # [S, P]
@@ -455,8 +456,8 @@ def instantiate(term) -> torch.Tensor:
         return out.scatter_add_(1, term.index.unsqueeze(2).expand(-1, -1, width), term.right)
     if isinstance(term, RoutedOuterTerm):
         out = term.left.new_zeros(term.examples, term.experts, term.left.shape[1], term.right.shape[1])
-        for expert, left, right in _padded_by_expert(term):
-            out[:, expert] = torch.bmm(left.transpose(1, 2), right)
+        for example, expert, left, right in _routed_segments(term):
+            torch.mm(left.t(), right, out=out[example, expert])
         return out
     return torch.einsum("btp,btd->bpd", term.left, term.right)
 
@@ -638,56 +639,73 @@ def _pairs_by_expert(term: RoutedOuterTerm):
         start += count
 
 
-def _padded_by_expert(term: RoutedOuterTerm):
-    """(expert, left [B, L, P], right [B, L, D]) per expert: each example's pairs routed to it, zero-padded to the
-    longest (L), so that an expert's per-example gradient is a linear layer's over L positions."""
-    for expert, pairs in _pairs_by_expert(term):
-        example = term.example[pairs]
-        order = torch.argsort(example, stable=True)
-        pairs, example = pairs[order], example[order]
-        sizes = torch.bincount(example, minlength=term.examples)
-        slot = torch.arange(example.numel(), device=example.device) - (torch.cumsum(sizes, 0) - sizes)[example]
-        longest = int(sizes.max())
-        left = term.left.new_zeros(term.examples, longest, term.left.shape[1])
-        right = term.right.new_zeros(term.examples, longest, term.right.shape[1])
-        left[example, slot] = term.left[pairs]
-        right[example, slot] = term.right[pairs]
-        yield expert, left, right
+def _routed_segments(term: RoutedOuterTerm):
+    """(example, expert, left [n, P], right [n, D]) for every (example, expert) with n ≥ 1 pairs routed to it: the
+    pairs of one example's gradient of one expert, unpadded. The experts' rule orders its pairs by expert, then token,
+    so they already lie in contiguous slices and nothing is gathered; any other order is sorted first."""
+    key = term.expert * term.examples + term.example
+    left, right = term.left, term.right
+    if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):
+        order = torch.argsort(key, stable=True)
+        key, left, right = key[order], left[order], right[order]
+    start = 0
+    for segment, count in enumerate(torch.bincount(key, minlength=term.experts * term.examples).tolist()):
+        if count:
+            expert, example = divmod(segment, term.examples)
+            yield example, expert, left[start : start + count], right[start : start + count]
+        start += count
+
+
+def routed_outer_term(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    example: torch.Tensor,
+    expert: torch.Tensor,
+    examples: int,
+    experts: int,
+) -> RoutedOuterTerm | SampleTerm:
+    """Keep an expert weight's pairs factored for the ghost norm, or instantiate its [B, E, P, D] per-example gradients
+    now, by `outer_product_term`'s rule with an example's mean pairs per expert as the sequence length. Instantiated,
+    the norm is one pass and the clipped sum a weighted sum over examples, where the factored clipped sum would run
+    the GEMMs again (Mixtral-shaped, T = 512: 256 pairs per example and expert, 2048×512 and 512×1024 experts)."""
+    term = RoutedOuterTerm(left=left, right=right, example=example, expert=expert, examples=examples, experts=experts)
+    pairs_per_segment = -(-left.shape[0] // max(examples * experts, 1))
+    if ghost_norm_is_cheaper(pairs_per_segment, left.shape[1], right.shape[1]):
+        return term
+    return SampleTerm(instantiate(term))
 
 
 def _routed_squared_norm(term: RoutedOuterTerm) -> torch.Tensor:
-    """Σ_e ‖g_b[e]‖²: per expert the ghost norm Σ_{s,t} (l_s·l_t)(r_s·r_t) over the example's pairs routed to it, or
-    the expert's [B, P, D] gradient formed for a moment where that is cheaper (`ghost_norm_is_cheaper`)."""
+    """Σ_e ‖g_b[e]‖²: per (example, expert) the ghost norm Σ_{s,t} (l_s·l_t)(r_s·r_t) over its pairs, or its [P, D]
+    gradient formed for a moment where that is cheaper (`ghost_norm_is_cheaper`)."""
     out = term.left.new_zeros(term.examples)
-    for _, left, right in _padded_by_expert(term):
-        if ghost_norm_is_cheaper(left.shape[1], left.shape[2], right.shape[2]):
-            grams = torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))
-            out += grams.flatten(1).sum(1)
+    for example, _, left, right in _routed_segments(term):
+        if ghost_norm_is_cheaper(left.shape[0], left.shape[1], right.shape[1]):
+            out[example] += ((left @ left.t()) * (right @ right.t())).sum()
         else:
-            out += torch.bmm(left.transpose(1, 2), right).pow(2).flatten(1).sum(1)
+            out[example] += (left.t() @ right).pow(2).sum()
     return out
 
 
 def _routed_inner(a, b) -> torch.Tensor:
-    """⟨g_b^a, g_b^b⟩ when one term is routed: expert by expert, against a routed or an instantiated term."""
+    """⟨g_b^a, g_b^b⟩ when one term is routed: per (example, expert), against a routed or an instantiated term."""
     if not isinstance(a, RoutedOuterTerm):
         a, b = b, a
     out = a.left.new_zeros(a.examples)
     if isinstance(b, SampleTerm):  # grad [B, E, P, D]
-        for expert, left, right in _padded_by_expert(a):
-            out += torch.einsum("bpd,blp,bld->b", b.grad[:, expert], left, right)
+        for example, expert, left, right in _routed_segments(a):
+            out[example] += ((left @ b.grad[example, expert]) * right).sum()
         return out
     if not isinstance(b, RoutedOuterTerm):
         raise TypeError(
             f"inner: a {type(b).__name__} and a RoutedOuterTerm cannot be terms of one parameter (stacked expert "
             "weights [experts, P, D] get routed or instantiated terms only)."
         )
-    other = {expert: (left, right) for expert, left, right in _padded_by_expert(b)}
-    for expert, left, right in _padded_by_expert(a):
-        if expert in other:
-            left_b, right_b = other[expert]
-            grams = torch.bmm(left, left_b.transpose(1, 2)) * torch.bmm(right, right_b.transpose(1, 2))
-            out += grams.flatten(1).sum(1)
+    other = {(example, expert): (left, right) for example, expert, left, right in _routed_segments(b)}
+    for example, expert, left, right in _routed_segments(a):
+        if (example, expert) in other:
+            left_b, right_b = other[example, expert]
+            out[example] += ((left @ left_b.t()) * (right @ right_b.t())).sum()
     return out
 
 

@@ -120,6 +120,15 @@ def test_full_dp_matches_fp64_per_example_loop(family):
     assert "generic" not in rules  # no MoE part fell to the per-example VJP
 
 
+def test_instantiated_experts_match_fp64_per_example_loop(monkeypatch):
+    """At T = 512 the experts' per-example gradients are formed ([B, E, P, D], `terms.routed_outer_term`) rather than
+    kept as pairs; the tiny model keeps pairs, so the choice is forced here to test that path against the oracle."""
+    monkeypatch.setattr(terms, "ghost_norm_is_cheaper", lambda *shape: False)
+    model = mixtral().double()
+    model.set_experts_implementation("eager")
+    _check_against_oracle(model)
+
+
 def test_lora_on_attention_matches_fp64_per_example_loop():
     model = mixtral().double()
     model.set_experts_implementation("eager")
@@ -127,12 +136,12 @@ def test_lora_on_attention_matches_fp64_per_example_loop():
     _check_against_oracle(get_peft_model(model, lora))
 
 
-def test_lora_on_experts_is_refused_with_what_to_do():
-    """PEFT's all-linear wraps the router and the fused experts in ParamWrapper, whose B·A is used outside any
-    module's forward: refused when the engine is built, naming the attention projections as the alternative."""
+def test_lora_on_experts_takes_the_parameter_lora_rule():
+    """PEFT's all-linear wraps the router and the fused experts in ParamWrapper, whose B·A is added inside the base
+    module: the outermost wrapper's rule claims every adapter (checked against the fp64 loop in test_moe_lora.py)."""
     model = get_peft_model(mixtral(), LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
-    with pytest.raises(UnsupportedLayerError, match=r"mlp\.gate \(MixtralTopKRouter\.weight\).*q_proj"):
-        PerExampleGradientEngine(model, 1.0)
+    rules = PerExampleGradientEngine(model, 1.0).rule_lines()
+    assert "Per-example gradient rule mixture-of-experts LoRA on parameters: 4 module(s) (ParamWrapper ×4)" in rules
 
 
 def _check_against_oracle(model) -> str:
@@ -206,6 +215,12 @@ def test_routed_term_algebra_matches_instantiated_gradients():
     assert close(terms.instantiate(terms.group_rows(routed, 2)), terms.group_rows(dense, 2).grad)
     assert close(terms.instantiate(terms.group_rows(routed, [1, 3])), terms.group_rows(dense, [1, 3]).grad)
     assert terms.cast_term(routed, torch.float32).left.dtype == torch.float32
+
+    # the experts' rule hands its pairs over through `routed_outer_term`: factored where the pairs are the smaller
+    # (here ~2 pairs per example and expert), else instantiated (Mixtral-shaped at T = 512: 256 pairs, 2048×512)
+    fields = {k: getattr(routed, k) for k in ("left", "right", "example", "expert", "examples", "experts")}
+    assert isinstance(terms.routed_outer_term(**fields), terms.RoutedOuterTerm)
+    assert not terms.ghost_norm_is_cheaper(256, 2048, 512)
 
 
 def test_experts_whose_forward_differs_are_refused():
@@ -286,10 +301,15 @@ def test_packed_chunks_are_refused_with_what_to_do():
             model(input_ids=ids, position_ids=positions, use_cache=False)
 
 
-@pytest.mark.parametrize("kernel", ["eager", "grouped_mm", "batched_mm"])
-def test_bf16_autocast_replays_in_the_forwards_dtype(kernel):
+@pytest.mark.parametrize(
+    "kernel, instantiated", [("eager", False), ("grouped_mm", False), ("batched_mm", False), ("eager", True)]
+)
+def test_bf16_autocast_replays_in_the_forwards_dtype(kernel, instantiated, monkeypatch):
     """Under bf16 autocast eager and batched_mm multiply in bf16 but grouped_mm in the weights' float32: the replay
-    follows the forward (else the engine's first-chunk check against autograd fails, 1.7e-3 against 1e-3)."""
+    follows the forward (else the engine's first-chunk check against autograd fails, 1.7e-3 against 1e-3), whether
+    the experts' pairs are kept or their per-example gradients formed (T = 512)."""
+    if instantiated:
+        monkeypatch.setattr(terms, "ghost_norm_is_cheaper", lambda *shape: False)
     model = mixtral()
     model.set_experts_implementation(kernel)
     model.train()

@@ -9,10 +9,11 @@ multiple of them, and packed rows, whose examples cannot be told apart in the fl
 * **experts** (`*Experts`, `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]): each (token, expert) pair the router
   chose computes w·W_down[e] (act(gate)·up) with [gate, up] = W_gate_up[e] x. An expert's per-example gradient is a
   linear layer's over the example's tokens routed to it, so the backward hook replays each expert's small graph on
-  its pairs from the saved (tokens, chosen experts, routing weights) and keeps the factors per pair
-  (`terms.RoutedOuterTerm`): down_proj: w·G ⊗ h, gate_up_proj: ∂L/∂[gate, up] ⊗ x. The replay does not depend on the
-  forward's kernel ("eager", "grouped_mm", "batched_mm"), and the rule is given only to modules whose output equals
-  that math on random inputs (checked once when the engine is built).
+  its pairs from the saved (tokens, chosen experts, routing weights) and hands over the factors per pair
+  (down_proj: w·G ⊗ h, gate_up_proj: ∂L/∂[gate, up] ⊗ x) to `terms.routed_outer_term`, which keeps them or forms
+  the [B, E, P, D] gradients, whichever is smaller. The replay does not depend on the forward's kernel ("eager",
+  "grouped_mm", "batched_mm"), and the rule is given only to modules whose output equals that math on random inputs
+  (checked once when the engine is built).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts, OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
-from ..terms import RoutedOuterTerm, Term, in_compute_dtype, outer_product_term
+from ..terms import Term, in_compute_dtype, outer_product_term, routed_outer_term
 from .base import LayerHandler, UnsupportedLayerError
 from .registry import register_layer
 
@@ -143,7 +144,7 @@ class FusedExpertsHandler(LayerHandler):
         for name in ("gate_up_proj", "down_proj"):
             if name in trainable:
                 left, right = factors[name]
-                out[name] = RoutedOuterTerm(
+                out[name] = routed_outer_term(
                     left=left,
                     right=right,
                     example=pair_example,
@@ -239,21 +240,8 @@ def _forward_matches_replay(module: Any) -> bool:
 
 
 def refuse_parameter_wrappers(model: nn.Module) -> None:
-    """Refuse LoRA adapters on parameters: PEFT's `ParamWrapper` (`target_parameters`, and `target_modules="all-linear"`
-    on a mixture of experts' router and fused expert tensors) adds ΔW = B·A to the wrapped weight while the base
-    module runs, so the adapters' weights are used outside the forward of the modules that own them (their lora_A /
-    lora_B Linears are never called) and no hook sees their per-example gradient."""
-    try:
-        from peft.tuners.lora.layer import ParamWrapper
-    except ImportError:  # a PEFT without LoRA on parameters
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, ParamWrapper) and any(p.requires_grad for p in module.parameters()):
-            raise UnsupportedLayerError(
-                f"{name} ({type(module.get_base_layer()).__name__}.{module.parameter_name}) carries a LoRA adapter on "
-                "a parameter (PEFT's ParamWrapper: target_parameters, or target_modules='all-linear' on a mixture of "
-                "experts' router and fused experts). Its B·A is added to the weight inside the base module, so its "
-                "per-example gradient is not seen and private training is refused. Target the attention projections "
-                "only (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])), or train the experts "
-                "and router fully (full DP trains them per example)."
-            )
+    """Refuse the LoRA adapters on parameters (PEFT's `ParamWrapper`) that `moe_lora` does not compute per example:
+    its B·A is added to the weight inside the base module, out of sight of any hook but that rule's."""
+    from .moe_lora import refuse_unsupported_parameter_wrappers  # imported here: moe_lora builds on this module
+
+    refuse_unsupported_parameter_wrappers(model)
