@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (registration on import)
     learned_positions,
     linear,
     moe,
+    moe_lora,
     relative_position_bias,
     rms_norm,
 )

@@ -28,6 +28,11 @@ class LayerHandler:
     def check(self, module: nn.Module, trainable: set[str]) -> None:
         """Raise `UnsupportedLayerError` for a configuration whose per-example gradient would be wrong."""
 
+    def claimed(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters of the module's descendants this rule computes in their modules' place (they are
+        used only inside this module's forward), by name inside the module: by default those of `params` with a dot."""
+        return {n: p for n, p in module.named_parameters() if "." in n and n in self.params and p.requires_grad}
+
     def needs_input(self, trainable: set[str]) -> bool:
         return any(name in trainable for name in self.input_params)
 

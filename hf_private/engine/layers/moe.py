@@ -28,7 +28,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qw
 
 from ..terms import Term, in_compute_dtype, outer_product_term, routed_outer_term
 from .base import LayerHandler, UnsupportedLayerError
-from .registry import register_layer
+from .registry import handler_for, register_layer
 
 _PROBE_TOKENS = 6
 # A wrong form misses by O(1) on random values; the forward may route its weights through float32 (Mixtral).
@@ -240,8 +240,21 @@ def _forward_matches_replay(module: Any) -> bool:
 
 
 def refuse_parameter_wrappers(model: nn.Module) -> None:
-    """Refuse the LoRA adapters on parameters (PEFT's `ParamWrapper`) that `moe_lora` does not compute per example:
-    its B·A is added to the weight inside the base module, out of sight of any hook but that rule's."""
-    from .moe_lora import refuse_unsupported_parameter_wrappers  # imported here: moe_lora builds on this module
-
-    refuse_unsupported_parameter_wrappers(model)
+    """Refuse, naming the module, LoRA adapters on parameters (PEFT's `ParamWrapper`: `target_parameters`, and
+    `target_modules="all-linear"` on a mixture of experts) that no rule computes per example: their B·A is added to the
+    weight inside the base module, out of sight of any hook but the outermost wrapper's rule (`moe_lora`), whose check
+    says what it covers. Checked before any layer, also where only the base weights under a wrapper train."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # a PEFT without LoRA on parameters
+        return
+    inner = {id(module.base_layer) for module in model.modules() if isinstance(module, ParamWrapper)}
+    for name, module in model.named_modules():
+        if not isinstance(module, ParamWrapper) or id(module) in inner:
+            continue
+        rule = handler_for(module)
+        if rule is not None and any(p.requires_grad for p in module.parameters()):
+            try:
+                rule.check(module, set(rule.claimed(module)))
+            except UnsupportedLayerError as error:
+                raise UnsupportedLayerError(f"{name}: {error}") from None
