@@ -21,6 +21,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
+from hf_private.engine.layers import handler_for
+from hf_private.engine.layers.moe import FusedExpertsHandler, TopKRouterHandler
 from hf_private.integrations.losses import default_per_example_loss
 from hf_private.models.support import with_decoder_inputs
 
@@ -45,7 +47,8 @@ class Cell:
 
 
 def select(model: torch.nn.Module, family: Family, mode: str) -> torch.nn.Module:
-    """What trains in each column: everything, a LoRA adapter on every linear layer (+ the head), or the biases."""
+    """What trains in each column: everything, a LoRA adapter on every linear layer (+ the head) and on a mixture of
+    experts' router and fused experts, or the biases."""
     if mode == "LoRA":
         config = LoraConfig(
             task_type=_LORA_TASK[family.task],
@@ -53,6 +56,7 @@ def select(model: torch.nn.Module, family: Family, mode: str) -> torch.nn.Module
             lora_alpha=8,
             lora_dropout=0.0,
             target_modules=_linear_layers_below_the_head(model),
+            target_parameters=_expert_parameters(model) or None,
         )
         return get_peft_model(model, config)
     if mode == "DP-BiTFiT":
@@ -67,6 +71,17 @@ def _linear_layers_below_the_head(model: torch.nn.Module) -> list[str]:
         name
         for name, module in model.named_modules()
         if isinstance(module, linear) and not any(head in name for head in ("classifier", "score", "lm_head"))
+    ]
+
+
+def _expert_parameters(model: torch.nn.Module) -> list[str]:
+    """A mixture of experts' router weight and fused expert tensors (LoRA on parameters: PEFT's ParamWrapper)."""
+    rules = (TopKRouterHandler, FusedExpertsHandler)
+    return [
+        f"{name}.{param}"
+        for name, module in model.named_modules()
+        if isinstance(handler_for(module), rules)
+        for param in handler_for(module).params
     ]
 
 
