@@ -131,3 +131,20 @@ def test_a_misread_peft_layout_is_refused(monkeypatch):
     model = get_peft_model(test_moe.mixtral(), LoraConfig(task_type="CAUSAL_LM", r=2, target_parameters=["down_proj"]))
     with pytest.raises(UnsupportedLayerError, match="lays out"):
         PerExampleGradientEngine(model, 1.0)
+
+
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm", "batched_mm"])
+def test_bf16_autocast_passes_the_engines_check_against_autograd(kernel):
+    """PEFT folds ΔW into the weight outside autocast, in the weights' dtype; the replay then runs in the dtype each
+    experts kernel multiplied in, as the experts rule's does (the first chunk's sums must match autograd's)."""
+    model = test_moe.mixtral()
+    model.set_experts_implementation(kernel)
+    model = _lora(model, target_modules="all-linear").train()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    with engine.recording(test_moe.BATCH):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = test_moe._loss(model, test_moe._batch())
+        loss.backward()
+    assert torch.isfinite(engine.finish_backward()).all()
+    assert engine.verified
