@@ -181,8 +181,10 @@ def _routed_factors(
             activated = module.act_fn(gate)
         grad_h = out_grad[pairs] @ module.down_proj[e].detach().to(dtype)
         (grad_gate,) = torch.autograd.grad(activated, gate, grad_h * up)
-        gate_up_left[pairs] = torch.cat([grad_gate, grad_h * activated.detach()], dim=-1)
-        hidden_act[pairs] = activated.detach() * up
+        grad_gate_up = gate_up_left[pairs]  # written in place: ∂L/∂gate, then ∂L/∂up
+        grad_gate_up[:, : grad_gate.shape[1]] = grad_gate
+        torch.mul(grad_h, activated.detach(), out=grad_gate_up[:, grad_gate.shape[1] :])
+        torch.mul(activated.detach(), up, out=hidden_act[pairs])
     return {
         "token": token,
         "expert": expert,
