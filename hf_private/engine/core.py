@@ -1,6 +1,8 @@
 """Per-example gradient engine: hooks on the model's own modules, one backward pass, terms handed to a reducer.
 
-Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable; a hook on the
+Forward hooks keep a layer's input only when a weight-type parameter of that layer is trainable, and keep it as
+autograd keeps its own saved tensors (`_Stash`): under activation checkpointing it is dropped after the forward and
+recomputed when backward reads it, so the engine holds no more than checkpointing does; a hook on the
 layer output receives the output gradient and turns it into per-example terms: factored for the ghost norm, or
 instantiated at once where that is cheaper (biases are always reduced to B×p at once). When backward has finished
 for the whole chunk, `finish_backward` checks the terms, applies the chunk transforms (the audit's gradient
@@ -198,14 +200,14 @@ class _SavedInput:
     """A layer's saved input (a tensor or a structure of tensors), stashed through `_Stash` until its backward."""
 
     holder: torch.Tensor  # the stash's output: its grad_fn holds the tensors
-    spec: TreeSpec
+    spec: TreeSpec | None  # None: the saved input is one tensor
     leaves: list  # the structure's leaves, each tensor's place marked _STASHED (the tensors live in the stash)
 
     @classmethod
     def stash(cls, saved: Any) -> _SavedInput | None:
         if saved is None:
             return None
-        leaves, spec = tree_flatten(saved)
+        leaves, spec = ([saved], None) if isinstance(saved, torch.Tensor) else tree_flatten(saved)
         tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with torch.enable_grad():
             holder = _Stash.apply(torch.empty(0, requires_grad=True), *tensors)
@@ -223,6 +225,8 @@ class _SavedInput:
                 f"The input of {layer_name} was modified in place after the forward pass; its per-example gradient "
                 "cannot be computed."
             ) from error
+        if self.spec is None:
+            return next(tensors)
         return tree_unflatten([next(tensors) if leaf is _STASHED else leaf for leaf in self.leaves], self.spec)
 
 

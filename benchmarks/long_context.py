@@ -1,0 +1,171 @@
+"""Long context with activation checkpointing: private against non-private training, both checkpointed, in one process.
+
+    python -m benchmarks.long_context --vocab 32000 --seq-lens 2048 4096 --modes full lora
+
+A Llama-shaped model (12 layers × 768 by default) built from config. Arms, in alternating rounds on the same batch:
+non-private with checkpointing (the reference), hf_private with checkpointing, and hf_private without it (what
+checkpointing saves and costs the private run). Every token of a chunk is real (no padding), so the step-time ratio
+is the ratio per real token. Peak memory is measured for each arm alone in a fresh interpreter (VmHWM on the CPU,
+the allocator's peak on a GPU); results are written after every configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks.memory import peak_bytes, reset_peak
+from benchmarks.speed import HfPrivate, NonPrivate, _release_memory, make_chunks
+
+logger = logging.getLogger("benchmarks.long_context")
+
+#: label → (arm class, checkpointing on)
+ARMS = {
+    "non-private+ckpt": (NonPrivate, True),
+    "hf_private+ckpt": (HfPrivate, True),
+    "hf_private": (HfPrivate, False),
+}
+REFERENCE = "non-private+ckpt"
+
+
+def build(shape: dict, mode: str, checkpointing: bool, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The same weights every time (seeded init); LoRA r=8 on the attention and MLP projections for `lora`."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=max(shape["seq_len"], 2048),
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    if mode == "lora":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(
+            model, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
+        )
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device).train()
+
+
+def _peak_worker(label, shape, mode, batch_size, dtype_name, device_name, queue) -> None:
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    arm_cls, checkpointing = ARMS[label]
+    model = build(shape, mode, checkpointing, dtype, device)
+    chunks = make_chunks(model, batch_size, shape["seq_len"], 1, device)
+    arm = arm_cls(model, batch_size)
+    arm.step(chunks)  # warm-up: optimizer state allocated
+    _release_memory()
+    reset_peak(device)
+    arm.step(chunks)
+    queue.put(peak_bytes(device))
+
+
+def peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) -> int:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    args = (label, shape, mode, batch_size, str(dtype).removeprefix("torch."), str(device), queue)
+    process = context.Process(target=_peak_worker, args=args)
+    process.start()
+    peak = queue.get()
+    process.join()
+    return peak
+
+
+def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device) -> dict:
+    arms = {}
+    chunks = None
+    for label, (arm_cls, checkpointing) in ARMS.items():
+        model = build(shape, mode, checkpointing, dtype, device)
+        chunks = chunks or make_chunks(model, batch_size, shape["seq_len"], 1, device)
+        arms[label] = arm_cls(model, batch_size)
+        arms[label].step(chunks)  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in arms}
+    for _ in range(rounds):
+        for label, arm in arms.items():
+            start = time.perf_counter()
+            arm.step(chunks)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[label].append(time.perf_counter() - start)
+    arms.clear()
+    _release_memory()
+    peaks = {label: peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) for label in ARMS}
+    tokens = batch_size * shape["seq_len"]
+    reference = statistics.median(times[REFERENCE])
+    return {
+        **shape,
+        "mode": mode,
+        "batch_size": batch_size,
+        "dtype": str(dtype),
+        "reference": REFERENCE,
+        "arms": {
+            label: {
+                "median_step_s": statistics.median(times[label]),
+                "step_s": times[label],
+                "s_per_1k_tokens": 1e3 * statistics.median(times[label]) / tokens,
+                "time_ratio": statistics.median(times[label]) / reference,
+                "peak_bytes": peaks[label],
+                "memory_ratio": peaks[label] / peaks[REFERENCE],
+            }
+            for label in ARMS
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 4096])
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--batch-size", type=int, default=1, help="examples per chunk (one chunk a step)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed steps per arm, in alternating rounds")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="benchmarks/results/long_context.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    results = []
+    for seq_len in args.seq_lens:
+        for mode in args.modes:
+            shape = dict(
+                layers=args.layers,
+                hidden=args.hidden,
+                intermediate=args.intermediate,
+                heads=args.heads,
+                vocab=args.vocab,
+                seq_len=seq_len,
+            )
+            logger.info("benchmarking %s T=%d vocab=%d", mode, seq_len, args.vocab)
+            results.append(bench(shape, mode, args.batch_size, args.rounds, dtype, device))
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:  # after every configuration: a crash loses one
+                json.dump({"device": str(device), "threads": torch.get_num_threads(), "results": results}, f, indent=2)
+            for label, arm in results[-1]["arms"].items():
+                print(
+                    f"{mode:<5} T={seq_len:<5} V={args.vocab:<7} {label:<17} {arm['time_ratio']:5.2f}x time "
+                    f"{arm['memory_ratio']:5.2f}x memory ({arm['median_step_s']:.2f} s, {arm['peak_bytes'] / 2**20:.0f} MiB)",
+                    flush=True,
+                )
+    return results
+
+
+if __name__ == "__main__":
+    main()
