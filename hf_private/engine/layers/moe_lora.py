@@ -278,19 +278,20 @@ def _expert_adapter_grads(
     experts, width_out, rank = up.shape
     grad_a = left.new_zeros(examples, experts, rank, right.shape[1])
     grad_b = left.new_zeros(examples, experts, width_out, rank)
-    for e in torch.unique(expert).tolist():
-        pairs = expert == e
-        left_e, right_e, example_e = left[pairs], right[pairs], example[pairs]
-        grad_a[:, e] = _sum_per_example(scale * left_e @ up[e], right_e, example_e, examples)
-        grad_b[:, e] = _sum_per_example(left_e, scale * right_e @ down[e].t(), example_e, examples)
+    order = torch.argsort(expert * examples + example)  # by expert, then by example: each expert's pairs one slice
+    left, right, example = left[order], right[order], example[order]
+    start = 0
+    for e, count in enumerate(torch.bincount(expert, minlength=experts).tolist()):
+        pairs, start = slice(start, start + count), start + count
+        if count:
+            grad_a[:, e] = _sum_per_example(scale * left[pairs] @ up[e], right[pairs], example[pairs], examples)
+            grad_b[:, e] = _sum_per_example(left[pairs], scale * right[pairs] @ down[e].t(), example[pairs], examples)
     return grad_a, grad_b
 
 
 def _sum_per_example(left: torch.Tensor, right: torch.Tensor, example: torch.Tensor, examples: int) -> torch.Tensor:
-    """[examples, P, D]: Σ left ⊗ right over each example's pairs, one batched GEMM over the pairs padded per
-    example."""
-    order = torch.argsort(example, stable=True)
-    left, right, example = left[order], right[order], example[order]
+    """[examples, P, D]: Σ left ⊗ right over each example's pairs (`example` sorted), one batched GEMM over the pairs
+    padded per example."""
     sizes = torch.bincount(example, minlength=examples)
     slot = torch.arange(example.numel(), device=example.device) - (torch.cumsum(sizes, 0) - sizes)[example]
     longest = int(sizes.max())
