@@ -47,6 +47,14 @@ class ClippedNoisyOutput:
     def _hook(self, module: nn.Module, args: tuple, output):
         if not module.training:
             return output
+        if torch._C._current_graph_task_id() != -1:  # a forward run by a backward pass: a checkpoint's recompute
+            raise RuntimeError(
+                f"DP-FP's noise point ({type(module).__name__}) lies inside an activation-checkpointed layer: the "
+                "backward pass recomputes that layer and would draw the representation's noise a second time (a "
+                "release the accountant does not count, and gradients of another forward than the loss's). Name a "
+                "noise_point outside the checkpointed layers (the default, the pooled representation, is one), or "
+                "train with gradient_checkpointing=False."
+            )
         if not torch.is_tensor(output) or output.dim() < 1:
             raise TypeError(
                 f"{type(module).__name__} returns {type(output).__name__}: a forward mechanism needs a tensor output "
