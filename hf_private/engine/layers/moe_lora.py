@@ -101,8 +101,8 @@ def _layout_matches_peft(wrapper: Any) -> bool:
         _did_swap_in_out_features=wrapper._did_swap_in_out_features,
         get_param=lambda: torch.empty(0, dtype=torch.float64),
     )
-    up, down = adapter_factors(lora_a, lora_b, wrapper.num_experts)
-    ours = torch.bmm(up, down).reshape(wrapper.get_param().shape)
+    b_factor, a_factor = adapter_factors(lora_a, lora_b, wrapper.num_experts)
+    ours = torch.bmm(b_factor, a_factor).reshape(wrapper.get_param().shape)
     try:
         deltas = [type(wrapper).get_delta_weight(probe, adapter)]
         if wrapper.num_experts > 1 and hasattr(type(wrapper), "get_delta_factors"):
@@ -225,12 +225,12 @@ def _router_terms(wrapper: Any, saved: torch.Tensor, grad_output: torch.Tensor, 
     out: dict[str, Term] = {}
     for adapter in _used_adapters(wrapper):
         name_a, name_b = _factor_names("", adapter)
-        up, down = (f[0].to(grads.dtype) for f in adapter_factors(*_lora_weights(wrapper, adapter), 1))
+        b_factor, a_factor = (f[0].to(grads.dtype) for f in adapter_factors(*_lora_weights(wrapper, adapter), 1))
         scale = wrapper.scaling[adapter]
         if name_a in trainable:
-            out[name_a] = outer_product_term(left=scale * grads @ up, right=tokens)
+            out[name_a] = outer_product_term(left=scale * grads @ b_factor, right=tokens)
         if name_b in trainable:
-            out[name_b] = outer_product_term(left=grads, right=scale * tokens @ down.t())
+            out[name_b] = outer_product_term(left=grads, right=scale * tokens @ a_factor.t())
     return out
 
 
@@ -248,9 +248,11 @@ def _experts_terms(chain: list, base: Any, saved: Any, grad_output: torch.Tensor
             names = _factor_names(prefix, adapter)
             if not any(name in trainable for name in names):
                 continue
-            up, down = (f.to(left.dtype) for f in adapter_factors(*_lora_weights(wrapper, adapter), base.num_experts))
+            b_factor, a_factor = (
+                f.to(left.dtype) for f in adapter_factors(*_lora_weights(wrapper, adapter), base.num_experts)
+            )
             grad_a, grad_b = _expert_adapter_grads(
-                left, right, example, factors["expert"], rows, up, down, wrapper.scaling[adapter]
+                left, right, example, factors["expert"], rows, b_factor, a_factor, wrapper.scaling[adapter]
             )
             for name, grad in zip(names, (_as_lora_a(grad_a), _as_lora_b(grad_b))):
                 if name in trainable:
@@ -268,14 +270,15 @@ def _expert_adapter_grads(
     example: torch.Tensor,
     expert: torch.Tensor,
     examples: int,
-    up: torch.Tensor,
-    down: torch.Tensor,
+    b_factor: torch.Tensor,
+    a_factor: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example ∂A [B, E, r, in] and ∂B [B, E, out, r] from the pairs' factors (left [S, out], right [S, in]):
+    """Per-example ∂A [B, E, r, in] and ∂B [B, E, out, r] from the pairs' factors (left [S, out], right [S, in]) and
+    the adapter's B (`b_factor` [E, out, r]) and A (`a_factor` [E, r, in]):
     expert e's ∂A_e = Σ (s·B_eᵀ left) ⊗ right and ∂B_e = Σ left ⊗ (s·A_e right) over each example's pairs routed
     to e."""
-    experts, width_out, rank = up.shape
+    experts, width_out, rank = b_factor.shape
     grad_a = left.new_zeros(examples, experts, rank, right.shape[1])
     grad_b = left.new_zeros(examples, experts, width_out, rank)
     order = torch.argsort(expert * examples + example)  # by expert, then by example: each expert's pairs one slice
@@ -284,8 +287,10 @@ def _expert_adapter_grads(
     for e, count in enumerate(torch.bincount(expert, minlength=experts).tolist()):
         pairs, start = slice(start, start + count), start + count
         if count:
-            grad_a[:, e] = _sum_per_example(scale * left[pairs] @ up[e], right[pairs], example[pairs], examples)
-            grad_b[:, e] = _sum_per_example(left[pairs], scale * right[pairs] @ down[e].t(), example[pairs], examples)
+            grad_a[:, e] = _sum_per_example(scale * left[pairs] @ b_factor[e], right[pairs], example[pairs], examples)
+            grad_b[:, e] = _sum_per_example(
+                left[pairs], scale * right[pairs] @ a_factor[e].t(), example[pairs], examples
+            )
     return grad_a, grad_b
 
 
