@@ -75,8 +75,6 @@ FIXED_ARGS = [
     "no",
     "--report_to",
     "none",
-    "--gradient_checkpointing",
-    "false",
     "--bf16",
     "false",
     "--dataloader_num_workers",

@@ -25,7 +25,7 @@ from tests.integrations import test_trl_dpo, test_trl_sft
 from tests.methods import test_method_conformance as method_rows
 from tests.models import test_encoder_decoder
 from tests.support import tiny
-from tests.support.helpers import make_trainer, training_args
+from tests.support.helpers import make_trainer, run_doc_block, training_args
 
 
 def _llama_lora():
@@ -248,17 +248,7 @@ def test_user_level_units_release_with_checkpointing_what_they_release_without(t
 # T5 in both modes (its relative bias is expanded to the chunk's rows by a forward pre-hook), BART in one
 SEQ2SEQ_CASES = [
     pytest.param(test_encoder_decoder.t5, "non-reentrant", id="t5-non-reentrant"),
-    pytest.param(
-        test_encoder_decoder.t5,
-        "reentrant",
-        id="t5-reentrant",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=RuntimeError,
-            reason="the engine skips a rule's before_forward in a reentrant segment's no-grad forward, so the bias is "
-            "expanded in the recompute only and the segment's outputs change shape (fix in engine/core.py)",
-        ),
-    ),
+    pytest.param(test_encoder_decoder.t5, "reentrant", id="t5-reentrant"),
     pytest.param(test_encoder_decoder.bart, "reentrant", id="bart-reentrant"),
 ]
 
@@ -340,3 +330,11 @@ def test_a_dpfp_noise_point_inside_a_checkpointed_layer_is_refused_before_any_re
     with pytest.raises(RuntimeError, match="noise point .BertSelfOutput. lies inside an activation-checkpointed"):
         trainer.train()
     assert trainer.ledger.total_steps == 0
+
+
+def test_docs_long_context_block_runs_as_written(tmp_path, monkeypatch):
+    namespace = run_doc_block("guides/long-context.md", tmp_path, monkeypatch)
+    trainer = namespace["trainer"]
+    assert trainer.model.is_activation_checkpointing
+    report = trainer.privacy_report()
+    assert report["steps"] == report["planned_steps"] > 0 and 0 < report["epsilon"] <= 8.0
