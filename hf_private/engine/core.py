@@ -432,7 +432,9 @@ class PerExampleGradientEngine:
     # ------------------------------------------------------------------ hooks
     def _pre_forward_hook(self, layer: _HookedLayer):
         def hook(module, args, kwargs):
-            if self._rows is None or not torch.is_grad_enabled():
+            # also without gradients: a reentrant checkpointed segment's first forward must compute what its
+            # recompute will (T5's bias expanded to the chunk's rows, passed on to every later layer)
+            if self._rows is None:
                 return None
             return layer.handler.before_forward(module, args, kwargs, self._rows)
 
