@@ -28,8 +28,9 @@ def training_args(output_dir, **overrides) -> TrainingArguments:
     return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
 
 
-# TRL configs (SFTConfig, DPOConfig) in tests: on CPU, nothing saved or reported, and the settings private training
-# needs where TRL's defaults differ (gradient checkpointing and bf16 on by default)
+# TRL configs (SFTConfig, DPOConfig) in tests: on CPU, nothing saved or reported; TRL's bf16 and activation
+# checkpointing (on by default, both supported) off for speed: tests/trainer/test_activation_checkpointing.py trains
+# with TRL's defaults
 TRL_TEST_ARGS = dict(
     report_to="none",
     save_strategy="no",
