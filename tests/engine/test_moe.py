@@ -120,6 +120,17 @@ def test_full_dp_matches_fp64_per_example_loop(family):
     assert "generic" not in rules  # no MoE part fell to the per-example VJP
 
 
+def test_routers_alone_match_fp64_per_example_loop():
+    """Only the routers train: nothing upstream of the first router needs a gradient, and its logits are one element
+    of a tuple output; the rule makes its tokens a leaf that does, so the logits carry one."""
+    model = mixtral().double()
+    model.set_experts_implementation("eager")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("mlp.gate.weight"))
+    assert sum(p.requires_grad for p in model.parameters()) == model.config.num_hidden_layers
+    assert "mixture-of-experts router" in _check_against_oracle(model)
+
+
 def test_instantiated_experts_match_fp64_per_example_loop(monkeypatch):
     """At T = 512 the experts' per-example gradients are formed ([B, E, P, D], `terms.routed_outer_term`) rather than
     kept as pairs; the tiny model keeps pairs, so the choice is forced here to test that path against the oracle."""

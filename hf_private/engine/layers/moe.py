@@ -83,6 +83,16 @@ class TopKRouterHandler(LayerHandler):
                 "the router rule would be wrong for it. Freeze the router (requires_grad=False)."
             )
 
+    def before_forward(self, module, args, kwargs, rows):
+        """The logits are one element of the router's tuple output, which the engine cannot replace: when nothing
+        upstream trains (the tokens need no gradient), the tokens become a leaf that does, so that the logits carry
+        one."""
+        hidden = _first_input(args, kwargs)
+        if hidden.requires_grad:
+            return None
+        leaf = hidden.detach().requires_grad_(True)
+        return ((leaf, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": leaf})
+
     def on_forward(self, module, args, kwargs, output, rows, save_input):
         tokens = _first_input(args, kwargs).reshape(-1, module.weight.shape[1])
         per_row = _chunk_tokens(module, tokens.shape[0], rows)
