@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for label, arm in results[-1]["arms"].items():
                 print(
                     f"{mode:<5} T={seq_len:<5} V={args.vocab:<7} {label:<17} {arm['time_ratio']:5.2f}x time "
-                    f"{arm['memory_ratio']:5.2f}x memory ({arm['median_step_s']:.2f} s, {arm['peak_bytes'] / 2**20:.0f} MiB)",
+                    f"{arm['memory_ratio']:5.2f}x memory ({arm['median_step_s']:.2f} s, "
+                    f"{arm['peak_bytes'] / 2**20:.0f} MiB)",
                     flush=True,
                 )
     return results
