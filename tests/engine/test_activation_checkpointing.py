@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_private.engine import PerExampleGradientEngine
-from tests.engine.test_engine_oracle import BATCH, MODELS, _batch, _loss, _oracle
+from tests.engine.test_engine_oracle import BATCH, MODELS, _batch, _loss, check_engine_against_oracle
 from tests.support import tiny
 
 CHECKPOINTED = ["bert", "gpt2-tied", "llama", "llama-lora", "bert-lora", "llama-norm-gains"]
@@ -33,22 +33,7 @@ def _checkpointed(name: str, reentrant: bool):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("name", CHECKPOINTED)
 def test_checkpointed_model_matches_the_fp64_per_example_loop(name, reentrant):
-    model, causal = _checkpointed(name, reentrant)
-    batch = _batch(causal)
-    ref_norms, ref_sums, params, clip = _oracle(model, batch)
-    ref = torch.cat([s.flatten() for s in ref_sums])
-    engine = PerExampleGradientEngine(model, clip)
-    engine.attach()
-    for verified in (False, True):  # the autograd self-check, then ghost differentiation
-        assert engine.verified is verified
-        with engine.recording(BATCH):
-            _loss(model, batch).backward()
-        norms = engine.finish_backward()
-        assert ((norms - ref_norms).abs().max() / ref_norms.max()).item() <= 1e-6
-        sums = engine.pop_clipped_sums()
-        ours = torch.cat([sums[p].flatten() for p in params])
-        assert ((ours - ref).norm() / ref.norm()).item() <= 1e-6
-    engine.detach()
+    check_engine_against_oracle(*_checkpointed(name, reentrant))
 
 
 def _inner_inputs(model) -> list[weakref.ref]:

@@ -115,32 +115,19 @@ def test_adding_one_pair_moves_the_released_sum_by_at_most_C_with_checkpointing(
 TRL_AS_WRITTEN = dict(use_cpu=True, max_steps=2, report_to="none", save_strategy="no", disable_tqdm=True)
 
 
-def test_sft_trains_privately_with_sftconfig_at_its_defaults(tmp_path):
-    args = SFTConfig(str(tmp_path), **TRL_AS_WRITTEN)
+@pytest.mark.parametrize("family", ["sft", "dpo"])
+def test_trl_trains_privately_with_its_config_at_its_defaults(family, tmp_path):
+    if family == "sft":
+        args = SFTConfig(str(tmp_path), **TRL_AS_WRITTEN)
+        models, data = (tiny.llama(),), tiny.texts()
+    else:
+        args = DPOConfig(str(tmp_path), **TRL_AS_WRITTEN)
+        models, data = (tiny.llama(), tiny.llama()), tiny.preference_pairs()
     assert args.gradient_checkpointing and args.bf16  # TRL's defaults, which private training now keeps
-    trainer = privatize(SFTTrainer)(
-        tiny.llama(),
+    trainer = privatize(SFTTrainer if family == "sft" else DPOTrainer)(
+        *models,
         args,
-        train_dataset=tiny.texts(),
-        processing_class=tiny.chat_tokenizer(),
-        dp_config=DPConfig(target_epsilon=8.0, max_grad_norm=1.0),
-    )
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.train()
-    report = trainer.privacy_report()
-    assert trainer.model.is_activation_checkpointing
-    assert report["steps"] == 2 and 0 < report["epsilon"] <= 8.0
-    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
-
-
-def test_dpo_trains_privately_with_dpoconfig_at_its_defaults(tmp_path):
-    args = DPOConfig(str(tmp_path), **TRL_AS_WRITTEN)
-    assert args.gradient_checkpointing and args.bf16
-    trainer = privatize(DPOTrainer)(
-        tiny.llama(),
-        tiny.llama(),
-        args,
-        train_dataset=tiny.preference_pairs(),
+        train_dataset=data,
         processing_class=tiny.chat_tokenizer(),
         dp_config=DPConfig(target_epsilon=8.0, max_grad_norm=1.0),
     )
