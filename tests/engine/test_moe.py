@@ -13,7 +13,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import (
-    DataCollatorForLanguageModeling,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -23,11 +22,11 @@ from transformers import (
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from hf_private import DPConfig, PrivateTrainer
+from hf_private import DPConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, terms
 from hf_private.integrations.losses import default_per_example_loss, head_losses, router_aux_losses
 from tests.support import tiny
-from tests.support.helpers import training_args
+from tests.support.helpers import make_lm_trainer
 
 BATCH, SEQ = 5, 12
 _SHAPE = dict(
@@ -284,17 +283,9 @@ def test_load_balancing_loss_without_token_labels_is_refused():
 
 def test_private_trainer_trains_a_mixture_of_experts(tmp_path):
     """Full DP through PrivateTrainer (transformers' default experts kernel), the load-balancing loss on."""
-    tok = tiny.tokenizer()
     model = mixtral(output_router_logits=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = PrivateTrainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=2),
-        train_dataset=tiny.lm_dataset(32),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        processing_class=tok,
-        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
-    )
+    trainer = make_lm_trainer(tmp_path, model, DPConfig(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2)
     trainer.train()
     assert trainer.state.global_step == 2
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]

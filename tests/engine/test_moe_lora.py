@@ -11,14 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling
 
-from hf_private import DPConfig, PrivateTrainer
+from hf_private import DPConfig
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.engine.layers import moe_lora
 from tests.engine import test_moe
-from tests.support import tiny
-from tests.support.helpers import training_args
+from tests.support.helpers import make_lm_trainer
 
 FAMILIES = {"mixtral": test_moe.mixtral, "qwen3_moe": test_moe.qwen3_moe}
 _RULE = "mixture-of-experts LoRA on parameters"
@@ -77,17 +75,9 @@ def test_one_wrapped_expert_tensor_and_the_router_alone():
 
 def test_private_trainer_trains_lora_on_experts(tmp_path):
     """PrivateTrainer, transformers' default experts kernel: 2 steps within the target ε, the adapters move."""
-    tok = tiny.tokenizer()
     model = _lora(test_moe.mixtral(), target_modules="all-linear")
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    trainer = PrivateTrainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=2),
-        train_dataset=tiny.lm_dataset(32),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        processing_class=tok,
-        dp_config=DPConfig(target_epsilon=8.0, max_grad_norm=1.0),
-    )
+    trainer = make_lm_trainer(tmp_path, model, DPConfig(target_epsilon=8.0, max_grad_norm=1.0), max_steps=2)
     trainer.train()
     assert trainer.state.global_step == 2
     assert trainer.ledger.epsilon() <= 8.0

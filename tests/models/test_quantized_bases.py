@@ -20,7 +20,6 @@ from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     BitsAndBytesConfig,
-    DataCollatorForLanguageModeling,
     LlamaConfig,
     LlamaForCausalLM,
 )
@@ -30,7 +29,7 @@ from hf_private import DPConfig, PrivateTrainer, privatize
 from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.integrations.losses import default_per_example_loss
 from tests.support import tiny
-from tests.support.helpers import TRL_TEST_ARGS, run_doc_block, training_args
+from tests.support.helpers import TRL_TEST_ARGS, make_lm_trainer, run_doc_block
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -155,15 +154,7 @@ def test_engine_matches_the_per_example_loop(kind, base_dir):
 
 # ---------------------------------------------------------------------- training: PrivateTrainer and SFTTrainer
 def _lm_trainer(model, output_dir, dp) -> PrivateTrainer:
-    tok = tiny.tokenizer()
-    return PrivateTrainer(
-        model,
-        training_args(output_dir, max_steps=3, per_device_train_batch_size=16),
-        train_dataset=tiny.lm_dataset(64),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        processing_class=tok,
-        dp_config=dp,
-    )
+    return make_lm_trainer(output_dir, model, dp, examples=64, max_steps=3, per_device_train_batch_size=16)
 
 
 def _assert_trained_privately(trainer, frozen: dict[str, torch.Tensor], epsilon_at_most: float) -> None:

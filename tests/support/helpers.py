@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorWithPadding, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
 
 from hf_private import DPConfig, PrivateTrainer
 from tests.support import tiny
@@ -54,6 +54,19 @@ def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides)
         args=training_args(output_dir, **arg_overrides),
         train_dataset=dataset,
         data_collator=DataCollatorWithPadding(tok),
+        processing_class=tok,
+        dp_config=dp,
+    )
+
+
+def make_lm_trainer(output_dir, model, dp, examples: int = 32, **arg_overrides) -> PrivateTrainer:
+    """A causal LM trained on the tiny LM texts (labels from the LM collator)."""
+    tok = tiny.tokenizer()
+    return PrivateTrainer(
+        model=model,
+        args=training_args(output_dir, **arg_overrides),
+        train_dataset=tiny.lm_dataset(examples),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
         processing_class=tok,
         dp_config=dp,
     )
