@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 from transformers import TrainerCallback
 
 from hf_private import BitFitConfig
-from hf_private.engine import PerExampleGradientEngine
+from hf_private.engine import PerExampleGradientEngine, core
 from hf_private.privacy import MechanismGroup, compute_epsilon
 from tests.support import tiny
 from tests.support.helpers import make_trainer
@@ -51,8 +51,16 @@ def test_model_without_biases_gets_a_clear_error():
         BitFitConfig(target_epsilon=1.0).build_method().prepare_model(tiny.llama())
 
 
-def test_no_activation_is_held_for_bias_only_layers():
+def test_no_activation_is_held_for_bias_only_layers(monkeypatch):
     """Only layers with a trainable weight (the head) keep their input; every other call keeps nothing."""
+    calls = []
+
+    class RecordedCall(core._Call):  # every call the forward hooks make, as they make it
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            calls.append(self)
+
+    monkeypatch.setattr(core, "_Call", RecordedCall)
     model = tiny.roberta().train()
     BitFitConfig(target_epsilon=1.0).build_method().prepare_model(model)
     engine = PerExampleGradientEngine(model, 1.0)
@@ -61,10 +69,10 @@ def test_no_activation_is_held_for_bias_only_layers():
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in batch["input_ids"]], batch_first=True)
     with engine.recording(4):
         logits = model(input_ids=ids).logits
-        held = {call.layer.name for call in engine._calls if call.saved is not None}
+        held = {call.layer.name for call in calls if call.saved is not None}
         logits.sum().backward()
     assert held == {"classifier.dense (Linear)", "classifier.out_proj (Linear)"}
-    assert len(engine._calls) == len(engine.layers) == 19  # every bias layer ran its hook but stored no input
+    assert len(calls) == len(engine._calls) == len(engine.layers) == 19  # every bias layer ran its hook, kept nothing
     engine.finish_backward()
     assert engine._calls == []
 
