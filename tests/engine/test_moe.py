@@ -130,6 +130,16 @@ def test_routers_alone_match_fp64_per_example_loop():
     assert "mixture-of-experts router" in _check_against_oracle(model)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_mixture_of_experts_matches_fp64_per_example_loop(reentrant):
+    """Activation checkpointing re-runs the router and the experts in backward: their rules read what the recompute
+    brings back (non-reentrant) or record in it (reentrant), and still match the oracle."""
+    model = mixtral().double()
+    model.set_experts_implementation("eager")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert "mixture-of-experts experts" in _check_against_oracle(model)
+
+
 def test_instantiated_experts_match_fp64_per_example_loop(monkeypatch):
     """At T = 512 the experts' per-example gradients are formed ([B, E, P, D], `terms.routed_outer_term`) rather than
     kept as pairs; the tiny model keeps pairs, so the choice is forced here to test that path against the oracle."""

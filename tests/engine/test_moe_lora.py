@@ -73,6 +73,25 @@ def test_one_wrapped_expert_tensor_and_the_router_alone():
     _check_against_oracle(_lora(_fp64("mixtral"), target_modules=[], target_parameters=["down_proj", "gate.weight"]))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_lora_on_experts_matches_fp64_per_example_loop(reentrant):
+    model = _fp64("mixtral")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _check_against_oracle(_lora(model, target_modules="all-linear"))
+
+
+def test_two_active_adapters_on_experts_match_fp64_per_example_loop():
+    """Both adapters' B·A enter the weight the experts use; each adapter's factors get their own per-example terms."""
+    model = _lora(_fp64("mixtral"), target_modules=[], target_parameters=["gate_up_proj", "down_proj"])
+    second = LoraConfig(r=3, lora_alpha=2, init_lora_weights=False, target_parameters=["gate_up_proj", "down_proj"])
+    model.add_adapter("second", second)
+    model.base_model.set_adapter(["default", "second"])
+    model.double()
+    trainable = {n.split(".")[-2] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"default", "second"}
+    _check_against_oracle(model)
+
+
 def test_private_trainer_trains_lora_on_experts(tmp_path):
     """PrivateTrainer, transformers' default experts kernel: 2 steps within the target ε, the adapters move."""
     model = _lora(test_moe.mixtral(), target_modules="all-linear")
