@@ -16,9 +16,12 @@ SFT, entropy and top-1 for its metrics) in vocabulary tiles without materialisin
 and tiled torch ops on CPU. The private arm never calls `SFTTrainer.compute_loss` (`hf_private.integrations.trl_sft`):
 it runs the model's own forward (full logits) and a per-sequence loss. On CPU the tiled fallback is the slower and
 larger of the two, so next to stock SFTTrainer the private arm can come out faster and leaner. `--arms ... plain-loss`
-adds an informational SFT reference that isolates the cost of privacy: stock SFTTrainer with transformers.Trainer's
-`compute_loss` (the model's own loss on its full logits; no fused head, no SFT metrics), alternated with the others
-and reported beside the main ratios (`plain_time_ratio`, `plain_memory_ratio`).
+adds a reference that isolates the cost of privacy, alternated with the others and reported beside the main ratios
+(`plain_time_ratio`, `plain_memory_ratio`): stock SFTTrainer with transformers.Trainer's `compute_loss` (the model's
+own loss on its full logits; no fused head, no SFT metrics), or stock DPOTrainer with `plain_dpo_loss`: DPO's sigmoid
+loss (DPOConfig's default) as the mean over the batch's pairs, from the policy's full logits and, without gradient,
+the reference's (computed first, as the private path does), each completion's log-probability summed over its
+tokens as the private path sums it; no fused head, no DPO metrics.
 
 Model: a Llama built from `LlamaConfig`, randomly initialised (speed does not depend on the weights): 8 layers, width
 512, 8 heads of 64 (no grouped-query attention), MLP width 1376 (Llama's 8/3·d rounded up to a multiple of 32, as
@@ -38,16 +41,23 @@ Measurement, through the trainer itself: a `TrainerCallback` times every optimiz
 forward, backward, per-example clipping, noise and the optimizer step; the trainer prefetches a step's batches before
 on_step_begin, so collation and the Poisson draw are outside) and a thin wrapper around the trainer's
 `get_batch_samples` (set on the instance after the trainer is built; it only counts and returns what the original
-fetched) reads the size of every batch the trainer trains on in the next step (SFT: rows; DPO: pairs, TRL's preference
-collator stacks the chosen rows and then the rejected rows). Poisson batches vary, so a run reports time per example:
+fetched) reads the size of every batch the trainer trains on in the next step (SFT: rows; DPO: pairs, which TRL's
+preference collator stacks as the chosen rows and then the rejected rows, [2B, T], and the private path as
+[B, 2, T]: until this was read from the shape, the private arm's pairs were counted as half the rows, B/2, doubling
+its time per pair in the DPO results written before it). Poisson batches vary, so a run reports time per example:
 Σ step time / Σ examples over its measured steps, after `--warmup` steps (optimizer state allocation; the private
-arm's first step also runs the example-independence probe). Peak memory: the process high-water mark (VmHWM,
-`benchmarks.memory`), reset at the first measured step, read at the last. Every run is its own fresh process (spawn),
-so no arm's high-water mark or allocator pages reach another's; the arms alternate (non-private, private, non-private,
-...) for `--rounds` rounds so machine load hits both alike, and the table reports the median over rounds and the
-private/non-private ratio of medians. One torch thread per run by default (`--threads`): on a shared 2-core machine
-two threads make every small op wait for both, which slows the private arm's many small ops (noise, per-example norms)
-far more than the GEMMs.
+arm's first step also runs the example-independence probe). With `--fixed-batch`, every step of the private arm
+trains exactly B·GA units too (`FixedBatches`): the benchmark's `get_batch_samples` wrapper replaces each Poisson
+batch, once drawn, by the next B units of the training set collated by the private trainer's own collator (so "at 4
+pairs" and "at 8 pairs" are measured, not read off a Poisson mix; the accountant still counts the Poisson steps, so
+such a run's ε is not that of what trained: a timing device only). `--profile` runs one step more after the measured
+ones under `torch.profiler` (C-level ops by self CPU time, kept in the JSON as `profile`; not timed).
+Peak memory: the process high-water mark (VmHWM, `benchmarks.memory`), reset at the first measured step, read at the
+last. Every run is its own fresh process (spawn), so no arm's high-water mark or allocator pages reach another's; the
+arms alternate (non-private, private, non-private, ...) for `--rounds` rounds so machine load hits both alike, and
+the table reports the median over rounds and the private/non-private ratio of medians. One torch thread per run by
+default (`--threads`): on a shared 2-core machine two threads make every small op wait for both, which slows the
+private arm's many small ops (noise, per-example norms) far more than the GEMMs.
 
 Each row is written to `--out` as soon as it completes, merged with the rows already in the file (same trainer and
 mode: replaced); `--resume` skips the rows already there instead.
@@ -82,7 +92,7 @@ logger = logging.getLogger("benchmarks.trl_speed")
 
 CPU = torch.device("cpu")
 ARMS = ("non-private", "private")
-PLAIN = "plain-loss"  # opt-in SFT reference: stock SFTTrainer with Trainer's compute_loss (see the module docstring)
+PLAIN = "plain-loss"  # opt-in reference: the stock trainer with a loss on full logits (see the module docstring)
 TRAINERS = ("sft", "dpo")
 MODES = ("full", "lora")
 SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")  # ids 0-3; data ids are drawn from the rest
@@ -184,7 +194,7 @@ def check_row_lengths(trainer_kind: str, dataset, seq_len: int) -> None:
 def planned_steps(spec: dict) -> int:
     """max_steps of a run: warm-up, measured and spare steps (the private arm may need longer to warm up; training
     stops after the measured steps)."""
-    return spec["warmup"] + spec["steps"] + spec["spare"]
+    return spec["warmup"] + spec["steps"] + spec["spare"] + bool(spec.get("profile"))
 
 
 def training_args(spec: dict, output_dir: str):
@@ -235,8 +245,6 @@ def build_trainer(spec: dict, output_dir: str):
     if spec["arm"] == "non-private":
         return trainer_class(**kwargs)
     if spec["arm"] == PLAIN:
-        if spec["trainer"] != "sft":
-            raise ValueError(f"the {PLAIN} arm is an SFT reference (DPO's loss is DPOTrainer's own)")
         return plain_loss_class(trainer_class)(**kwargs)
     dp_config = DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP)
     if spec["trainer"] == "sft":
@@ -251,11 +259,46 @@ def build_trainer(spec: dict, output_dir: str):
 
 
 def plain_loss_class(trainer_class: type) -> type:
-    """`trainer_class` with transformers.Trainer's compute_loss: the model's own loss on its full logits, in place of
-    TRL's fused chunked LM head and its entropy and token-accuracy metrics; everything else is the class's own."""
+    """`trainer_class` with a loss computed from the model's own forward on its full logits, in place of TRL's fused
+    chunked LM head: SFT, transformers.Trainer's compute_loss (no entropy or token-accuracy metrics); DPO,
+    `plain_dpo_loss`. Everything else is the class's own."""
     from transformers import Trainer
+    from trl import SFTTrainer
 
-    return type(f"PlainLoss{trainer_class.__name__}", (trainer_class,), {"compute_loss": Trainer.compute_loss})
+    compute_loss = Trainer.compute_loss if issubclass(trainer_class, SFTTrainer) else plain_dpo_loss
+    return type(f"PlainLoss{trainer_class.__name__}", (trainer_class,), {"compute_loss": compute_loss})
+
+
+def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Σ over each row's completion tokens of log p(token | tokens before it), [rows], from full logits (the label's
+    logit minus the log-sum-exp, as the private path computes it)."""
+    labels, mask = input_ids[:, 1:], completion_mask[:, 1:]
+    shifted = logits[:, :-1]
+    token = shifted.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - shifted.float().logsumexp(-1)
+    return (token * mask).sum(-1)
+
+
+def plain_dpo_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """DPOTrainer's sigmoid loss (its default), mean over the batch's pairs, from the policy's full logits with
+    gradient and the reference's without (the `ref_model`, or the base with the adapter disabled): what stock DPO
+    computes, without the fused head and without its metrics (the rows are TRL's: B chosen, then B rejected)."""
+    from trl.trainer.utils import use_adapter
+
+    rows = {key: inputs[key] for key in ("input_ids", "attention_mask")}
+    completion_mask = inputs["completion_mask"]
+    with torch.no_grad():  # first, as the private path does: its logits are freed before the policy's forward
+        if trainer.ref_model is not None:
+            ref_logits = trainer.ref_model(**rows, use_cache=False).logits
+        else:
+            with use_adapter(trainer.accelerator.unwrap_model(model), adapter_name=None):
+                ref_logits = model(**rows, use_cache=False).logits
+        ref_logps = completion_logps(ref_logits, rows["input_ids"], completion_mask)
+        del ref_logits
+    outputs = model(**rows, use_cache=False)
+    logps = completion_logps(outputs.logits, rows["input_ids"], completion_mask)
+    chosen, rejected = (logps - ref_logps).chunk(2)
+    loss = -torch.nn.functional.logsigmoid(trainer.beta * (chosen - rejected)).mean()
+    return (loss, outputs) if return_outputs else loss
 
 
 class PrivateArmUnavailable(RuntimeError):
@@ -263,9 +306,12 @@ class PrivateArmUnavailable(RuntimeError):
 
 
 def examples_in(trainer_kind: str, inputs: dict) -> int:
-    """Training examples in a collated batch: SFT rows; DPO pairs (TRL stacks the chosen rows, then the rejected)."""
-    rows = inputs["input_ids"].shape[0]
-    return rows if trainer_kind == "sft" else rows // 2
+    """Training examples in a collated batch: SFT rows; DPO pairs (TRL's collator stacks the chosen rows, then the
+    rejected rows, [2B, T]; the private path's `PairCollator` stacks each pair's two rows, [B, 2, T])."""
+    input_ids = inputs["input_ids"]
+    if trainer_kind == "sft" or input_ids.dim() == 3:
+        return input_ids.shape[0]
+    return input_ids.shape[0] // 2
 
 
 # ---------------------------------------------------------------------------------------------- measurement
@@ -275,11 +321,15 @@ class StepMeter(TrainerCallback):
     Measurement starts at the first step after `warmup` steps at which `ready()` holds (the private arm: its one-time
     example-independence probe has run, which needs a chunk of ≥ 2 examples, so a small first Poisson batch defers it)
     and stops training after `steps` measured steps. The process high-water mark is reset when the first measured step
-    begins and read when the last one ends.
+    begins and read when the last one ends. With `profile`, one more step runs after them under `torch.profiler`
+    (not timed: the profiler slows it), and `profile_table` holds its C-level ops sorted by self CPU time.
     """
 
-    def __init__(self, warmup: int, steps: int, ready=lambda: True) -> None:
+    def __init__(self, warmup: int, steps: int, ready=lambda: True, profile: bool = False) -> None:
         self.warmup, self.steps, self.ready = warmup, steps, ready
+        self.profile = profile
+        self.profiler: torch.profiler.profile | None = None
+        self.profile_table: str | None = None
         self.seconds: list[float] = []
         self.examples: list[int] = []
         self.first_measured: int | None = None  # index into seconds/examples
@@ -289,12 +339,15 @@ class StepMeter(TrainerCallback):
         self.peak: int | None = None
         self._start = 0.0
 
-    def counting(self, get_batch_samples, trainer_kind: str):
+    def counting(self, get_batch_samples, trainer_kind: str, substitute=None):
         """Trainer's `get_batch_samples`, noting the examples of the batches it fetches for the next step (the loop
-        hands them to training_step unchanged; a private trainer refuses a patched training_step)."""
+        hands them to training_step unchanged; a private trainer refuses a patched training_step); with
+        `substitute(batches)`, the batches it returns in their place (`FixedBatches`)."""
 
         def get_batch_samples_counted(*args, **kwargs):
             batches, num_items = get_batch_samples(*args, **kwargs)
+            if substitute is not None:
+                batches = substitute(batches)
             self.fetched = sum(examples_in(trainer_kind, inputs) for inputs in batches)
             return batches, num_items
 
@@ -311,15 +364,42 @@ class StepMeter(TrainerCallback):
             self.rss_at_reset = rss_bytes()
             reset_peak(CPU)
         self.trained = self.fetched  # fetched just before the step begins
+        if self.peak is not None:  # the measured steps are done: this is the profiled step
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.profile_table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            control.should_training_stop = True
+            return control
         self.seconds.append(time.perf_counter() - self._start)
         self.examples.append(self.trained)
         if len(self.seconds[self.measured]) == self.steps:
             self.peak = peak_bytes(CPU)
-            control.should_training_stop = True
+            control.should_training_stop = not self.profile
         return control
+
+
+class FixedBatches:
+    """`--fixed-batch`: each batch a private trainer fetched replaced by exactly `units` units of its training set
+    (the next ones, cycling), collated by its own training collator, so that every step trains B·GA units as the
+    non-private arms' steps do. A timing device only: the steps then train on batches that the accountant's Poisson
+    sampling did not draw (the sampler still runs and is still accounted; its draws are discarded)."""
+
+    def __init__(self, trainer, units: int) -> None:
+        self.dataset, self.collate = trainer.training_data()
+        self.units, self.next = units, 0
+
+    def __call__(self, batches: list) -> list:
+        return [self.batch() for _ in batches]
+
+    def batch(self) -> dict:
+        indices = [(self.next + i) % len(self.dataset) for i in range(self.units)]
+        self.next += self.units
+        return self.collate([self.dataset[i] for i in indices])
 
 
 def release_memory() -> None:
@@ -385,8 +465,10 @@ def run_arm(spec: dict) -> dict:
             spec["warmup"],
             spec["steps"],
             (lambda: not trainer.privacy_run.needs_independence_probe) if private else (lambda: True),
+            profile=bool(spec.get("profile")),
         )
-        trainer.get_batch_samples = meter.counting(trainer.get_batch_samples, spec["trainer"])
+        fixed = FixedBatches(trainer, spec["batch_size"]) if private and spec.get("fixed_batch") else None
+        trainer.get_batch_samples = meter.counting(trainer.get_batch_samples, spec["trainer"], fixed)
         trainer.add_callback(meter)
         built = time.perf_counter()
         trainer.train()
@@ -415,6 +497,13 @@ def run_arm(spec: dict) -> dict:
         "log_history": trainer.state.log_history,
         "warnings": list(notes.seen),
     }
+    if meter.profile_table is not None:
+        result["profile"] = meter.profile_table
+        print(
+            f"{spec['trainer']} {spec['mode']} {spec['arm']}: the step after the measured ones, profiled\n"
+            f"{meter.profile_table}",
+            flush=True,
+        )
     if report is not None:
         result["privacy"] = {
             key: report.get(key)
@@ -504,6 +593,7 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
             "intermediate",
         )
     }
+    row["fixed_batch"] = bool(spec.get("fixed_batch"))
     expected = spec["batch_size"] * spec["grad_accum"]
     row.update(
         threads=next(iter(runs.values()))[0]["threads"],
@@ -636,7 +726,7 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
         default=list(ARMS),
         choices=[*ARMS, PLAIN],
         help=f"arms to run, alternated in this order (non-private and private for the ratios; "
-        f"non-private alone checks that arm runs; {PLAIN}: SFT only, the informational "
+        f"non-private alone checks that arm runs; {PLAIN}: the informational "
         f"reference of the module docstring)",
     )
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per row (per sequence of a DPO pair)")
@@ -668,6 +758,17 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
         ),
     )
     parser.add_argument("--seed", type=int, default=0, help="model init and data (the DP noise is never seeded)")
+    parser.add_argument(
+        "--fixed-batch",
+        action="store_true",
+        help="every step of the private arm trains exactly B x GA units, as the other arms do (`FixedBatches`: its "
+        "Poisson batches are replaced after they are drawn; timing only)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run one more step after the measured ones under torch.profiler and print its ops by self CPU time",
+    )
     parser.add_argument("--out", default="benchmarks/results/trl_speed_cpu_t512.json")
     parser.add_argument("--resume", action="store_true", help="skip the rows already in --out")
     args = parser.parse_args(argv)
@@ -690,6 +791,8 @@ def main(argv: list[str] | None = None, run_arm_with=run_in_fresh_process) -> li
             "threads",
             "seed",
             "arms",
+            "fixed_batch",
+            "profile",
         )
     }
     saved = load_results(args.out)

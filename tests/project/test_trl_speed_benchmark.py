@@ -104,3 +104,17 @@ def test_non_private_dpo_arm_trains_on_pairs_of_t_tokens(tmp_path):
     assert set(row["arms"]) == {"non-private"} and "time_ratio" not in row
     assert run["step_examples"] == [2] * len(run["step_seconds"])  # pairs, not rows (chosen + rejected)
     assert any(entry.get("num_tokens") == 2 * 2 * 16 for entry in run["log_history"])  # 2 pairs of 2 rows of 16
+
+
+def test_dpo_fixed_batch_counts_pairs_in_every_arm_and_profiles_a_step(tmp_path):
+    """--fixed-batch: every private step trains exactly B pairs, counted from the private [B, 2, T] collation (not as
+    rows // 2, which halved them); the plain-loss DPO reference trains B pairs a step; --profile adds a table."""
+    out = str(tmp_path / "trl_speed.json")
+    argv = [*TINY, "--trainer", "dpo", "--modes", "lora", "--arms", "private", "plain-loss", "--fixed-batch"]
+    [row] = trl_speed.main([*argv, "--profile", "--out", out], run_arm_with=trl_speed.run_arm)
+    private, plain = row["arms"]["private"]["runs"][0], row["arms"]["plain-loss"]["runs"][0]
+    assert row["fixed_batch"] and row["plain_time_ratio"] > 0
+    for run in (private, plain):
+        assert run["step_examples"] == [2] * len(run["step_seconds"])
+        assert "aten::" in run["profile"]
+    assert private["privacy"]["unit"] == "preference pair"
