@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from .rng import MAX_RELEASE_COORDINATES, GaussianSampler, SecretRandom
+from .sharded_noise import ShardedGaussianSampler, TensorShard
 
 
 def _check_coordinates(coordinates: int) -> None:
@@ -106,6 +107,7 @@ class GaussianNoise:
         self._generations = 0  # draws started
         self._used = 0  # the generation of the last draw added
         self._values: torch.Tensor | None = None  # the buffer draws go into
+        self._sharded: ShardedGaussianSampler | None = None  # built at the first sharded release
 
     def prepare(self, sizes: Sequence[int], std: float) -> None:
         """Start drawing N(0, std²) for the next release of tensors of these sizes (numels), in a background thread.
@@ -141,6 +143,20 @@ class GaussianNoise:
         self._discard(draw)  # its requests come first, as drawn: replay does not depend on the thread's timing
         for tensor in tensors:
             self.sampler.add_(tensor, std)  # the optimizer's own fresh (contiguous) buffers
+
+    def add_shards_(self, shards: Sequence[TensorShard], std: float) -> None:
+        """One release split across processes (FSDP2): each shard gets the values `add_` would add to its coordinates
+        of the whole tensor, from the same requests (`sharded_noise`). Every process calls it with its own shards of
+        the same tensors, in the same order, so every coordinate is noised exactly once, by its owner."""
+        _check_coordinates(sum(shard.numel for shard in shards))
+        if self._next is not None:  # its requests were taken on this process only: the counters would drift apart
+            raise RuntimeError(
+                "A noise draw was prepared ahead for a whole-tensor release, but this release is sharded: sharded "
+                "releases do not draw ahead (call prepare only where add_ follows)."
+            )
+        if self._sharded is None:
+            self._sharded = ShardedGaussianSampler(self.random, self.sampler.pairs, self.device)
+        self._sharded.add_(shards, std)
 
     @staticmethod
     def _discard(draw: _Draw | None) -> None:

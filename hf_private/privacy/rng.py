@@ -159,7 +159,42 @@ class SecretRandom:
         with self._lock:
             request = self._requests
             self._requests += 1
+        return self._nonce_of(request)
+
+    def _nonce_of(self, request: int) -> bytes:
         return request.to_bytes(8, "little") + self._stream.to_bytes(4, "little")
+
+    def reserve_requests(self, count: int) -> int:
+        """Take `count` consecutive request numbers at once and return the first; `fill_at_` reads their keystream.
+
+        For a release split across processes (FSDP2 shards): every process reserves the requests of the whole
+        release, as one process drawing it all would, so the request counters stay in step and each coordinate's
+        noise comes from the same request and bytes whatever the number of processes.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}.")
+        with self._lock:
+            first = self._requests
+            self._requests += count
+        return first
+
+    def fill_at_(self, buffer: bytearray | memoryview, request: int, offset: int) -> None:
+        """Overwrite `buffer` with the keystream of a reserved `request` from byte `offset` on (ChaCha20's block
+        counter seeked to offset // 64): the bytes a `fill_` of that request would put there.
+
+        Only requests already taken (`reserve_requests`) can be read: a fresh nonce is only ever given by the
+        counter. The caller reads each byte range of a request at most once (each coordinate has one owner).
+        """
+        size = memoryview(buffer).nbytes
+        if not 0 <= request < self._requests:
+            raise ValueError(f"Request {request} was not reserved (this stream has taken {self._requests}).")
+        if offset < 0 or offset + size > _MAX_REQUEST_BYTES:
+            raise ValueError(f"Bytes [{offset}, {offset + size}) lie outside one request's {_MAX_REQUEST_BYTES}.")
+        block, skip = divmod(offset, 64)
+        counter = block.to_bytes(4, "little")
+        encryptor = Cipher(algorithms.ChaCha20(self._key, counter + self._nonce_of(request)), mode=None).encryptor()
+        stream = encryptor.update(bytes(skip + size))
+        memoryview(buffer).cast("B")[:] = stream[skip:]
 
     def fill_(self, buffer: bytearray | memoryview) -> None:
         """Overwrite `buffer` with fresh keystream bytes (one request, one nonce)."""
@@ -205,6 +240,40 @@ class SecretRandom:
         return out
 
 
+class BoxMuller:
+    """The arithmetic from keystream bytes to Gaussian pairs, in reused buffers of up to `pairs` pairs.
+
+    Shared by `GaussianSampler` and the sharded sampler (`sharded_noise`), so that a coordinate drawn by a shard's
+    owner is bit for bit the value one process drawing the whole tensor gives it: every step is elementwise.
+    """
+
+    def __init__(self, pairs: int, device: torch.device) -> None:
+        self._bits63 = torch.empty(pairs, dtype=torch.int64, device=device)
+        self._bits24 = torch.empty(pairs, dtype=torch.int32, device=device)
+        self._radius64 = torch.empty(pairs, dtype=torch.float64, device=device)
+        self._radius = torch.empty(pairs, dtype=torch.float32, device=device)
+        self._angle = torch.empty(pairs, dtype=torch.float32, device=device)
+
+    def normals_(
+        self, radius_bytes: torch.Tensor, angle_bytes: torch.Tensor, std: float, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Pair k's two N(0, std²) draws into cos[k] and sin[k], from its 8 radius bytes and 4 angle bytes (uint8)."""
+        pairs = cos.numel()
+        radius_bits = radius_bytes.view(torch.int64)
+        angle_bits = angle_bytes.view(torch.int32)
+        bits63, bits24 = self._bits63[:pairs], self._bits24[:pairs]
+        radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
+        torch.bitwise_and(radius_bits, _MASK_63, out=bits63)
+        # −2 ln u in float64 (u's 63 bits matter near 0, where the tail is), then a float32 square root and scale:
+        # −2 ln u (0, or 2⁻⁵² to 177.4) needs no float64 range or precision for a float32 root, 3× cheaper.
+        radius64.copy_(bits63).add_(_HALF).mul_(_ULP_63).log_().mul_(-2.0)
+        radius.copy_(radius64).sqrt_().mul_(std)
+        torch.bitwise_and(angle_bits, _MASK_24, out=bits24)
+        torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
+        torch.cos(angle, out=cos).mul_(radius)
+        torch.sin(angle, out=sin).mul_(radius)
+
+
 class GaussianSampler:
     """Box-Muller on keystream bytes into reused buffers: adds N(0, std²) to float32 tensors in chunks.
 
@@ -244,11 +313,7 @@ class GaussianSampler:
         self._turn = 0
         # The device buffer the pinned host buffers are copied into; None where the host buffer is pageable.
         self._raw = torch.empty(PAIR_BYTES * self.pairs, dtype=torch.uint8, device=self.device) if pinned else None
-        self._bits63 = torch.empty(self.pairs, dtype=torch.int64, device=self.device)
-        self._bits24 = torch.empty(self.pairs, dtype=torch.int32, device=self.device)
-        self._radius64 = torch.empty(self.pairs, dtype=torch.float64, device=self.device)
-        self._radius = torch.empty(self.pairs, dtype=torch.float32, device=self.device)
-        self._angle = torch.empty(self.pairs, dtype=torch.float32, device=self.device)
+        self._box_muller = BoxMuller(self.pairs, self.device)
         self._values = torch.empty(2 * self.pairs, dtype=torch.float32, device=self.device)
 
     def _chunk(self, std: float, pairs: int) -> torch.Tensor:
@@ -257,20 +322,8 @@ class GaussianSampler:
         Only the keystream for `pairs` is drawn: a small tensor must not pay for a whole chunk.
         """
         raw = self._keystream(PAIR_BYTES * pairs)  # one request: radius bits, angle bits
-        radius_bits = raw[: 8 * pairs].view(torch.int64)
-        angle_bits = raw[8 * pairs :].view(torch.int32)
-        bits63, bits24 = self._bits63[:pairs], self._bits24[:pairs]
-        radius64, radius, angle = self._radius64[:pairs], self._radius[:pairs], self._angle[:pairs]
-        torch.bitwise_and(radius_bits, _MASK_63, out=bits63)
-        # −2 ln u in float64 (u's 63 bits matter near 0, where the tail is), then a float32 square root and scale:
-        # −2 ln u (0, or 2⁻⁵² to 177.4) needs no float64 range or precision for a float32 root, 3× cheaper.
-        radius64.copy_(bits63).add_(_HALF).mul_(_ULP_63).log_().mul_(-2.0)
-        radius.copy_(radius64).sqrt_().mul_(std)
-        torch.bitwise_and(angle_bits, _MASK_24, out=bits24)
-        torch.mul(bits24, 2 * math.pi / (1 << 24), out=angle)  # uniform on a 2^24-point grid
         values = self._values[: 2 * pairs]
-        torch.cos(angle, out=values[:pairs]).mul_(radius)
-        torch.sin(angle, out=values[pairs:]).mul_(radius)
+        self._box_muller.normals_(raw[: 8 * pairs], raw[8 * pairs :], std, values[:pairs], values[pairs:])
         return values
 
     @property
