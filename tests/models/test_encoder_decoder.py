@@ -229,6 +229,31 @@ def _seq2seq_pairs(n: int, seed: int) -> Dataset:
     )
 
 
+def seq2seq_trainer(output_dir, model, dp_config: DPConfig, eval_dataset=None, compute_metrics=None, **arg_overrides):
+    """privatize(Seq2SeqTrainer) on 32 tiny (source, target) pairs, 8 a chunk, 2 steps; `arg_overrides` for
+    Seq2SeqTrainingArguments (generation, checkpointing)."""
+    tokenizer = tiny.tokenizer()
+    args = dict(
+        per_device_train_batch_size=8,
+        max_steps=2,
+        learning_rate=5e-3,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return privatize(Seq2SeqTrainer)(
+        model=model,
+        args=Seq2SeqTrainingArguments(str(output_dir), **{**args, **arg_overrides}),
+        train_dataset=_seq2seq_pairs(32, 0),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+        compute_metrics=compute_metrics,
+        dp_config=dp_config,
+    )
+
+
 @pytest.mark.parametrize("factory", [t5, lambda: lora(bart())], ids=["t5", "bart-lora"])
 def test_private_seq2seq_trainer_trains_evaluates_by_generation_and_saves(tmp_path, factory):
     model = factory()
@@ -238,29 +263,15 @@ def test_private_seq2seq_trainer_trains_evaluates_by_generation_and_saves(tmp_pa
         seen["shape"] = np.asarray(prediction.predictions).shape
         return {"pairs": float(seen["shape"][0])}
 
-    args = Seq2SeqTrainingArguments(
-        str(tmp_path),
+    trainer = seq2seq_trainer(
+        tmp_path,
+        model,
+        DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
+        eval_dataset=_seq2seq_pairs(8, 1),
+        compute_metrics=generated,
         predict_with_generate=True,
         generation_max_length=5,
-        per_device_train_batch_size=8,
         per_device_eval_batch_size=8,
-        max_steps=2,
-        learning_rate=5e-3,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    tokenizer = tiny.tokenizer()
-    trainer = privatize(Seq2SeqTrainer)(
-        model=model,
-        args=args,
-        train_dataset=_seq2seq_pairs(32, 0),
-        eval_dataset=_seq2seq_pairs(8, 1),
-        processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
-        compute_metrics=generated,
-        dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0),
     )
     trainer.train()
     assert trainer.ledger.total_steps == 2 and not trainer.privacy_run.needs_independence_probe  # the probe passed

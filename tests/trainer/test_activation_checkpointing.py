@@ -11,10 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import (
     DataCollatorForLanguageModeling,
-    DataCollatorForSeq2Seq,
     DataCollatorWithPadding,
-    Seq2SeqTrainer,
-    Seq2SeqTrainingArguments,
 )
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -244,29 +241,10 @@ SEQ2SEQ_CASES = [
 def test_seq2seq_pairs_release_with_checkpointing_what_they_release_without(factory, mode, tmp_path):
     """privatize(Seq2SeqTrainer): T5's relative attention bias, expanded to the chunk's rows by a forward pre-hook,
     must be expanded in the recompute as in the forward; BART's learned positions and tied embeddings."""
-    tokenizer = tiny.tokenizer()
 
     def run(mode: str):
-        model = factory()
-        args = Seq2SeqTrainingArguments(
-            str(tmp_path / mode),
-            per_device_train_batch_size=8,
-            max_steps=2,
-            learning_rate=5e-3,
-            report_to="none",
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            **MODES[mode],
-        )
-        return privatize(Seq2SeqTrainer)(
-            model=model,
-            args=args,
-            train_dataset=test_encoder_decoder._seq2seq_pairs(32, 0),
-            processing_class=tokenizer,
-            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
-            dp_config=DPConfig(noise_multiplier=1.0, max_grad_norm=0.5, noise_seed=11),
-        )
+        dp_config = DPConfig(noise_multiplier=1.0, max_grad_norm=0.5, noise_seed=11)
+        return test_encoder_decoder.seq2seq_trainer(tmp_path / mode, factory(), dp_config, **MODES[mode])
 
     _releases_equally(run, [mode])
 
