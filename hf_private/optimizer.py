@@ -13,20 +13,29 @@ override (as Opacus' DPOptimizer.pre_step):
    become the full weight's gradient), again post-processing, the same on every process;
 7. the inner optimizer's step, then `on_step` (the ledger records the step), then the step-end hooks (e.g.
    RGP's re-decomposition), once per logical batch on every process.
+
+Sharded parameters (FSDP2's `fully_shard`: DTensors, dim 0 split across processes) take steps 2-3 the other way round:
+each process's full-shape clipped sum is reduce-scattered to the shards one parameter at a time
+(`reduce_scatter_to_shard`), and each process noises only the coordinates it owns, with the values one process would
+draw for them (`GaussianNoise.add_shards_`): again Σ clipped + one noise draw per coordinate, and each process's
+`.grad` is its shard of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from .engine import PerExampleGradientEngine
 from .privacy import GaussianNoise
+from .privacy.sharded_noise import TensorShard
 
 _BUCKET_BYTES = 64 << 20
 
@@ -66,6 +75,65 @@ def noise_once_then_sum(
         add_noise(tensors)
     if _distributed():
         all_reduce(tensors)
+
+
+def is_sharded(params: list[nn.Parameter]) -> bool:
+    """Whether the trainable parameters are FSDP2 shards (DTensors); a mix of sharded and whole ones is refused."""
+    sharded = [isinstance(p, DTensor) for p in params]
+    if any(sharded) and not all(sharded):
+        raise NotImplementedError(
+            f"{sum(sharded)} of {len(params)} trainable parameters are sharded (DTensor) and the others are not: apply "
+            "fully_shard so that it covers every trainable parameter (e.g. to each decoder layer and the root model)."
+        )
+    return bool(sharded) and all(sharded)
+
+
+def _sharded(param: torch.Tensor) -> DTensor:
+    if not isinstance(param, DTensor):
+        raise TypeError(f"A parameter of shape {tuple(param.shape)} is not sharded (not a DTensor).")
+    return param
+
+
+def dim0_shard(param: torch.Tensor) -> tuple[int, int, int]:
+    """This process's rows [start, end) of dim 0 of `param` under FSDP2's layout, and the rows each process holds once
+    padded (⌈rows / world⌉, as torch.chunk cuts): where a reduce-scatter must cut the full tensor."""
+    param = _sharded(param)
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() == 0:
+        raise NotImplementedError(
+            f"A parameter of shape {tuple(param.shape)} is laid out as {tuple(param.placements)} on a {mesh.ndim}-D "
+            "mesh: only FSDP2's one-dimensional Shard(0) layout is supported (not HSDP or tensor parallelism yet)."
+        )
+    rows, world = param.shape[0], mesh.size()
+    per_rank = -(-rows // world)
+    start = min(mesh.get_local_rank() * per_rank, rows)
+    end = min(start + per_rank, rows)
+    if param.to_local().shape[0] != end - start:
+        raise RuntimeError(
+            f"A parameter of shape {tuple(param.shape)} holds {param.to_local().shape[0]} rows here where FSDP2's "
+            f"layout gives rows [{start}, {end}): its shard is not the one the reduce-scatter would deliver."
+        )
+    return start, end, per_rank
+
+
+def reduce_scatter_to_shard(total: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Σ over processes of `total` (this process's full-shape sum for `param`), keeping only this process's rows: one
+    reduce-scatter along FSDP2's dim-0 layout, the full tensor zero-padded to ⌈rows / world⌉ rows a process."""
+    start, end, per_rank = dim0_shard(param)
+    mesh = _sharded(param).device_mesh
+    world = mesh.size()
+    padded = total
+    if per_rank * world != total.shape[0]:
+        padded = total.new_zeros((per_rank * world, *total.shape[1:]))
+        padded[: total.shape[0]] = total
+    shard = total.new_empty((per_rank, *total.shape[1:]))
+    dist.reduce_scatter_single(shard, padded.contiguous(), op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return shard[: end - start].contiguous()
+
+
+def _zero_sum(param: nn.Parameter) -> torch.Tensor:
+    """The clipped sum of a parameter no example reached: zeros, in its dtype promoted to at least float32."""
+    return torch.zeros(param.shape, dtype=torch.promote_types(param.dtype, torch.float32), device=param.device)
 
 
 def _distributed() -> bool:
@@ -185,8 +253,13 @@ class NoisyOptimizer(torch.optim.Optimizer):
             self.engine.reset()  # budget exhausted: nothing computed from this batch is released
             return None
         params = [p for _, p in self.engine.parameters]
-        totals = self.clipped_sums(params)
-        noise_once_then_sum(totals, self.add_noise, self.all_reduce)
+        if is_sharded(params):
+            self._refuse_hooks_when_sharded()
+            totals = self.sharded_sums(params)
+            self.add_sharded_noise(params, totals)
+        else:
+            totals = self.clipped_sums(params)
+            noise_once_then_sum(totals, self.add_noise, self.all_reduce)
         self.to_gradients(params, totals)
         self.transform_gradients(params)
         for hook in list(self._pre_step_hooks.values()):
@@ -199,12 +272,45 @@ class NoisyOptimizer(torch.optim.Optimizer):
     def clipped_sums(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """This process's clipped sums, popped from the engine; zeros (fp32 or wider) for a parameter with none."""
         sums = self.engine.pop_clipped_sums()
-        return [
-            sums[p]
-            if p in sums
-            else torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
-            for p in params
+        return [sums[p] if p in sums else _zero_sum(p) for p in params]
+
+    def sharded_sums(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Each parameter's clipped sum over every process, this process's shard of it (`reduce_scatter_to_shard`),
+        one parameter at a time: each full-shape sum is dropped once scattered."""
+        sums = self.engine.pop_clipped_sums()
+        shards = []
+        for param in params:
+            total = sums.pop(param, None)
+            shards.append(reduce_scatter_to_shard(total if total is not None else _zero_sum(param), param))
+            del total
+        return shards
+
+    def add_sharded_noise(self, params: list[nn.Parameter], shards: list[torch.Tensor]) -> None:
+        """shards += N(0, (σC)²) on the coordinates this process owns, the values one process would draw for them
+        (`GaussianNoise.add_shards_`); every process does so for its own shards."""
+        if self.noise_multiplier > 0:
+            parts = []
+            for param, shard in zip(params, shards):
+                start = dim0_shard(param)[0] * math.prod(param.shape[1:])  # rows of a contiguous tensor
+                parts.append(TensorShard(shard, start, param.numel()))
+            self.noise.add_shards_(parts, self.noise_multiplier * self.max_grad_norm)
+
+    def _refuse_hooks_when_sharded(self) -> None:
+        """A gradient transform or step hook sees whole gradients and weights; a sharded process holds a shard."""
+        hooked = [
+            kind
+            for kind, hooks in (
+                ("gradient transforms", self._gradient_transforms),
+                ("pre-step hooks", self._pre_step_hooks),
+                ("step-end hooks", self._step_end_hooks),
+            )
+            if hooks
         ]
+        if hooked:
+            raise NotImplementedError(
+                f"This run registers {' and '.join(hooked)} (a method's masks or RGP), which are not supported with "
+                "FSDP2-sharded parameters yet: train with DDP, or with a method that registers none (DP-SGD, LoRA)."
+            )
 
     def add_noise(self, totals: list[torch.Tensor]) -> None:
         """totals += N(0, (σC)²) per coordinate, from the secret noise source, in place (nothing for σ = 0: a stage
@@ -215,7 +321,8 @@ class NoisyOptimizer(torch.optim.Optimizer):
     def prepare_noise(self) -> None:
         """Start drawing this logical batch's noise in the background (`GaussianNoise.prepare`), where `add_noise`
         will add it, so the step does not wait for it. Called once the batch's trainable set and σ are known."""
-        if self.noise_multiplier > 0 and adds_noise_here():
+        params = [p for _, p in self.engine.parameters]
+        if self.noise_multiplier > 0 and adds_noise_here() and not is_sharded(params):  # sharded: no draw ahead
             self.noise.prepare(
                 [p.numel() for _, p in self.engine.parameters], self.noise_multiplier * self.max_grad_norm
             )
@@ -224,9 +331,14 @@ class NoisyOptimizer(torch.optim.Optimizer):
         all_reduce_sum(totals)
 
     def to_gradients(self, params: list[nn.Parameter], totals: list[torch.Tensor]) -> None:
-        """param.grad = total / (q·N), in the parameter's dtype."""
+        """param.grad = total / (q·N), in the parameter's dtype (a sharded parameter's: its shard, as a DTensor)."""
         for param, total in zip(params, totals):
-            param.grad = total.div_(self.expected_batch_size).to(param.dtype)
+            grad = total.div_(self.expected_batch_size).to(param.dtype)
+            if isinstance(param, DTensor):
+                grad = DTensor.from_local(
+                    grad, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            param.grad = grad
 
     def transform_gradients(self, params: list[nn.Parameter]) -> None:
         for param in params:
