@@ -12,9 +12,10 @@ import weakref
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from hf_private.engine import PerExampleGradientEngine
-from tests.engine.test_engine_oracle import BATCH, MODELS, _batch, _loss, check_engine_against_oracle
+from tests.engine.test_engine_oracle import BATCH, MODELS, _batch, _lora, _loss, check_engine_against_oracle
 from tests.support import tiny
 
 CHECKPOINTED = ["bert", "gpt2-tied", "llama", "llama-lora", "bert-lora", "llama-norm-gains"]
@@ -71,6 +72,68 @@ def test_the_engine_keeps_no_input_of_a_checkpointed_layer_after_the_forward(che
         assert alive == 0, f"{alive} checkpointed layer inputs still held after the forward"
     else:
         assert alive == len(seen)
+
+
+LONG = 64  # tokens: a LoRA factor's per-example gradient (r·d) is then smaller than its factors, as at long context
+
+
+def _live_peak(step) -> int:
+    """The most bytes the CPU allocator held at once during `step`, summed from the profiler's allocation events: exact
+    and deterministic, unlike the process's resident size (glibc keeps freed heap pages resident, and which ones a
+    step reuses depends on where it placed earlier blocks: +129 to +155 MiB for the private arm at 2 layers × 768,
+    T = 2,048, with the same live bytes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()  # negative when freed
+        peak = max(peak, live)
+    return peak
+
+
+def _long_llama_lora(checkpointing: bool):
+    config = tiny.llama().config
+    config.num_hidden_layers, config.max_position_embeddings = 3, LONG
+    torch.manual_seed(0)
+    model = _lora(LlamaForCausalLM(config), "CAUSAL_LM").double()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "not-checkpointed"])
+def test_a_checkpointed_private_step_holds_the_live_memory_of_the_non_private_one(checkpointing):
+    """Issue 48's memory target, measured in live tensors: with non-reentrant checkpointing in both arms the private
+    step's peak may exceed the non-private step's by its per-example gradients alone (B × the trainable bytes), so
+    neither a recompute's own calls nor a layer input outlive their layer's backward. The private arm without
+    checkpointing holds every layer's inputs and breaks the bound, which shows the test can fail."""
+    ids = torch.randint(4, len(tiny.VOCAB), (2, LONG), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    reference = _long_llama_lora(checkpointing=True)
+
+    def non_private_step() -> None:
+        _loss(reference, batch).backward()
+        reference.zero_grad(set_to_none=True)
+
+    model = _long_llama_lora(checkpointing)
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+
+    def private_step() -> None:
+        with engine.recording(2):
+            _loss(model, batch).backward()
+        engine.finish_backward()
+        engine.reset()
+
+    non_private_step(), private_step()  # the first private chunk checks itself against autograd's gradients
+    per_example_grads = 2 * sum(p.numel() * p.element_size() for _, p in engine.parameters)
+    excess = _live_peak(private_step) - _live_peak(non_private_step)
+    if checkpointing:
+        assert excess <= per_example_grads, f"{excess} bytes above the non-private step ({per_example_grads} allowed)"
+    else:
+        assert excess > 4 * per_example_grads
 
 
 def test_an_input_modified_in_place_after_the_forward_is_refused():
