@@ -51,7 +51,10 @@ trains exactly B·GA units too (`FixedBatches`): the benchmark's `get_batch_samp
 batch, once drawn, by the next B units of the training set collated by the private trainer's own collator (so "at 4
 pairs" and "at 8 pairs" are measured, not read off a Poisson mix; the accountant still counts the Poisson steps, so
 such a run's ε is not that of what trained: a timing device only). `--profile` runs one step more after the measured
-ones under `torch.profiler` (C-level ops by self CPU time, kept in the JSON as `profile`; not timed).
+ones under `torch.profiler` (C-level ops by self CPU time, kept in the JSON as `profile`; not timed). Each step's
+CPU time (`time.process_time`, all the process's threads) is recorded beside its wall time (`cpu_s_per_example`,
+`plain_cpu_time_ratio`): with one torch thread, on a machine shared with other work, it counts the work an arm did
+rather than the time the scheduler gave it.
 Peak memory: the process high-water mark (VmHWM, `benchmarks.memory`), reset at the first measured step, read at the
 last. Every run is its own fresh process (spawn), so no arm's high-water mark or allocator pages reach another's; the
 arms alternate (non-private, private, non-private, ...) for `--rounds` rounds so machine load hits both alike, and
@@ -331,13 +334,14 @@ class StepMeter(TrainerCallback):
         self.profiler: torch.profiler.profile | None = None
         self.profile_table: str | None = None
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []  # the process's CPU time (all its threads) over the same window
         self.examples: list[int] = []
         self.first_measured: int | None = None  # index into seconds/examples
         self.trained = 0  # examples of the step in progress
         self.fetched = 0  # examples of the batches fetched for the next step
         self.rss_at_reset: int | None = None
         self.peak: int | None = None
-        self._start = 0.0
+        self._start = self._cpu_start = 0.0
 
     def counting(self, get_batch_samples, trainer_kind: str, substitute=None):
         """Trainer's `get_batch_samples`, noting the examples of the batches it fetches for the next step (the loop
@@ -367,7 +371,7 @@ class StepMeter(TrainerCallback):
         if self.peak is not None:  # the measured steps are done: this is the profiled step
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self.profiler.__enter__()
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.profiler is not None:
@@ -376,6 +380,7 @@ class StepMeter(TrainerCallback):
             control.should_training_stop = True
             return control
         self.seconds.append(time.perf_counter() - self._start)
+        self.cpu_seconds.append(time.process_time() - self._cpu_start)
         self.examples.append(self.trained)
         if len(self.seconds[self.measured]) == self.steps:
             self.peak = peak_bytes(CPU)
@@ -485,6 +490,8 @@ def run_arm(spec: dict) -> dict:
     result = {
         "arm": spec["arm"],
         "s_per_example": sum(seconds) / max(1, sum(examples)),
+        "cpu_s_per_example": sum(meter.cpu_seconds[meter.measured]) / max(1, sum(examples)),
+        "step_cpu_seconds": meter.cpu_seconds,
         "peak_bytes": meter.peak,
         "rss_at_reset_bytes": meter.rss_at_reset,
         "warmup_steps_run": meter.first_measured,
@@ -606,6 +613,7 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
         row["arms"][arm] = {
             "median_s_per_example": statistics.median(r["s_per_example"] for r in arm_runs),
             "median_peak_bytes": int(statistics.median(r["peak_bytes"] for r in arm_runs)),
+            "median_cpu_s_per_example": statistics.median(r["cpu_s_per_example"] for r in arm_runs),
             "runs": arm_runs,
         }
     if set(ARMS) <= set(runs):
@@ -615,12 +623,17 @@ def bench_row(spec: dict, rounds: int, arms: list[str], run_arm_with=run_in_fres
         row["round_time_ratios"] = [
             p["s_per_example"] / n["s_per_example"] for p, n in zip(runs["private"], runs["non-private"])
         ]
+        row["cpu_time_ratio"] = private["median_cpu_s_per_example"] / public["median_cpu_s_per_example"]
     if {"private", PLAIN} <= set(runs):
         private, plain = row["arms"]["private"], row["arms"][PLAIN]
         row["plain_time_ratio"] = private["median_s_per_example"] / plain["median_s_per_example"]
         row["plain_memory_ratio"] = private["median_peak_bytes"] / plain["median_peak_bytes"]
         row["plain_round_time_ratios"] = [
             p["s_per_example"] / n["s_per_example"] for p, n in zip(runs["private"], runs[PLAIN])
+        ]
+        row["plain_cpu_time_ratio"] = private["median_cpu_s_per_example"] / plain["median_cpu_s_per_example"]
+        row["plain_round_cpu_time_ratios"] = [
+            p["cpu_s_per_example"] / n["cpu_s_per_example"] for p, n in zip(runs["private"], runs[PLAIN])
         ]
     return row
 

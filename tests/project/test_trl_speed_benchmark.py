@@ -113,8 +113,8 @@ def test_dpo_fixed_batch_counts_pairs_in_every_arm_and_profiles_a_step(tmp_path)
     argv = [*TINY, "--trainer", "dpo", "--modes", "lora", "--arms", "private", "plain-loss", "--fixed-batch"]
     [row] = trl_speed.main([*argv, "--profile", "--out", out], run_arm_with=trl_speed.run_arm)
     private, plain = row["arms"]["private"]["runs"][0], row["arms"]["plain-loss"]["runs"][0]
-    assert row["fixed_batch"] and row["plain_time_ratio"] > 0
+    assert row["fixed_batch"] and row["plain_time_ratio"] > 0 and row["plain_cpu_time_ratio"] > 0
     for run in (private, plain):
-        assert run["step_examples"] == [2] * len(run["step_seconds"])
+        assert run["step_examples"] == [2] * len(run["step_seconds"]) and run["cpu_s_per_example"] > 0
         assert "aten::" in run["profile"]
     assert private["privacy"]["unit"] == "preference pair"
