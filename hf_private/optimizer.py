@@ -30,10 +30,11 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .engine import PerExampleGradientEngine
+from .engine.sharding import dim0_shard, is_sharded, reduce_scatter_to_shard
 from .privacy import GaussianNoise
 from .privacy.sharded_noise import TensorShard
 
@@ -75,60 +76,6 @@ def noise_once_then_sum(
         add_noise(tensors)
     if _distributed():
         all_reduce(tensors)
-
-
-def is_sharded(params: list[nn.Parameter]) -> bool:
-    """Whether the trainable parameters are FSDP2 shards (DTensors); a mix of sharded and whole ones is refused."""
-    sharded = [isinstance(p, DTensor) for p in params]
-    if any(sharded) and not all(sharded):
-        raise NotImplementedError(
-            f"{sum(sharded)} of {len(params)} trainable parameters are sharded (DTensor) and the others are not: apply "
-            "fully_shard so that it covers every trainable parameter (e.g. to each decoder layer and the root model)."
-        )
-    return bool(sharded) and all(sharded)
-
-
-def _sharded(param: torch.Tensor) -> DTensor:
-    if not isinstance(param, DTensor):
-        raise TypeError(f"A parameter of shape {tuple(param.shape)} is not sharded (not a DTensor).")
-    return param
-
-
-def dim0_shard(param: torch.Tensor) -> tuple[int, int, int]:
-    """This process's rows [start, end) of dim 0 of `param` under FSDP2's layout, and the rows each process holds once
-    padded (⌈rows / world⌉, as torch.chunk cuts): where a reduce-scatter must cut the full tensor."""
-    param = _sharded(param)
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() == 0:
-        raise NotImplementedError(
-            f"A parameter of shape {tuple(param.shape)} is laid out as {tuple(param.placements)} on a {mesh.ndim}-D "
-            "mesh: only FSDP2's one-dimensional Shard(0) layout is supported (not HSDP or tensor parallelism yet)."
-        )
-    rows, world = param.shape[0], mesh.size()
-    per_rank = -(-rows // world)
-    start = min(mesh.get_local_rank() * per_rank, rows)
-    end = min(start + per_rank, rows)
-    if param.to_local().shape[0] != end - start:
-        raise RuntimeError(
-            f"A parameter of shape {tuple(param.shape)} holds {param.to_local().shape[0]} rows here where FSDP2's "
-            f"layout gives rows [{start}, {end}): its shard is not the one the reduce-scatter would deliver."
-        )
-    return start, end, per_rank
-
-
-def reduce_scatter_to_shard(total: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Σ over processes of `total` (this process's full-shape sum for `param`), keeping only this process's rows: one
-    reduce-scatter along FSDP2's dim-0 layout, the full tensor zero-padded to ⌈rows / world⌉ rows a process."""
-    start, end, per_rank = dim0_shard(param)
-    mesh = _sharded(param).device_mesh
-    world = mesh.size()
-    padded = total
-    if per_rank * world != total.shape[0]:
-        padded = total.new_zeros((per_rank * world, *total.shape[1:]))
-        padded[: total.shape[0]] = total
-    shard = total.new_empty((per_rank, *total.shape[1:]))
-    dist.reduce_scatter_single(shard, padded.contiguous(), op=dist.ReduceOp.SUM, group=mesh.get_group())
-    return shard[: end - start].contiguous()
 
 
 def _zero_sum(param: nn.Parameter) -> torch.Tensor:

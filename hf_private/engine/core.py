@@ -46,6 +46,7 @@ from .layers.base import LayerHandler
 from .layers.moe import refuse_parameter_wrappers
 from .packed_tokens import PackedTokens
 from .reducers import ChunkTerms, ClippedSumReducer, FlatL2ClipReducer, Reducer, flat_norms
+from .sharding import ShardedCheck, is_sharded, local_parts
 from .terms import (
     Term,
     accumulation_dtype,
@@ -617,9 +618,18 @@ class PerExampleGradientEngine:
             hook(norms)
         return norms
 
+    def _sharded_check(self) -> ShardedCheck | None:
+        params = [p for _, p in self.parameters]
+        return ShardedCheck(self.model, params) if is_sharded(params) else None
+
     def _check_coverage(self, by_param: dict) -> None:
-        for name, p in self.parameters:
-            if p.grad is not None and p not in by_param:
+        has_grad = [p.grad is not None for _, p in self.parameters]
+        has_terms = [p in by_param for _, p in self.parameters]
+        sharded = self._sharded_check()
+        if sharded is not None:  # FSDP2: a gradient on any process's shard, terms on none, decided alike everywhere
+            has_grad, has_terms = sharded.anywhere(has_grad), sharded.anywhere(has_terms)
+        for (name, _), grad, terms in zip(self.parameters, has_grad, has_terms):
+            if grad and not terms:
                 raise UnsupportedLayerError(
                     f"Parameter {name} received a gradient outside the forward of the module that owns it, so "
                     "its per-example gradient is unknown. Freeze it or use it through its module."
@@ -632,10 +642,14 @@ class PerExampleGradientEngine:
         (a multiple-choice head's bias: Σ_c ∂ℓ/∂logit_c = 0) is compared on the scale Σ_rows ‖g_row‖.
         A chunk holding a non-finite example (or gradient) defers the check to the next chunk: the clip drops that
         example, and whether training fails must not depend on one record.
+        Under FSDP2 each process compares its shard of the sums over processes, with every norm below and the
+        deferral summed over the processes (`ShardedCheck`): all of them reach the same verdict together.
         """
-        grads = [p.grad for _, p in self.parameters if p.grad is not None]
+        sharded = self._sharded_check()
+        grads = local_parts(p.grad for _, p in self.parameters if p.grad is not None)
         terms_seen = [t for terms in by_param.values() for t in terms]
-        if not all(bool(torch.isfinite(x).all()) for x in [*vars_tensors(terms_seen), *grads]):
+        finite = all(bool(torch.isfinite(x).all()) for x in [*vars_tensors(terms_seen), *grads])
+        if not (finite if sharded is None else sharded.everywhere(finite)):
             return
         pairs = []
         for name, p in self.parameters:
@@ -643,14 +657,20 @@ class PerExampleGradientEngine:
             ours = torch.zeros(p.shape, dtype=accumulation_dtype(p), device=p.device)
             for term in terms:
                 ours = clipped_sum(term, ours.new_ones(term.batch_size), p.shape, out=ours)
-            reference = p.grad.to(ours.dtype) if p.grad is not None else torch.zeros_like(ours)
+            if sharded is None:
+                reference = p.grad.to(ours.dtype) if p.grad is not None else torch.zeros_like(ours)
+            else:
+                ours, reference = sharded.shards(ours, p)
             low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in vars_tensors(by_param.get(p, [])))
             summands = sum(squared_norm(t).double().clamp(min=0).sqrt().sum() for t in terms)
-            pairs.append((name, ours, reference, low_precision, reference.double().norm() + summands))
-        total = torch.sqrt(functools.reduce(operator.add, (ref.double().pow(2).sum() for _, _, ref, _, _ in pairs)))
-        for name, ours, reference, low_precision, scale in pairs:
+            pairs.append((name, ours, reference, low_precision, summands))
+        if sharded is None:
+            total = torch.sqrt(functools.reduce(operator.add, (r.double().pow(2).sum() for _, _, r, _, _ in pairs)))
+            norms = [((o - r).double().norm(), r.double().norm() + s, low) for _, o, r, low, s in pairs]
+        else:
+            norms, total = sharded.summed_norms([(o, r, low, s) for _, o, r, low, s in pairs])
+        for (name, _, reference, _, _), (error, scale, low_precision) in zip(pairs, norms):
             tol = _CHECK_TOLERANCE_LOW_PRECISION if low_precision else _CHECK_TOLERANCE.get(reference.dtype, 1e-3)
-            error = (ours - reference).double().norm()
             if error > tol * (scale + 1e-4 * total):
                 raise UnsupportedLayerError(
                     f"Parameter {name}: the per-example gradients seen by hooks do not add up to its gradient "

@@ -3,24 +3,27 @@ one process, through the engine and `NoisyOptimizer` (SGD, lr = 1): what tests/t
 
 `spawn_sharded` starts `WORLD` gloo processes on the CPU; each takes its consecutive share of `EXAMPLES` as one chunk
 and runs every case of `CASES` in turn, each on a fresh model; rank 0 writes the full parameters after each case.
-`one_step` is the same step in the calling process, unsharded, on all the examples at once.
+`one_step` is the same step in the calling process, unsharded, on all the examples at once. Every sharded step goes
+through the engine's own first-chunk check against autograd, on FSDP2's reduced shards. `spawn_refusal` runs a model
+that the check must refuse (a weight also used outside its module's forward) and reports what each rank raised.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hf_private import optimizer as optimizer_module
-from hf_private.engine import PerExampleGradientEngine
+from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from tests.support import tiny
@@ -30,6 +33,7 @@ NOISE_SEED = 4242
 MAX_GRAD_NORM = 0.5  # well under the examples' norms (about 20): every example is clipped
 NOISE_MULTIPLIER = 0.7
 _LENGTH = 6
+SPAWN_TIMEOUT_S = 120.0  # a rank left waiting in a collective fails the test instead of hanging it
 
 
 def examples(neighbour: bool = False) -> torch.Tensor:
@@ -50,10 +54,12 @@ def _averaged(reduce_scatter: Callable) -> Callable:
     return lambda total, param: reduce_scatter(total, param).div_(dist.get_world_size())
 
 
-#: case → (noise multiplier, the neighbouring dataset, mutation)
+#: case → (noise multiplier, the neighbouring dataset, mutation); "summed-by-fsdp" is no mutation of the release: FSDP2
+#: then sums autograd's gradients instead of averaging them, which the engine's check must read back from its state
 CASES: dict[str, tuple[float, bool, str | None]] = {
     "noisy": (NOISE_MULTIPLIER, False, None),
     "clipped": (0.0, False, None),
+    "clipped-summed-by-fsdp": (0.0, False, "summed-by-fsdp"),
     "clipped-neighbour": (0.0, True, None),
     "noisy-noise-per-rank": (NOISE_MULTIPLIER, False, "noise-per-rank"),
     "clipped-averaged": (0.0, False, "averaged"),
@@ -69,11 +75,12 @@ def one_step(noise_multiplier: float, neighbour: bool, mutation: str | None, sha
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+        if mutation == "summed-by-fsdp":
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     engine = PerExampleGradientEngine(model, MAX_GRAD_NORM if mutation != "unclipped" else 1e9)
-    if shard:
-        # The engine's first-chunk check against autograd compares with whole gradients; FSDP2 gives reduced shards
-        # (not yet supported: the trainer refuses FSDP). This test checks the sums against the unsharded run instead.
-        engine.verified = True
     engine.attach()
     world, rank = (dist.get_world_size(), dist.get_rank()) if shard else (1, 0)
     rows = examples(neighbour).chunk(world)[rank]
@@ -82,6 +89,7 @@ def one_step(noise_multiplier: float, neighbour: bool, mutation: str | None, sha
         loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="sum")
         loss.backward()
     engine.finish_backward()
+    verified = engine.verified  # the check against autograd ran on this chunk and passed
     noisy = NoisyOptimizer(
         torch.optim.SGD(model.parameters(), lr=1.0),
         engine,
@@ -99,6 +107,7 @@ def one_step(noise_multiplier: float, neighbour: bool, mutation: str | None, sha
     return {
         "after": {n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for n, p in params.items()},
         "sharded": {n: isinstance(p, DTensor) and p.to_local().shape != p.shape for n, p in params.items()},
+        "verified": verified,
     }
 
 
@@ -115,25 +124,81 @@ def _case(name: str, shard: bool) -> dict:
         GaussianNoise.add_shards_, optimizer_module.reduce_scatter_to_shard = saved  # type: ignore[method-assign]
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+class PartlyHidden(torch.nn.Module):
+    """Weights the engine's checks must refuse: `proj`'s rows 0-1 (rank 0's shard) used once more outside its
+    forward, where no hook sees them, so only rank 0's own numbers show it; `unhooked`'s weight used only outside it,
+    so it gets a gradient and no per-example terms."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.proj = torch.nn.Linear(4, 4)
+        self.unhooked = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use == "partly-hidden":
+            return self.proj(x) + x[:, :2] @ self.proj.weight[:2] + self.unhooked(x)
+        return self.proj(x) + x @ self.unhooked.weight.T
+
+
+def _refused_here(use: str) -> str:
+    """What finish_backward raised on this rank for `PartlyHidden(use)` sharded ("" if nothing)."""
+    torch.manual_seed(0)  # the same weights on every rank, as FSDP2 expects
+    model = PartlyHidden(use)
+    fully_shard(model)
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    rows = torch.randn(2 * WORLD, 4, generator=torch.Generator().manual_seed(1)).chunk(WORLD)[dist.get_rank()]
+    with engine.recording(len(rows)):
+        model(rows).pow(2).sum().backward()
+    try:
+        engine.finish_backward()
+    except UnsupportedLayerError as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def _worker(rank: int, port: int, out: str, job: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        results = {name: _case(name, shard=True) for name in CASES}
-        if rank == 0:
-            torch.save(results, Path(out) / "sharded.pt")
+        if job == "cases":
+            results = {name: _case(name, shard=True) for name in CASES}
+            if rank == 0:
+                torch.save(results, Path(out) / "sharded.pt")
+        else:
+            (Path(out) / f"refusal-{rank}.txt").write_text(_refused_here(job))
     finally:
         dist.destroy_process_group()
 
 
-def spawn_sharded(out: Path) -> dict:
-    """Every case, sharded over `WORLD` processes: case → {"after": full parameters, "sharded": name → bool}."""
+def _spawn(out: Path, job: str) -> None:
+    """Run `job` on `WORLD` gloo processes; fail (rather than wait) if they have not all ended within the timeout."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    context = mp.spawn(_worker, args=(port, str(out), job), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{WORLD} processes ran {job!r} past {SPAWN_TIMEOUT_S} s: one is stuck in a collective.")
+
+
+def spawn_sharded(out: Path) -> dict:
+    """Every case, sharded over `WORLD` processes: case → {"after": full parameters, "sharded": name → bool,
+    "verified": whether the engine's check against autograd passed}."""
+    _spawn(out, "cases")
     return torch.load(out / "sharded.pt", weights_only=False)
+
+
+def spawn_refusal(out: Path, use: str) -> list[str]:
+    """What each rank's finish_backward raised for `PartlyHidden(use)` sharded over `WORLD` processes ("" for
+    nothing)."""
+    _spawn(out, use)
+    return [(out / f"refusal-{rank}.txt").read_text() for rank in range(WORLD)]
 
 
 def unsharded(name: str) -> dict:
