@@ -8,10 +8,11 @@ checkpointing saves and costs the private run). Every token of a chunk is real (
 is the ratio per real token. Peak memory is measured for each arm alone in a fresh interpreter (VmHWM on the CPU,
 the allocator's peak on a GPU); results are written after every configuration.
 
-On the CPU each arm's peak is measured twice in its interpreter: first under glibc's default heap (what a user sees,
-but it depends on where the allocator places blocks: freed arena pages stay resident, and which ones a step touches
-again differs between two runs of one arm by up to a hundred MiB at 2 layers), then with every block of 64 KiB or more
-mapped on its own (`mallopt(M_MMAP_THRESHOLD)`), so that the high-water mark follows the live tensors.
+On the CPU each arm's peak is measured twice, each in a fresh interpreter: under glibc's default heap (what a user
+sees, but it depends on where the allocator places blocks: freed arena pages stay resident, and which ones a step
+touches again differs between two runs of one arm by up to a hundred MiB at 2 layers), and with every block of 64 KiB
+or more mapped on its own from the interpreter's start (`mallopt(M_MMAP_THRESHOLD)`), so that the high-water mark
+follows the live tensors.
 """
 
 from __future__ import annotations
@@ -85,28 +86,40 @@ def _measured_step(arm, chunks, device) -> int:
     return peak_bytes(device)
 
 
-def _peak_worker(label, shape, mode, batch_size, dtype_name, device_name, queue) -> None:
+def _peak_worker(label, shape, mode, batch_size, dtype_name, device_name, mapped, queue) -> None:
+    """One arm's peak over one step after a warm-up, in this fresh interpreter. `mapped`: large blocks mapped from
+    the start, before anything is allocated (set later, heap pages that earlier steps freed stay resident and count)."""
+    if mapped and not _map_large_blocks():
+        queue.put(None)
+        return
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     arm_cls, checkpointing = ARMS[label]
     model = build(shape, mode, checkpointing, dtype, device)
     chunks = make_chunks(model, batch_size, shape["seq_len"], 1, device)
     arm = arm_cls(model, batch_size)
     arm.step(chunks)  # warm-up: optimizer state allocated
-    peaks = {"peak_bytes": _measured_step(arm, chunks, device)}
-    if device.type == "cpu" and _map_large_blocks():
-        peaks["peak_bytes_mapped"] = _measured_step(arm, chunks, device)
-    queue.put(peaks)
+    queue.put(_measured_step(arm, chunks, device))
 
 
-def peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) -> dict[str, int]:
+def _peak_in_fresh_process(*args) -> int | None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    args = (label, shape, mode, batch_size, str(dtype).removeprefix("torch."), str(device), queue)
-    process = context.Process(target=_peak_worker, args=args)
+    process = context.Process(target=_peak_worker, args=(*args, queue))
     process.start()
     peak = queue.get()
     process.join()
     return peak
+
+
+def peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) -> dict[str, int]:
+    """The arm's peak under glibc's default heap and, on the CPU, in another fresh interpreter with large blocks
+    mapped (`peak_bytes_mapped`: what the live tensors cost)."""
+    args = (label, shape, mode, batch_size, str(dtype).removeprefix("torch."), str(device))
+    peaks = {"peak_bytes": _peak_in_fresh_process(*args, False)}
+    mapped = _peak_in_fresh_process(*args, True) if device.type == "cpu" else None
+    if mapped is not None:
+        peaks["peak_bytes_mapped"] = mapped
+    return peaks
 
 
 def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device) -> dict:
