@@ -273,12 +273,11 @@ def plain_loss_class(trainer_class: type) -> type:
 
 
 def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """Σ over each row's completion tokens of log p(token | tokens before it), [rows], from full logits (the label's
-    logit minus the log-sum-exp, as the private path computes it)."""
-    labels, mask = input_ids[:, 1:], completion_mask[:, 1:]
-    shifted = logits[:, :-1]
-    token = shifted.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - shifted.float().logsumexp(-1)
-    return (token * mask).sum(-1)
+    """Σ over each row's completion tokens of log p(token | tokens before it), [rows], from full logits, by the private
+    path's own per-token function."""
+    from hf_private.integrations.trl_dpo import completion_token_logps
+
+    return completion_token_logps(logits, input_ids, completion_mask).sum(-1)
 
 
 def plain_dpo_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
