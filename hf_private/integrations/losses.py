@@ -97,20 +97,30 @@ def head_losses(model: nn.Module, outputs, labels: torch.Tensor, label_smoothing
         return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
     if logits.dim() == 3 and labels.dim() == 2:
         if is_causal_lm(model):
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        tokens = F.cross_entropy(
-            logits.float().transpose(1, 2),
-            labels,
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-            label_smoothing=label_smoothing,
-        )
+            labels = labels[:, 1:]  # position t predicts token t + 1; the last position predicts nothing
+            tokens = token_losses(logits, F.pad(labels, (0, 1), value=IGNORE_INDEX), label_smoothing)[:, :-1]
+        else:
+            tokens = token_losses(logits, labels, label_smoothing)
         counts = (labels != IGNORE_INDEX).sum(1).clamp(min=1)
         return tokens.sum(1) / counts
     raise ValueError(
         f"Cannot derive a per-example loss from logits of shape {tuple(logits.shape)} and labels of shape "
         f"{tuple(labels.shape)}. Pass PrivateTrainer(per_example_loss=fn) with fn(model, outputs, labels) -> [B]."
     )
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Each position's cross-entropy, [B, T], from logits [B, T, V] and targets [B, T] (-100: not trained, loss 0).
+
+    The logits are read as one [B·T, V] matrix, as the models' own causal-LM loss reads them, so the step holds one
+    logits-sized tensor beside the logits (the log-probabilities autograd saves): slicing off the last position
+    first would copy the logits of a batch, and the class axis in the middle ([B, V, T]) makes `nll_loss` copy the
+    log-probabilities (issue 48: a third `[T, V]` tensor in the forward)."""
+    rows = logits.float().reshape(-1, logits.shape[-1])
+    losses = F.cross_entropy(
+        rows, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none", label_smoothing=label_smoothing
+    )
+    return losses.view(targets.shape)
 
 
 def packed_causal_lm_losses(
@@ -129,14 +139,10 @@ def packed_causal_lm_losses(
         )
     owner = layout.owner(logits.device)
     predicted = owner[:, 1:]
-    targets = labels[:, 1:].masked_fill((predicted != owner[:, :-1]) | (predicted < 0), IGNORE_INDEX).flatten()
-    tokens = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        targets,
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-        label_smoothing=label_smoothing,
-    )
+    targets = labels[:, 1:].masked_fill((predicted != owner[:, :-1]) | (predicted < 0), IGNORE_INDEX)
+    padded = F.pad(targets, (0, 1), value=IGNORE_INDEX)  # the last position of a row predicts nothing
+    tokens = token_losses(logits, padded, label_smoothing)[:, :-1].flatten()
+    targets = targets.flatten()
     trained = (targets != IGNORE_INDEX).to(tokens.dtype)
     example = predicted.flatten().clamp(min=0)  # padding is never trained: its index does not matter
     sums = tokens.new_zeros(layout.examples).index_add(0, example, tokens * trained)

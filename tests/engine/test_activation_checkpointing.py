@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from hf_private.engine import PerExampleGradientEngine
+from hf_private.integrations.losses import default_per_example_loss
 from tests.engine.test_engine_oracle import BATCH, MODELS, _batch, _lora, _loss, check_engine_against_oracle
 from tests.support import tiny
 
@@ -150,3 +151,62 @@ def test_an_input_modified_in_place_after_the_forward_is_refused():
         with pytest.raises(RuntimeError, match=r"input of <root> \(Linear\) was modified in place"):
             out.pow(2).sum().backward()
     engine.discard_chunk()
+
+
+WIDE_VOCAB = 8192  # the logits, [2, LONG, WIDE_VOCAB] in fp32 (4 MiB), outweigh everything else the tiny model holds
+
+
+def _wide_vocab_llama_lora() -> LlamaForCausalLM:
+    config = tiny.llama().config
+    config.vocab_size, config.max_position_embeddings = WIDE_VOCAB, LONG
+    torch.manual_seed(0)
+    model = _lora(LlamaForCausalLM(config), "CAUSAL_LM")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def test_the_private_step_holds_the_logits_no_more_often_than_the_models_own_loss():
+    """Issue 48's LM head at a large vocabulary: per-example losses under the engine may hold a logits-sized tensor no
+    more often than the model's own loss, in the forward (the logits and their log-probabilities) and over the whole
+    step (the cross-entropy's backward adds two gradients of that size in both). Per-example losses with the class
+    axis in the middle made `nll_loss` copy the log-probabilities, one logits tensor more in the forward (+250 MiB at
+    T = 2,048 and vocab 32,000), which the forward bound catches."""
+    ids = torch.randint(4, WIDE_VOCAB, (2, LONG), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    reference = _wide_vocab_llama_lora()
+    model = _wide_vocab_llama_lora()
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    losses: list[torch.Tensor] = []
+
+    def non_private_forward() -> None:
+        losses.append(reference(**inputs, labels=ids).loss)
+
+    def non_private_step() -> None:
+        non_private_forward()
+        losses.pop().backward()
+        reference.zero_grad(set_to_none=True)
+
+    def private_forward() -> None:
+        losses.append(default_per_example_loss(model, model(**inputs), ids).sum())
+
+    def private_step() -> None:
+        with engine.recording(2):
+            private_forward()
+            losses.pop().backward()
+        engine.finish_backward()
+        engine.reset()
+
+    non_private_step(), private_step()  # the first private chunk checks itself against autograd's gradients
+    logits_bytes = ids.numel() * WIDE_VOCAB * 4
+    per_example_grads = 2 * sum(p.numel() * p.element_size() for _, p in engine.parameters)
+    with engine.recording(2):
+        private_peak = _live_peak(private_forward)
+        losses.pop().backward()
+    engine.finish_backward()
+    engine.reset()
+    forward_excess = private_peak - _live_peak(non_private_forward)
+    losses.clear()
+    assert forward_excess < logits_bytes // 4, f"forward: {forward_excess} bytes above the model's own loss"
+    step_excess = _live_peak(private_step) - _live_peak(non_private_step)
+    assert step_excess <= per_example_grads, f"step: {step_excess} bytes above the model's own loss"
