@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .engine import PerExampleGradientEngine
 from .engine.sharding import dim0_shard, is_sharded, reduce_scatter_to_shard
 from .privacy import GaussianNoise
+from .privacy.band_mf import BandedNoise
 from .privacy.sharded_noise import TensorShard
 
 _BUCKET_BYTES = 64 << 20
@@ -121,6 +122,8 @@ class NoisyOptimizer(torch.optim.Optimizer):
         self._gradient_transforms: dict[nn.Parameter, OrderedDict[int, GradientTransform]] = {}
         self._pre_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_end_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        #: BandMF's correlated noise (`privacy.band_mf.BandedNoise`), set by the run; None: DP-SGD's independent noise
+        self.banded_noise: BandedNoise | None = None
         for param, transform in (gradient_transforms or {}).items():
             self.add_gradient_transform(param, transform)
         for hook in step_end_hooks:
@@ -201,6 +204,11 @@ class NoisyOptimizer(torch.optim.Optimizer):
             return None
         params = [p for _, p in self.engine.parameters]
         if is_sharded(params):
+            if self.banded_noise is not None:
+                raise NotImplementedError(
+                    "BandMF noise (noise_mechanism='band-mf') is not supported with FSDP2-sharded "
+                    "parameters yet: train with DDP or a single process."
+                )
             self._refuse_hooks_when_sharded()
             totals = self.sharded_sums(params)
             self.add_sharded_noise(params, totals)
@@ -262,8 +270,14 @@ class NoisyOptimizer(torch.optim.Optimizer):
     def add_noise(self, totals: list[torch.Tensor]) -> None:
         """totals += N(0, (σC)²) per coordinate, from the secret noise source, in place (nothing for σ = 0: a stage
         that claims no guarantee, whose steps the ledger records as such)."""
-        if self.noise_multiplier > 0:
+        if self.noise_multiplier > 0 and (self.banded_noise is None or self.banded_noise.bands == 1):  # b = 1: DP-SGD
             self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+        elif self.noise_multiplier > 0 and self.banded_noise is not None:  # BandMF: z_t as DP-SGD draws it, then C⁻¹z
+            noise = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in totals]
+            self.noise.add_(noise, self.noise_multiplier * self.max_grad_norm)
+            self.banded_noise.correlate_(noise)
+            for total, w in zip(totals, noise):
+                total.add_(w)
 
     def prepare_noise(self) -> None:
         """Start drawing this logical batch's noise in the background (`GaussianNoise.prepare`), where `add_noise`

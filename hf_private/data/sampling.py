@@ -20,6 +20,8 @@ from .rows import PACKING_KEYS, PER_EXAMPLE_KEYS, check_one_row_per_example
 
 __all__ = [
     "EmptySafeCollator",
+    "PartitionedPoissonBatchSampler",
+    "band_partitions",
     "PoissonBatchSampler",
     "batch_size_of",
     "example_lengths",
@@ -119,6 +121,39 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: reseeding from the (public) epoch number would make the sample predictable."""
+
+
+def band_partitions(num_samples: int, bands: int, random: SecretRandom) -> torch.Tensor:
+    """Each example's BandMF partition in {0, …, b−1}, drawn i.i.d. uniformly from `random`, once per run.
+
+    i.i.d. rather than `index mod b`: removing one example must leave every other example's partition as it was in
+    distribution (a position-based rule would move every later example to another partition). The assignment does not
+    depend on the data, but it is kept secret (the checkpoint stores it; it is never pushed) like the Poisson draws.
+    """
+    return torch.clamp((random.uniform(num_samples) * bands).long(), max=bands - 1)
+
+
+class PartitionedPoissonBatchSampler(PoissonBatchSampler):
+    """BandMF's b-min-sep sampling (Choquette-Choo et al. 2023, arXiv 2306.08153, Alg. 2): training step t
+    Poisson-samples only partition t mod b, at rate q̂ = b·B/N, so the expected batch stays B and an example takes
+    part in steps at least b apart. `step()` is the run's training step about to be drawn (read from the ledger when
+    the batch is drawn, so a resumed run continues the cycle where it stopped)."""
+
+    def __init__(
+        self, *args: Any, partitions: torch.Tensor, bands: int, step: Callable[[], int], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if len(partitions) != self.num_samples:
+            raise ValueError(f"partitions has {len(partitions)} entries for {self.num_samples} examples")
+        self.partitions, self.bands, self.step = torch.as_tensor(partitions), _check_int("bands", bands, 1), step
+
+    def _draw(self) -> torch.Tensor:
+        uniforms = self.random.uniform(self.num_samples)
+        keep = (uniforms < self.sample_rate) & (self.partitions == self.step() % self.bands)
+        batch = self._shard_indices[keep[self.rank :: self.world_size]]
+        if self.lengths is not None:
+            batch = batch[torch.argsort(self.lengths[batch], stable=True)]
+        return batch
 
 
 class EmptySafeCollator:

@@ -33,9 +33,13 @@ from typing import Any, NamedTuple
 POISSON_GAUSSIAN = "poisson_gaussian"
 NO_GUARANTEE = "no_guarantee"
 ELS_POISSON_GAUSSIAN = "els_poisson_gaussian"
-EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE, ELS_POISSON_GAUSSIAN)
+# Amplified BandMF (`band_mf`): `steps` training steps with b-banded correlated noise and b-min-sep Poisson sampling at
+# q̂ per partition; by Theorem 4 of arXiv 2306.08153 exactly as private as ⌈steps/b⌉ Poisson-subsampled Gaussian
+# releases (q̂, σ) (`merged_releases`). Each step still draws fresh noise (the sampler tail counts every step).
+BAND_MF = "band_mf"
+EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE, ELS_POISSON_GAUSSIAN, BAND_MF)
 # The event types whose release is noised by σ (a Gaussian mechanism): finite ε when σ > 0.
-GAUSSIAN_KINDS = (POISSON_GAUSSIAN, ELS_POISSON_GAUSSIAN)
+GAUSSIAN_KINDS = (POISSON_GAUSSIAN, ELS_POISSON_GAUSSIAN, BAND_MF)
 
 
 @dataclass
@@ -64,10 +68,16 @@ class MechanismGroup:
     mechanism: str = POISSON_GAUSSIAN
     reason: str | None = None
     examples_per_user: int | None = None
+    # BandMF (`BAND_MF`): the number of bands b ≥ 1; None for every other event type.
+    bands: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("A mechanism needs a name (e.g. 'dp-sgd').")
+        if (self.mechanism == BAND_MF) != (self.bands is not None):
+            raise ValueError(f"A BandMF event, and only one, carries bands ({self.name!r}: {self.mechanism}).")
+        if self.bands is not None and (isinstance(self.bands, bool) or int(self.bands) != self.bands or self.bands < 1):
+            raise ValueError(f"bands of {self.name!r} must be a positive integer, got {self.bands!r}.")
         if self.mechanism not in EVENT_KINDS:
             raise ValueError(f"Unknown mechanism type {self.mechanism!r}: one of {', '.join(EVENT_KINDS)}.")
         if self.mechanism == NO_GUARANTEE:
@@ -155,6 +165,8 @@ class MechanismGroup:
             d["reason"] = str(self.reason)
         if self.examples_per_user is not None:
             d["examples_per_user"] = int(self.examples_per_user)
+        if self.bands is not None:
+            d["bands"] = int(self.bands)
         return d
 
     @classmethod
@@ -172,6 +184,7 @@ class MechanismGroup:
             mechanism=str(d.get("mechanism", POISSON_GAUSSIAN)),
             reason=None if reason is None else str(reason),
             examples_per_user=None if examples_per_user is None else int(examples_per_user),
+            bands=None if d.get("bands") is None else int(d["bands"]),
         )
 
     def same_mechanism(self, other: MechanismGroup) -> bool:
@@ -187,6 +200,7 @@ class MechanismGroup:
             self.max_grad_norm,
             self.reason,
             self.examples_per_user,
+            self.bands,
         )
 
 
@@ -227,7 +241,15 @@ def _examples_per_user(group: MechanismGroup) -> int:
     return 1 if group.examples_per_user is None else int(group.examples_per_user)
 
 
-def merged_releases(mechanisms: Sequence[MechanismGroup]) -> list[Releases]:
+def releases_of(group: MechanismGroup, draws: bool = False) -> int:
+    """The compositions an accountant counts for `group`: its steps, or ⌈steps/b⌉ for a BandMF event (each example
+    takes part in at most that many of its steps); with `draws`, the noise draws made (every step's)."""
+    if group.bands is None or draws:
+        return int(group.steps)
+    return -(-int(group.steps) // int(group.bands))
+
+
+def merged_releases(mechanisms: Sequence[MechanismGroup], draws: bool = False) -> list[Releases]:
     """One `Releases` per distinct (σ, q, k), in order of first appearance; k = 1 for a Poisson-subsampled Gaussian,
     whose mixture Binomial(1, q) is exactly that mechanism, so an ELS event with k = 1 is one.
 
@@ -238,5 +260,5 @@ def merged_releases(mechanisms: Sequence[MechanismGroup]) -> list[Releases]:
     for group in mechanisms:
         if group.steps > 0:
             key = (float(group.noise_multiplier), float(group.sample_rate), _examples_per_user(group))
-            steps[key] = steps.get(key, 0) + int(group.steps)
+            steps[key] = steps.get(key, 0) + releases_of(group, draws)
     return [Releases(sigma, q, k, n) for (sigma, q, k), n in steps.items()]

@@ -44,7 +44,7 @@ def sampler_tail_delta(mechanisms: Sequence[MechanismGroup], delta: float) -> fl
     multiplies the accountant's δ by at most Z^(−k), Z = (1 − 2⁻⁶⁴)^MAX_RELEASE_COORDINATES: the accountant gets
     (δ − Σ)·Z^k. At least `delta` when Σ alone reaches it: no finite ε then.
     """
-    noised = [(sigma, q, k, steps) for sigma, q, k, steps in merged_releases(mechanisms) if sigma > 0]
+    noised = [(sigma, q, k, steps) for sigma, q, k, steps in merged_releases(mechanisms, draws=True) if sigma > 0]
     tail = math.fsum(steps * _tail_mass_per_release(sigma, q, k) for sigma, q, k, steps in noised)
     if tail >= delta:
         return tail
