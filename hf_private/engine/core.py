@@ -96,6 +96,16 @@ class _HookedLayer:
     unbatched: str | None = None  # the rows it once had without a per-example batch dimension: refused from then on
 
 
+class _InstanceForward:
+    """The handle of a forward set on a module instance (`_own_forward`): removing it restores the class's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        vars(self.module).pop("forward", None)
+
+
 @dataclass(frozen=True)
 class _Chunk:
     """What `recording` was told about the chunk: the terms must cover exactly these units.
@@ -419,6 +429,8 @@ class PerExampleGradientEngine:
         if self._handles:
             return
         for layer in self.layers:
+            if layer.handler.owns_forward:
+                self._handles.append(self._own_forward(layer))
             if type(layer.handler).before_forward is not LayerHandler.before_forward:
                 pre_hook = self._pre_forward_hook(layer)
                 self._handles.append(layer.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
@@ -431,6 +443,26 @@ class PerExampleGradientEngine:
         self._calls.clear()
 
     # ------------------------------------------------------------------ hooks
+    def _own_forward(self, layer: _HookedLayer) -> _InstanceForward:
+        """While a chunk is recorded the rule computes the module's output (`LayerHandler.owns_forward`); otherwise
+        the module's own forward runs."""
+        module = layer.module
+        if "forward" in vars(module):
+            raise UnsupportedLayerError(
+                f"{layer.name}: its forward is already replaced on the instance (an accelerate dispatch hook, another "
+                f"library's wrapper), and the {layer.handler.rule} rule computes that forward itself while a chunk is "
+                "recorded. Train the model on one device without hooks on this module, or freeze it."
+            )
+        own = module.forward
+
+        def forward(*args, **kwargs):
+            if self._rows is None:
+                return own(*args, **kwargs)
+            return layer.handler.forward(module, args, kwargs)
+
+        module.forward = forward
+        return _InstanceForward(module)
+
     def _pre_forward_hook(self, layer: _HookedLayer):
         def hook(module, args, kwargs):
             # also without gradients: a reentrant checkpointed segment's first forward must compute what its
@@ -457,8 +489,10 @@ class PerExampleGradientEngine:
                     )
                 watched = watched.detach().requires_grad_(True)
             watched.register_hook(self._grad_hook(call))
-            # a tensor output may be replaced (an expanded broadcast); a tuple's element is watched where it lies
-            return watched if isinstance(output, torch.Tensor) and watched is not output else None
+            # a tensor output may be replaced (an expanded broadcast); a tuple's element is watched where it lies, and
+            # a rule that owns the forward watches a tensor inside it
+            replaced = isinstance(output, torch.Tensor) and watched is not output and not layer.handler.owns_forward
+            return watched if replaced else None
 
         return hook
 

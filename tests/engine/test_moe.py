@@ -197,6 +197,30 @@ def test_experts_kernel_does_not_change_per_example_gradients():
         assert ((sums - outcomes["eager"][1]).norm() / sums.norm()).item() <= 1e-4
 
 
+def test_the_experts_rule_owns_the_forward_only_while_attached():
+    """While attached, the experts rule computes the experts' forward itself (the same logits as the model's own
+    kernel); detached, the module's own forward is back. A forward already set on the instance (an accelerate
+    dispatch hook) is refused by name, never silently replaced."""
+    model, batch = mixtral().train(), _batch()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        own = model(**inputs).logits
+    engine = PerExampleGradientEngine(model, 1.0)
+    engine.attach()
+    assert "forward" in vars(experts)
+    with engine.recording(BATCH):
+        logits = model(**inputs).logits
+        default_per_example_loss(model, SimpleNamespace(logits=logits), batch["labels"]).sum().backward()
+    engine.finish_backward()
+    assert ((logits.detach() - own).abs().max() / own.abs().max()).item() <= 1e-5
+    engine.detach()
+    assert "forward" not in vars(experts)
+    experts.forward = lambda *args: type(experts).forward(experts, *args)
+    with pytest.raises(UnsupportedLayerError, match="already replaced on the instance"):
+        PerExampleGradientEngine(model, 1.0).attach()
+
+
 def test_routed_term_algebra_matches_instantiated_gradients():
     """Every term function on a RoutedOuterTerm equals the same function on its instantiated [B, E, P, D] form."""
     gen = torch.Generator().manual_seed(0)
@@ -247,7 +271,7 @@ def test_experts_whose_forward_differs_are_refused():
     """A module registered as fused experts but computing something else is never given the rule."""
     model = mixtral()
     experts = model.model.layers[0].mlp.experts
-    experts.act_fn = torch.nn.Identity()  # fine: the rule replays the module's own act_fn
+    experts.act_fn = torch.nn.Identity()  # fine: the rule computes with the module's own act_fn
     PerExampleGradientEngine(model, 1.0)
     experts.has_bias = True
     with pytest.raises(UnsupportedLayerError, match="expert layout"):

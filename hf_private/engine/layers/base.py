@@ -24,6 +24,9 @@ class LayerHandler:
     #: why the rule cannot separate examples packed end to end in rows (its module sees the chunk's tokens flattened,
     #: without the rows' token axis), or None; a packed chunk reaching the module is refused with this reason
     packed_refusal: str | None = None
+    #: the rule computes the module's output itself while a chunk is recorded (`forward`), so that it can watch
+    #: tensors inside it: its `on_forward` may then watch a tensor that is not the output
+    owns_forward: bool = False
 
     def check(self, module: nn.Module, trainable: set[str]) -> None:
         """Raise `UnsupportedLayerError` for a configuration whose per-example gradient would be wrong."""
@@ -45,6 +48,11 @@ class LayerHandler:
         bias, broadcast over the batch inside the forward). The engine installs it only where a rule overrides it.
         """
         return None
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The module's output while a chunk is recorded, for a rule that `owns_forward`: the same function as the
+        module's own forward (the rule's check compares them), computed so that the terms need no replay."""
+        raise NotImplementedError
 
     def on_forward(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any, rows: int, save_input: bool

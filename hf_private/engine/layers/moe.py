@@ -8,16 +8,18 @@ multiple of them, and packed rows, whose examples cannot be told apart in the fl
   (the first output): the routing weights derive from them inside the forward, so their gradient is the total.
 * **experts** (`*Experts`, `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]): each (token, expert) pair the router
   chose computes w·W_down[e] (act(gate)·up) with [gate, up] = W_gate_up[e] x. An expert's per-example gradient is a
-  linear layer's over the example's tokens routed to it, so the backward hook replays each expert's small graph on
-  its pairs from the saved (tokens, chosen experts, routing weights) and hands over the factors per pair
-  (down_proj: w·G ⊗ h, gate_up_proj: ∂L/∂[gate, up] ⊗ x) to `terms.routed_outer_term`, which keeps them or forms
-  the [B, E, P, D] gradients, whichever is smaller. The replay does not depend on the forward's kernel ("eager",
-  "grouped_mm", "batched_mm"), and the rule is given only to modules whose output equals that math on random inputs
-  (checked once when the engine is built).
+  linear layer's over the example's tokens routed to it. While a chunk is recorded the rule computes the experts'
+  output itself, expert by expert on the pairs sorted by expert, in the dtype the module's kernel ("eager",
+  "grouped_mm", "batched_mm") computes in, and watches the gate/up output and each pair's expert output: the step's
+  own backward gives their gradients, the factors per pair (gate_up_proj: ∂L/∂[gate, up] ⊗ x; down_proj: w·G ⊗
+  act(gate)·up), which `terms.routed_outer_term` keeps or forms into [B, E, P, D] gradients, whichever is smaller.
+  The rule is given only to modules whose own forward and the rule's both equal that math on random inputs (checked
+  once when the engine is built).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,12 +107,21 @@ class TopKRouterHandler(LayerHandler):
 
 @register_layer(MixtralExperts, Qwen3MoeExperts, OlmoeExperts)
 class FusedExpertsHandler(LayerHandler):
-    """Per-example gradients of fused expert weights, one factor pair per routed (token, expert) pair."""
+    """Per-example gradients of fused expert weights, one factor pair per routed (token, expert) pair.
+
+    The rule computes the experts' output itself while a chunk is recorded (`owns_forward`), expert by expert on the
+    pairs sorted by expert, so that it can watch the two tensors whose gradients are the factors: the gate/up
+    projection's output and each pair's expert output. The backward the step runs anyway then hands them over, and
+    nothing is replayed."""
 
     rule = "mixture-of-experts experts (routed, factored)"
     packed_refusal = _PACKED_REFUSAL
     params = ("gate_up_proj", "down_proj")
     input_params = ("gate_up_proj", "down_proj")
+    owns_forward = True
+
+    def __init__(self) -> None:
+        self._pairs: dict[int, _RoutedPairs] = {}  # module id → its last forward's pairs, until `on_forward`
 
     def check(self, module, trainable):
         layout = {
@@ -125,86 +136,120 @@ class FusedExpertsHandler(LayerHandler):
         odd = {name: value for name, value in found.items() if value != layout[name]}
         if odd:
             raise UnsupportedLayerError(
-                f"{type(module).__name__} has an expert layout the mixture-of-experts rule does not replay ({odd}; it "
-                f"replays {layout}). Freeze the experts (requires_grad=False) or train the model with LoRA on the "
+                f"{type(module).__name__} has an expert layout the mixture-of-experts rule does not compute ({odd}; it "
+                f"computes {layout}). Freeze the experts (requires_grad=False) or train the model with LoRA on the "
                 "attention projections."
             )
-        if not _forward_matches_replay(module):
+        if not _forward_matches_rule(module):
             raise UnsupportedLayerError(
                 f"{type(module).__name__}'s forward does not compute Σ_k w_k·down[e_k](act(gate)·up) with "
                 "[gate, up] = gate_up[e_k] x on random inputs, so the mixture-of-experts rule would be wrong for it. "
                 "Freeze the experts (requires_grad=False) or train the model with LoRA on the attention projections."
             )
 
-    def on_forward(self, module, args, kwargs, output, rows, save_input):
+    def forward(self, module, args, kwargs):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         hidden, index, weights = [*args, *(kwargs[n] for n in names[len(args) :])][:3]
-        _chunk_tokens(module, hidden.shape[0], rows)
-        # an empty [rows, 0] tensor carries the chunk's rows and the dtype the forward's matmuls ran in
-        marker = torch.empty(rows, 0, dtype=_forward_compute_dtype(module, hidden))
-        return ((hidden, index, weights, marker) if save_input else None), output
+        output, pairs = _routed_forward(module, hidden, index, weights)
+        if torch.is_grad_enabled():
+            self._pairs[id(module)] = pairs
+        return output
+
+    def on_forward(self, module, args, kwargs, output, rows, save_input):
+        pairs = self._pairs.pop(id(module))
+        _chunk_tokens(module, pairs.tokens, rows)
+        expert_output_grad = _ExpertOutputGrad()
+        pairs.expert_output.register_hook(expert_output_grad.keep)
+        # the tensors go through the engine's stash (recomputed when checkpointed); the box holds no activation
+        saved = (pairs.token, pairs.expert, pairs.x, pairs.hidden_act, expert_output_grad, pairs.tokens, rows)
+        return (saved if save_input else None), pairs.gate_up
 
     def terms(self, module, saved, grad_output, trainable):
-        hidden, index, weights, marker = saved
-        rows = marker.shape[0]
-        with torch.autocast(hidden.device.type, enabled=False):  # replayed in the forward's dtype, whatever is on
-            factors = _routed_factors(module, hidden, index, weights, grad_output.to(marker.dtype))
-        pair_example = factors.pop("token") // _chunk_tokens(module, hidden.shape[0], rows)
+        token, expert, x, hidden_act, expert_output_grad, tokens, rows = saved
+        factors = {
+            "gate_up_proj": (grad_output, x),  # ∂L/∂[gate, up] ⊗ x
+            "down_proj": (expert_output_grad.take(), hidden_act),  # w·G ⊗ act(gate)·up
+        }
+        pair_example = token // _chunk_tokens(module, tokens, rows)
         out: dict[str, Term] = {}
         for name in ("gate_up_proj", "down_proj"):
             if name in trainable:
                 left, right = factors[name]
                 out[name] = routed_outer_term(
                     left=left,
-                    right=right,
+                    right=right.to(left.dtype),
                     example=pair_example,
-                    expert=factors["expert"],
+                    expert=expert,
                     examples=rows,
                     experts=module.num_experts,
                 )
         return out
 
 
-def _routed_factors(
-    module: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, grad_output: torch.Tensor
-) -> dict[str, Any]:
-    """Replay each expert on its (token, expert) pairs: the token and expert of every pair, sorted by expert, and the
-    factors of both weights' gradients per pair (down_proj: w·G ⊗ h; gate_up_proj: ∂L/∂[gate, up] ⊗ x)."""
+@dataclass
+class _RoutedPairs:
+    """One recorded forward's (token, expert) pairs, sorted by expert, and the tensors the rule watches in it; handed
+    from the rule's forward to its `on_forward`, and dropped there."""
+
+    tokens: int  # the token rows the block flattened the chunk to
+    token: torch.Tensor  # each pair's token row
+    expert: torch.Tensor  # each pair's expert
+    x: torch.Tensor  # each pair's input
+    gate_up: torch.Tensor  # [gate, up] = gate_up[e] x: watched, its gradient is the gate_up factor
+    hidden_act: torch.Tensor  # act(gate)·up, the down projection's input
+    expert_output: torch.Tensor  # down[e] act(gate)·up, before the routing weight: its gradient is w·G
+
+
+class _ExpertOutputGrad:
+    """w·G per pair, from the expert output's gradient hook until the gate/up output's (computed after it) reaches
+    the rule."""
+
+    def __init__(self) -> None:
+        self._grad: torch.Tensor | None = None
+
+    def keep(self, grad: torch.Tensor) -> None:
+        self._grad = grad
+
+    def take(self) -> torch.Tensor:
+        grad, self._grad = self._grad, None
+        if grad is None:
+            raise RuntimeError("The experts' output gradient did not reach the mixture-of-experts rule first.")
+        return grad
+
+
+def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x's rows (sorted by expert, `counts` each) times their expert's weight [E, out, in], transposed."""
+    return torch.cat([rows @ weight[e].t() for e, rows in enumerate(x.split(counts))])
+
+
+def _routed_forward(
+    module: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, _RoutedPairs]:
+    """Σ_k w_k·down[e_k](act(gate)·up), [gate, up] = gate_up[e_k] x, computed per expert on its pairs in the dtype the
+    module's own kernel computes in, with the tensors the rule watches kept."""
+    dtype = _forward_compute_dtype(module, hidden)
     top_k = index.shape[1]
     expert, order = torch.sort(index.reshape(-1), stable=True)  # by expert, then token: examples stay in order
     token = order // top_k
-    pair_weight = weights.reshape(-1)[order].to(grad_output.dtype).unsqueeze(1)
-    dtype = grad_output.dtype
-    x = hidden[token].to(dtype)
-    out_grad = grad_output[token] * pair_weight  # w·G: the down projection's output gradient
-    gate_up_left = x.new_empty(x.shape[0], module.gate_up_proj.shape[1])
-    hidden_act = x.new_empty(x.shape[0], module.down_proj.shape[2])
-    start = 0
-    for e, count in enumerate(torch.bincount(expert, minlength=module.num_experts).tolist()):
-        if not count:
-            continue
-        pairs = slice(start, start + count)
-        start += count
-        gate, up = (x[pairs] @ module.gate_up_proj[e].detach().to(dtype).t()).chunk(2, dim=-1)
-        with torch.enable_grad():
-            gate = gate.detach().requires_grad_(True)
-            activated = module.act_fn(gate)
-        grad_h = out_grad[pairs] @ module.down_proj[e].detach().to(dtype)
-        (grad_gate,) = torch.autograd.grad(activated, gate, grad_h * up)
-        grad_gate_up = gate_up_left[pairs]  # written in place: ∂L/∂gate, then ∂L/∂up
-        grad_gate_up[:, : grad_gate.shape[1]] = grad_gate
-        torch.mul(grad_h, activated.detach(), out=grad_gate_up[:, grad_gate.shape[1] :])
-        torch.mul(activated.detach(), up, out=hidden_act[pairs])
-    return {
-        "token": token,
-        "expert": expert,
-        "gate_up_proj": (gate_up_left, x),
-        "down_proj": (out_grad, hidden_act),
-    }
+    counts = torch.bincount(expert, minlength=module.num_experts).tolist()
+    with torch.autocast(hidden.device.type, enabled=False):
+        x = hidden[token].to(dtype)
+        if torch.is_grad_enabled() and not x.requires_grad:  # nothing upstream trains: the factors still need it
+            x = x.detach().requires_grad_(True)
+        gate_up = _per_expert_linear(x, module.gate_up_proj.to(dtype), counts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden_act = module.act_fn(gate) * up
+        expert_output = _per_expert_linear(hidden_act, module.down_proj.to(dtype), counts)
+        weighted = expert_output * weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(order)
+        unsorted[order] = torch.arange(order.numel(), device=order.device)
+        output = weighted[unsorted].view(hidden.shape[0], top_k, -1).sum(dim=1)  # the token's pairs in top-k order
+    pairs = _RoutedPairs(hidden.shape[0], token, expert, x.detach(), gate_up, hidden_act.detach(), expert_output)
+    return output.to(hidden.dtype), pairs
 
 
-def _replayed_output(module: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
-    """The experts' output as the rule assumes it is computed (the probe's reference)."""
+def _reference_output(module: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+    """The experts' output token by token, the reference both forwards are checked against."""
     out = torch.zeros_like(hidden)
     for token in range(hidden.shape[0]):
         for k in range(index.shape[1]):
@@ -232,7 +277,8 @@ def _router_logits_are_linear(module: nn.Module) -> bool:
         return bool(((logits - expected).abs().max() <= _PROBE_TOLERANCE * scale).item())
 
 
-def _forward_matches_replay(module: Any) -> bool:
+def _forward_matches_rule(module: Any) -> bool:
+    """Whether the module's own forward and the rule's (`_routed_forward`) both compute the reference math."""
     weight = module.gate_up_proj
     top_k = min(2, module.num_experts)
     with torch.no_grad():
@@ -241,14 +287,18 @@ def _forward_matches_replay(module: Any) -> bool:
         index = torch.rand(_PROBE_TOKENS, module.num_experts, generator=generator).argsort(1)[:, :top_k]
         weights = torch.rand(_PROBE_TOKENS, top_k, generator=generator).to(weight)
         try:
-            actual = module(hidden, index.to(weight.device), weights)
-        except Exception:  # a forward that needs more, or whose kernel refuses this dtype: not what we replay
+            own = module(hidden, index.to(weight.device), weights)
+        except Exception:  # a forward that needs more, or whose kernel refuses this dtype: not what the rule computes
             return False
-        expected = _replayed_output(module, hidden, index, weights)
-        if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
-            return False
+        rule, _ = _routed_forward(module, hidden, index.to(weight.device), weights)
+        expected = _reference_output(module, hidden, index, weights)
         scale = expected.abs().max().clamp(min=1.0)
-        return bool(((actual - expected).abs().max() <= _PROBE_TOLERANCE * scale).item())
+        return all(
+            isinstance(actual, torch.Tensor)
+            and actual.shape == expected.shape
+            and bool(((actual - expected).abs().max() <= _PROBE_TOLERANCE * scale).item())
+            for actual in (own, rule)
+        )
 
 
 def refuse_parameter_wrappers(model: nn.Module) -> None:

@@ -4,12 +4,13 @@
 router's `weight` [E, H] and the experts' `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (two parameters of one
 module: a ParamWrapper inside a ParamWrapper). While the base module runs, each wrapper adds ΔW = s·B·A to its
 parameter (a parametrization), so lora_A and lora_B are never called as modules and no hook of theirs sees a
-gradient. This rule is the outermost wrapper's: it claims every adapter factor of the chain, lets the base module's
-own rule record the forward, and replays the base with the weights the forward used (W + ΔW):
+gradient. This rule is the outermost wrapper's: it claims every adapter factor of the chain, records the base
+module's inputs (the router's tokens; the experts' tokens, chosen experts and routing weights), and replays the base
+with the weights the forward used (W + ΔW):
 
 * **router**: logits = x (W + s·B A)ᵀ. With G = ∂L/∂logits per token, ∂A = Σ_t (s·G_t B) ⊗ x_t and
   ∂B = Σ_t G_t ⊗ (s·A x_t): two linear-layer terms, factored as the router's own.
-* **experts**: the experts rule's replay gives one factor pair (left ⊗ right) per routed (token, expert) pair, so
+* **experts**: the replay (`_routed_factors`) gives one factor pair (left ⊗ right) per routed (token, expert) pair, so
   expert e's adapter gradients are ∂A_e = Σ (s·B_eᵀ left) ⊗ right and ∂B_e = Σ left ⊗ (s·A_e right) over the example's
   pairs routed to e. They are instantiated per example (`SampleTerm`, [B, E·r, in] and [B, out, r·E]): E·r·(in + out)
   values per example, fewer than the routed factors T·k·(r + in) whenever E·r < T·k (every model's shape at a useful
@@ -30,7 +31,7 @@ from torch import nn
 
 from ..terms import SampleTerm, Term, in_compute_dtype, outer_product_term
 from .base import LayerHandler, UnsupportedLayerError
-from .moe import _PACKED_REFUSAL, FusedExpertsHandler, TopKRouterHandler, _chunk_tokens, _routed_factors
+from .moe import _PACKED_REFUSAL, FusedExpertsHandler, TopKRouterHandler, _chunk_tokens, _forward_compute_dtype
 from .registry import handler_for, register_layer
 
 _WHAT_TO_DO = (
@@ -209,8 +210,14 @@ class ParameterLoraHandler(LayerHandler):
     def on_forward(self, module, args, kwargs, output, rows, save_input):
         base = wrapper_chain(module)[1]
         base_rule = handler_for(base)
-        assert base_rule is not None
-        return base_rule.on_forward(base, args, kwargs, output, rows, save_input)
+        if isinstance(base_rule, TopKRouterHandler):
+            return base_rule.on_forward(base, args, kwargs, output, rows, save_input)
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        hidden, index, weights = [*args, *(kwargs[n] for n in names[len(args) :])][:3]
+        _chunk_tokens(base, hidden.shape[0], rows)
+        # an empty [rows, 0] tensor carries the chunk's rows and the dtype the forward's matmuls ran in
+        marker = torch.empty(rows, 0, dtype=_forward_compute_dtype(base, hidden))
+        return ((hidden, index, weights, marker) if save_input else None), output
 
     def terms(self, module, saved, grad_output, trainable):
         chain, base = wrapper_chain(module)
@@ -238,7 +245,7 @@ def _experts_terms(chain: list, base: Any, saved: Any, grad_output: torch.Tensor
     hidden, index, weights, marker = saved
     rows = marker.shape[0]
     effective = _WithWeights(base, {w.parameter_name: _effective_weight(w) for _, w in chain})
-    with torch.autocast(hidden.device.type, enabled=False):  # replayed in the forward's dtype, as the experts rule
+    with torch.autocast(hidden.device.type, enabled=False):  # replayed in the dtype the forward's matmuls ran in
         factors = _routed_factors(effective, hidden, index, weights, grad_output.to(marker.dtype))
     example = factors["token"] // _chunk_tokens(base, hidden.shape[0], rows)
     out: dict[str, Term] = {}
@@ -258,6 +265,44 @@ def _experts_terms(chain: list, base: Any, saved: Any, grad_output: torch.Tensor
                 if name in trainable:
                     out[name] = SampleTerm(grad)
     return out
+
+
+def _routed_factors(
+    module: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, grad_output: torch.Tensor
+) -> dict[str, Any]:
+    """Replay each expert on its (token, expert) pairs: the token and expert of every pair, sorted by expert, and the
+    factors of both weights' gradients per pair (down_proj: w·G ⊗ h; gate_up_proj: ∂L/∂[gate, up] ⊗ x)."""
+    top_k = index.shape[1]
+    expert, order = torch.sort(index.reshape(-1), stable=True)  # by expert, then token: examples stay in order
+    token = order // top_k
+    pair_weight = weights.reshape(-1)[order].to(grad_output.dtype).unsqueeze(1)
+    dtype = grad_output.dtype
+    x = hidden[token].to(dtype)
+    out_grad = grad_output[token] * pair_weight  # w·G: the down projection's output gradient
+    gate_up_left = x.new_empty(x.shape[0], module.gate_up_proj.shape[1])
+    hidden_act = x.new_empty(x.shape[0], module.down_proj.shape[2])
+    start = 0
+    for e, count in enumerate(torch.bincount(expert, minlength=module.num_experts).tolist()):
+        if not count:
+            continue
+        pairs = slice(start, start + count)
+        start += count
+        gate, up = (x[pairs] @ module.gate_up_proj[e].detach().to(dtype).t()).chunk(2, dim=-1)
+        with torch.enable_grad():
+            gate = gate.detach().requires_grad_(True)
+            activated = module.act_fn(gate)
+        grad_h = out_grad[pairs] @ module.down_proj[e].detach().to(dtype)
+        (grad_gate,) = torch.autograd.grad(activated, gate, grad_h * up)
+        grad_gate_up = gate_up_left[pairs]  # written in place: ∂L/∂gate, then ∂L/∂up
+        grad_gate_up[:, : grad_gate.shape[1]] = grad_gate
+        torch.mul(grad_h, activated.detach(), out=grad_gate_up[:, grad_gate.shape[1] :])
+        torch.mul(activated.detach(), up, out=hidden_act[pairs])
+    return {
+        "token": token,
+        "expert": expert,
+        "gate_up_proj": (gate_up_left, x),
+        "down_proj": (out_grad, hidden_act),
+    }
 
 
 def _lora_weights(wrapper: Any, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
