@@ -14,7 +14,8 @@ ones, under ‖c‖ = 1. C⁻¹ is lower-triangular Toeplitz too: its coefficien
 (a banded forward substitution, `scipy.signal.lfilter`), A C⁻¹'s are the prefix sums e of d, and
 ‖A C⁻¹‖_F² = Σ_k (n − k)·e_k², evaluated in O(n·b) with its exact gradient (∂d/∂c_j = −(d ∗ d) shifted by j), so
 L-BFGS needs no autograd. b = 1 gives c = [1]: C = I, DP-SGD itself. Strategies depend on (n, b) only (public), and
-are cached on disk.
+are cached on disk. Measured for n = 10⁴ steps on a shared 2-core CPU (load ~6): 0.50 s for b = 4, 0.43 s for b = 16,
+0.75 s for b = 64 (‖A C⁻¹‖_F² 1.26e7, 3.31e6 and 9.71e5 against DP-SGD's 5.0e7).
 
 The noise of step t is applied in the streaming form of C w = z: w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0, so only
 the last b − 1 noise vectors are kept (`BandedNoise`). They are as secret as the noise itself: they live in the
