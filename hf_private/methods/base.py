@@ -33,6 +33,7 @@ from ..engine import PerExampleGradientEngine, Reducer, trainable_parameters
 from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.accountants import check_accountant
+from ..privacy.adaptive_clip import check_adaptive_settings, initial_clip_norm
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
 
@@ -74,8 +75,35 @@ class MethodConfig:
         default=None,
         metadata={"help": "σ: noise std is σ·max_grad_norm. Alternative to target_epsilon (then ε is reported)."},
     )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Per-example clipping norm C over all trainable tensors (one flat clip)."}
+    max_grad_norm: float | str = field(
+        default=1.0,
+        metadata={
+            "help": "Per-example clipping norm C over all trainable tensors (one flat clip), or 'adaptive': C "
+            "follows a private estimate of the target_quantile of the per-example norms (Andrew et al. 2021; "
+            "DPConfig and DPLoRAConfig), starting at initial_max_grad_norm."
+        },
+    )
+    initial_max_grad_norm: float | None = field(
+        default=None,
+        metadata={
+            "help": "max_grad_norm='adaptive': the starting C, measured on public inputs with "
+            "hf_private.median_gradient_norm (required; never measure it on the private data)."
+        },
+    )
+    target_quantile: float = field(
+        default=0.5,
+        metadata={"help": "max_grad_norm='adaptive': the share of examples C aims to leave unclipped (0.5: median)."},
+    )
+    clip_learning_rate: float = field(
+        default=0.2,
+        metadata={"help": "max_grad_norm='adaptive': η of the geometric update C ← C·exp(−η(b̃ − γ)) (paper: 0.2)."},
+    )
+    clip_count_noise: float = field(
+        default=0.05,
+        metadata={
+            "help": "max_grad_norm='adaptive': noise std on the released unclipped fraction; the count's noise "
+            "is σ_b = this × expected batch (paper: expected batch / 20). Paid for by the gradient noise, not ε."
+        },
     )
     accountant: str = field(
         default="prv", metadata={"help": "'prv' (tight upper bound, default) or 'rdp' (conservative)."}
@@ -124,9 +152,15 @@ class MethodConfig:
         check_budget(self.target_epsilon, self.noise_multiplier)
         check_target_delta(self.target_delta)
         check_privacy_unit(self)
-        if not self.max_grad_norm > 0:
+        check_adaptive_settings(self)
+        if not isinstance(self.max_grad_norm, str) and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
         check_accountant(self.accountant)
+
+    @property
+    def initial_clip_norm(self) -> float:
+        """C at the start: max_grad_norm, or initial_max_grad_norm when max_grad_norm='adaptive'."""
+        return initial_clip_norm(self)
 
     def resolve_delta(self, dataset_size: int) -> float:
         """δ for a dataset of this size (None → 1/(2N)); a δ ≥ 1/N would allow publishing one record outright."""

@@ -68,6 +68,9 @@ class MechanismGroup:
     mechanism: str = POISSON_GAUSSIAN
     reason: str | None = None
     examples_per_user: int | None = None
+    # Adaptive clipping (`adaptive_clip`): the step also released the noisy unclipped count; this holds the joint
+    # release's parts (gradient z_Δ, count σ_b, ...), `noise_multiplier` their effective σ. None for other releases.
+    adaptive_clip: dict[str, float] | None = None
     # BandMF (`BAND_MF`): the number of bands b ≥ 1; None for every other event type.
     bands: int | None = None
 
@@ -112,6 +115,25 @@ class MechanismGroup:
             raise ValueError(f"steps must be a non-negative integer, got {self.steps}.")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm}.")
+        if self.adaptive_clip is not None:
+            self._check_adaptive_clip()
+
+    def _check_adaptive_clip(self) -> None:
+        """An adaptive-clipping step is one Poisson-subsampled Gaussian at σ with z_Δ⁻² + (2σ_b)⁻² = σ⁻²
+        (`adaptive_clip.effective_noise_multiplier`)."""
+        facts = self.adaptive_clip or {}
+        if self.mechanism != POISSON_GAUSSIAN:
+            raise ValueError(f"Only a Poisson-Gaussian event has adaptive_clip ({self.name!r} is {self.mechanism}).")
+        z_grad, sigma_b = facts.get("gradient_noise_multiplier"), facts.get("count_noise_std")
+        if not (isinstance(z_grad, numbers.Real) and isinstance(sigma_b, numbers.Real) and z_grad > 0 and sigma_b > 0):
+            raise ValueError(f"adaptive_clip of {self.name!r} needs gradient_noise_multiplier and count_noise_std > 0.")
+        effective = (z_grad**-2 + (2.0 * sigma_b) ** -2) ** -0.5
+        if not math.isclose(effective, self.noise_multiplier, rel_tol=1e-9):
+            raise ValueError(
+                f"adaptive_clip of {self.name!r}: z_Δ={z_grad} and σ_b={sigma_b} give σ={effective}, not the event's "
+                f"noise_multiplier={self.noise_multiplier}."
+            )
+        self.adaptive_clip = {str(k): float(v) for k, v in facts.items()}
 
     @classmethod
     def no_guarantee(cls, name: str, reason: str, steps: int = 1, max_grad_norm: float | None = None) -> MechanismGroup:
@@ -165,6 +187,8 @@ class MechanismGroup:
             d["reason"] = str(self.reason)
         if self.examples_per_user is not None:
             d["examples_per_user"] = int(self.examples_per_user)
+        if self.adaptive_clip is not None:
+            d["adaptive_clip"] = dict(self.adaptive_clip)
         if self.bands is not None:
             d["bands"] = int(self.bands)
         return d
@@ -184,6 +208,7 @@ class MechanismGroup:
             mechanism=str(d.get("mechanism", POISSON_GAUSSIAN)),
             reason=None if reason is None else str(reason),
             examples_per_user=None if examples_per_user is None else int(examples_per_user),
+            adaptive_clip=d.get("adaptive_clip"),
             bands=None if d.get("bands") is None else int(d["bands"]),
         )
 
@@ -200,6 +225,7 @@ class MechanismGroup:
             self.max_grad_norm,
             self.reason,
             self.examples_per_user,
+            tuple(sorted((self.adaptive_clip or {}).items())),
             self.bands,
         )
 

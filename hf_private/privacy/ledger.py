@@ -61,6 +61,9 @@ class PrivacyLedger:
         # What the guarantee is about (the privacy unit, the trainer, the public base model): descriptive, never read
         # by the accounting.
         self.subject: dict[str, Any] = {}
+        # Adaptive clipping's state (`adaptive_clip.AdaptiveClip.state_dict`: the current C and its range, released
+        # values), so a resumed run continues from the adapted C; never read by the accounting.
+        self.clip_norm: dict[str, Any] = {}
         self._bound: tuple[float, str] | None = None
 
     def _configure(self, dataset_size: int, delta: float, accountant: str) -> None:
@@ -194,6 +197,8 @@ class PrivacyLedger:
             state["forks"] = self.forks
         if self.subject:
             state["subject"] = dict(self.subject)
+        if self.clip_norm:
+            state["clip_norm"] = dict(self.clip_norm)
         return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -211,6 +216,7 @@ class PrivacyLedger:
         self.mechanisms = mechanisms
         self.forks = list(d.get("forks", []))
         self.subject = dict(d.get("subject", {}))
+        self.clip_norm = dict(d.get("clip_norm", {}))
         self._bound = None
 
     def save(self, path: str | os.PathLike[str]) -> None:

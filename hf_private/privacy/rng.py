@@ -86,6 +86,7 @@ TEST_STREAMS = {
     "method sampling": 32460762,
     "rgp carriers": 49979687,
     "user cap": 67867967,
+    "clip count": 86028121,
 }
 
 

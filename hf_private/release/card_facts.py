@@ -16,6 +16,7 @@ from torch import nn
 from ..evaluation.held_out import card_evaluation
 from ..models.peft import unwrap_peft
 from ..optimizer import noisy_optimizer
+from ..privacy.adaptive_clip import clip_line
 from .checkpoints import checkpoint_step
 from .model_card import (
     adapter_note,
@@ -82,6 +83,8 @@ def write_card(
         "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
     }
     training.update(_method_lines(report.get("method_details", {})))
+    if "adaptive_clipping" in report:
+        training["clip norm C"] = clip_line(report["adaptive_clipping"])
     tail = sampler_tail_line(report)
     if tail is not None:
         training["noise sampler's tail in δ"] = tail

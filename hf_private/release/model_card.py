@@ -167,6 +167,7 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "trainable_fraction",
         "phases",
         "method_details",
+        "adaptive_clipping",
     ):
         if report.get(optional) is not None:
             block[optional] = report[optional]

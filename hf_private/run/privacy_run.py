@@ -29,6 +29,7 @@ from ..methods import DPMethod, MethodConfig
 from ..models.peft import auxiliary_parameter_names
 from ..optimizer import NoisyOptimizer
 from ..privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
+from ..privacy.adaptive_clip import ADAPTIVE
 from ..privacy.rng import test_stream_seed
 from ..release.adapters import private_adapter_names
 from ..release.checkpoints import (
@@ -40,6 +41,7 @@ from ..release.checkpoints import (
     save_user_cap,
 )
 from ..release.model_card import base_model_name, public_base_model
+from .adaptive_clip import AdaptiveClip
 from .forks import find_fork
 from .method_view import MethodView, TrainingPasses
 from .report import plan_lines, privacy_report
@@ -83,7 +85,7 @@ class PrivacyRun:
         args = steps.args
         self._config = config  # saved with every checkpoint and compared on resume; its fields are read here only
         self.method, self.model, self.dataset_size = method, model, dataset_size
-        self.max_grad_norm, self.accountant = config.max_grad_norm, config.accountant
+        self.max_grad_norm, self.accountant = config.initial_clip_norm, config.accountant
         self.target_epsilon, self.test_seed = config.target_epsilon, config.noise_seed
         self.device = args.device
         self.delta, self.expected_batch_size = delta, expected_batch_size
@@ -112,6 +114,7 @@ class PrivacyRun:
         self._instruments: list[Instrument] = []
         self.engine = self._new_engine()
         self.add_instrument(ClipNormCheck(sampled_unit(config, unit)))  # warns once if C is far above the norms
+        self.adaptive_clip = self._adaptive_clip()  # None for a fixed C
         self._engine_suspended = False
         self.needs_independence_probe = True  # on the first chunk of ≥ 2, and again after every trainable-set switch
         self.method_view = MethodView(
@@ -177,14 +180,52 @@ class PrivacyRun:
 
     def record_release(self, stage: str, steps: int = 1) -> None:
         """A method's own release of one of its planned stages (e.g. DP-FROST's selection rounds) joins the ledger."""
-        self.ledger.record_event(self.plan.event(stage, steps, self.max_grad_norm))
+        event = self.plan.event(stage, steps, self.max_grad_norm)
+        if self.adaptive_clip is not None and self.plan[stage].training:
+            event = self.adaptive_clip.event(event)  # the step's joint release: one Gaussian at the effective σ
+        self.ledger.record_event(event)
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """σ of the gradient noise: the stage's σ, or under adaptive clipping its z_Δ > σ, so that the clipped sum and
+        the noisy unclipped count together are one Gaussian release at σ (`privacy.adaptive_clip`)."""
+        if self.adaptive_clip is None:
+            return self.noise_multiplier
+        return self.adaptive_clip.gradient_noise_multiplier
+
+    def _adaptive_clip(self) -> AdaptiveClip | None:
+        """Adaptive clipping's instrument when the config asks for it, attached to every training engine and
+        optimizer; None for a fixed C."""
+        if self._config.max_grad_norm != ADAPTIVE:
+            return None
+        clip = AdaptiveClip(
+            self._config,
+            self.noise_multiplier,
+            self.expected_batch_size,
+            self.noise("clip count"),
+            on_clip=self._set_clip_norm,
+        )
+        self.add_instrument(clip)
+        return clip
+
+    def _set_clip_norm(self, clip: float) -> None:
+        """The adapted C for the next step: the engine's clip, the optimizer's noise scale, and every later engine."""
+        self.max_grad_norm = clip
+        self.engine.max_grad_norm = clip
+        if self.optimizer is not None:
+            self.optimizer.max_grad_norm = clip
+
+    def clip_to_log(self, logs: dict[str, float]) -> None:
+        """Under adaptive clipping, the C the latest step clipped at, on every training log line (a released value)."""
+        if self.adaptive_clip is not None and "loss" in logs:
+            logs["max_grad_norm"] = self.adaptive_clip.last_used
 
     def noisy_optimizer(self, inner: torch.optim.Optimizer) -> NoisyOptimizer:
         """`inner` behind the noisy step: noise once per logical batch at the stage's σ, each step in the ledger."""
         self.optimizer = NoisyOptimizer(
             inner,
             self.engine,
-            noise_multiplier=self.noise_multiplier,
+            noise_multiplier=self.gradient_noise_multiplier,
             max_grad_norm=self.max_grad_norm,
             expected_batch_size=self.expected_batch_size,
             noise=self.noise("training noise"),
@@ -260,7 +301,7 @@ class PrivacyRun:
         self.needs_independence_probe = True  # a new trainable set: probe it again
         self.trained_parameter_names |= self.method.trained_parameter_names(self.model)
         if self.optimizer is not None:
-            self.optimizer.engine, self.optimizer.noise_multiplier = self.engine, self.noise_multiplier
+            self.optimizer.engine, self.optimizer.noise_multiplier = self.engine, self.gradient_noise_multiplier
 
     # ------------------------------------------------------------------ budget
     def may_step(self) -> bool:
@@ -273,6 +314,8 @@ class PrivacyRun:
             self.kept_examples = None  # mapped from the cap onto this training set's rows (kept_by_users)
         self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.accountant)
         self.ledger.subject = dict(self.subject)
+        if self.adaptive_clip is not None and self.ledger.clip_norm:
+            self.adaptive_clip.load_state_dict(self.ledger.clip_norm)  # continue from the adapted C
         self._warn_if_config_changed(checkpoint)
         self._note_fork(output_dir, checkpoint)
         self.method.load_state_dict(load_method_state(checkpoint))
@@ -455,7 +498,7 @@ class PrivacyRun:
         """ε, δ and what they rest on, as the card states them (`trainer.privacy_report()`): every key is described at
         `hf_private.run.report.privacy_report`."""
         trained = self.method.trained_parameter_names(self.model)
-        return privacy_report(
+        report = privacy_report(
             self.ledger,
             self.plan,
             self._config,
@@ -465,6 +508,9 @@ class PrivacyRun:
             noise_multiplier=self.noise_multiplier,
             trainable_fraction=round(self.share_of_model(trained), 6),
         )
+        if self.adaptive_clip is not None:
+            report["adaptive_clipping"] = self.adaptive_clip.report()
+        return report
 
     def attach_audit(self, result: AuditResult) -> None:
         """Put an audit on the card; one run on the training data (the default) is composed into ε from now on.
@@ -512,6 +558,8 @@ class PrivacyRun:
     def save(self, output_dir: str) -> None:
         """The ledger, the method config and the method's state beside the weights (what a resume continues); under
         ELS also which examples every user kept."""
+        if self.adaptive_clip is not None:
+            self.ledger.clip_norm = self.adaptive_clip.state_dict()
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())
         if self._user_cap is not None:
             save_user_cap(output_dir, self._user_cap, self._config)

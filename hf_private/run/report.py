@@ -16,6 +16,7 @@ from ..audit import AuditResult, compose_audits
 from ..data.users import UserIndex, sampled_unit, user_level_plan
 from ..methods import DPMethod, MethodConfig
 from ..privacy import MechanismGroup, PrivacyLedger, PrivacyPlan, compute_epsilon
+from ..privacy.adaptive_clip import describe_clip
 
 # Noise std per coordinate of the averaged update, in units of C (σ / expected batch), above which a run is warned
 # that it will learn little: a rule of thumb (usual DP fine-tuning runs sit near 1e-3; 0.05 means twenty perfectly
@@ -140,13 +141,13 @@ def plan_lines(
             f"Training plan WITHOUT a privacy guarantee ({mechanism}): N={plan.dataset_size:d} {units}, "
             f"q={plan.sample_rate:.5g}, {plan.planned_steps:d} steps. {plan.guarantee[1]}{data}"
         ]
-    target, clip, batch = config.target_epsilon, config.max_grad_norm, plan.expected_batch_size
+    target, clip, batch = config.target_epsilon, describe_clip(config), plan.expected_batch_size
     if config.noise_seed is not None:  # calibrated as usual, but the known seed replays the noise
         calibrated = "" if target is None else f" (calibrated as for target {target:g})"
         lines = [
             f"Training plan in insecure test mode, WITHOUT a privacy guarantee ({mechanism}): N={plan.dataset_size:d} "
             f"{units}, q={plan.sample_rate:.5g}, {plan.planned_steps:d} steps, noise multiplier "
-            f"σ={noise_multiplier:.4g}{calibrated}, clip norm C={clip:.4g}. DPConfig.noise_seed replays the noise and "
+            f"σ={noise_multiplier:.4g}{calibrated}, clip norm {clip}. DPConfig.noise_seed replays the noise and "
             f"sampling: never publish this model as private.{data}"
         ]
     else:
@@ -154,7 +155,7 @@ def plan_lines(
         lines = [
             f"Private training plan ({mechanism}): N={plan.dataset_size:d} {units}, sampling rate "
             f"q={plan.sample_rate:.5g} (expected logical batch {batch:d} {units}), {plan.planned_steps:d} steps, "
-            f"noise multiplier σ={noise_multiplier:.4g}, clip norm C={clip:.4g}, δ={plan.delta:.3g}, "
+            f"noise multiplier σ={noise_multiplier:.4g}, clip norm {clip}, δ={plan.delta:.3g}, "
             f"{plan.accountant} accountant{targeted}.{data}"
         ]
     noise_per_batch = noise_multiplier / batch

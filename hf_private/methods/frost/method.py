@@ -191,7 +191,7 @@ class FrostMethod(DPMethod):
             for param in group:
                 param.requires_grad_(True)
         reducer = PartitionMagnitudeReducer(
-            groups, self.config.max_grad_norm, order=self.config.norm_order, variant=self.config.variant
+            groups, self.config.initial_clip_norm, order=self.config.norm_order, variant=self.config.variant
         )
         engine = run.new_engine(reducer)
         try:
