@@ -42,6 +42,8 @@ ARMS = {
     "hf_private": (HfPrivate, False),
 }
 REFERENCE = "non-private+ckpt"
+#: the CPU heaps an arm's peak is measured under, each in a fresh interpreter
+HEAPS = ("default", "mapped")
 
 
 def build(shape: dict, mode: str, checkpointing: bool, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -111,21 +113,24 @@ def _peak_in_fresh_process(*args) -> int | None:
     return peak
 
 
-def peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) -> dict[str, int]:
-    """The arm's peak under glibc's default heap and, on the CPU, in another fresh interpreter with large blocks
-    mapped (`peak_bytes_mapped`: what the live tensors cost)."""
+def peak_in_fresh_process(label, shape, mode, batch_size, dtype, device, heaps=HEAPS) -> dict[str, int]:
+    """The arm's peak under glibc's default heap (`peak_bytes`) and, on the CPU, in another fresh interpreter with
+    large blocks mapped (`peak_bytes_mapped`: what the live tensors cost), each if `heaps` names it."""
     args = (label, shape, mode, batch_size, str(dtype).removeprefix("torch."), str(device))
-    peaks = {"peak_bytes": _peak_in_fresh_process(*args, False)}
-    mapped = _peak_in_fresh_process(*args, True) if device.type == "cpu" else None
+    peaks = {}
+    if "default" in heaps or device.type != "cpu":
+        peaks["peak_bytes"] = _peak_in_fresh_process(*args, False)
+    mapped = _peak_in_fresh_process(*args, True) if device.type == "cpu" and "mapped" in heaps else None
     if mapped is not None:
         peaks["peak_bytes_mapped"] = mapped
     return peaks
 
 
-def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device) -> dict:
+def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device, labels=tuple(ARMS), heaps=HEAPS) -> dict:
     arms = {}
     chunks = None
-    for label, (arm_cls, checkpointing) in ARMS.items():
+    for label in labels:
+        arm_cls, checkpointing = ARMS[label]
         model = build(shape, mode, checkpointing, dtype, device)
         chunks = chunks or make_chunks(model, batch_size, shape["seq_len"], 1, device)
         arms[label] = arm_cls(model, batch_size)
@@ -140,7 +145,7 @@ def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device) -
             times[label].append(time.perf_counter() - start)
     arms.clear()
     _release_memory()
-    peaks = {label: peak_in_fresh_process(label, shape, mode, batch_size, dtype, device) for label in ARMS}
+    peaks = {label: peak_in_fresh_process(label, shape, mode, batch_size, dtype, device, heaps) for label in labels}
     tokens = batch_size * shape["seq_len"]
     reference = statistics.median(times[REFERENCE])
     return {
@@ -161,7 +166,7 @@ def bench(shape: dict, mode: str, batch_size: int, rounds: int, dtype, device) -
                     for key, value in peaks[label].items()
                 },
             }
-            for label in ARMS
+            for label in labels
         },
     }
 
@@ -179,6 +184,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=2, help="timed steps per arm, in alternating rounds")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help=f"the arms to run ({REFERENCE} always runs)"
+    )
+    parser.add_argument(
+        "--heaps", nargs="+", default=list(HEAPS), choices=list(HEAPS), help="the CPU heaps each peak is measured under"
+    )
     parser.add_argument("--out", default="benchmarks/results/long_context.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -195,21 +206,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 seq_len=seq_len,
             )
             logger.info("benchmarking %s T=%d vocab=%d", mode, seq_len, args.vocab)
-            results.append(bench(shape, mode, args.batch_size, args.rounds, dtype, device))
+            labels = [REFERENCE, *(label for label in args.arms if label != REFERENCE)]
+            results.append(bench(shape, mode, args.batch_size, args.rounds, dtype, device, labels, args.heaps))
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:  # after every configuration: a crash loses one
                 json.dump({"device": str(device), "threads": torch.get_num_threads(), "results": results}, f, indent=2)
             for label, arm in results[-1]["arms"].items():
-                mapped = (
-                    f", {arm['memory_ratio_mapped']:5.2f}x with large blocks mapped "
-                    f"({arm['peak_bytes_mapped'] / 2**20:.0f} MiB)"
-                    if "peak_bytes_mapped" in arm
-                    else ""
-                )
+                memory = [
+                    f"{arm[ratio]:5.2f}x memory{how} ({arm[peak] / 2**20:.0f} MiB)"
+                    for ratio, peak, how in (
+                        ("memory_ratio", "peak_bytes", ""),
+                        ("memory_ratio_mapped", "peak_bytes_mapped", " with large blocks mapped"),
+                    )
+                    if peak in arm
+                ]
                 print(
                     f"{mode:<5} T={seq_len:<5} V={args.vocab:<7} {label:<17} {arm['time_ratio']:5.2f}x time "
-                    f"{arm['memory_ratio']:5.2f}x memory ({arm['median_step_s']:.2f} s, "
-                    f"{arm['peak_bytes'] / 2**20:.0f} MiB){mapped}",
+                    f"({arm['median_step_s']:.2f} s), " + ", ".join(memory),
                     flush=True,
                 )
     return results

@@ -149,6 +149,8 @@ class HfPrivate:
         self.batch_size = batch_size
 
     def step(self, chunks):
+        # as Trainer does after every optimizer step (model.zero_grad()): last step's released gradients are not kept
+        self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.prepare_noise()  # as the trainer does: the noise is drawn while the chunks run
         for batch in chunks:
             with self.engine.recording(self.batch_size):

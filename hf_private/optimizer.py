@@ -251,13 +251,14 @@ class NoisyOptimizer(torch.optim.Optimizer):
             self.noise.add_shards_(parts, self.noise_multiplier * self.max_grad_norm)
 
     def _refuse_hooks_when_sharded(self) -> None:
-        """A gradient transform or step hook sees whole gradients and weights; a sharded process holds a shard."""
+        """A gradient transform or pre-step hook sees whole gradients; a sharded process holds a shard. Step-end hooks
+        run after the step on each process (the clip-norm check reads only the norms); a method whose step-end hook
+        needs whole weights (RGP, adaptive clipping's update) is refused when a sharded trainer is built."""
         hooked = [
             kind
             for kind, hooks in (
                 ("gradient transforms", self._gradient_transforms),
                 ("pre-step hooks", self._pre_step_hooks),
-                ("step-end hooks", self._step_end_hooks),
             )
             if hooks
         ]

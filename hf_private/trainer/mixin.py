@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -40,6 +40,7 @@ from ..optimizer import noisy_optimizer
 from ..privacy.rng import SecretRandom
 from ..release.checkpoints import resolve_checkpoint
 from ..run.privacy_run import PrivacyRun
+from . import sharded
 from .evaluation_hooks import EvaluationHooks
 from .preflight import (
     check_before_trainer,
@@ -100,6 +101,11 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         super().__init__(*trainer_args, **trainer_kwargs)
         self.dp_config = dp_config
         expected = check_built_trainer(self, args is not None, dp_config, per_example_loss, checked)
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) or sharded.requested_plugin(self.args)
+        self.fsdp2_sharded = plugin is not None  # sharded before the engine is built on the parameters (.sharded)
+        if plugin is not None:
+            sharded.shard_for_training(self, plugin)
+        self._padding: dict | None = None  # a sharded run's filler chunk, collated once (`_padding_step`)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
         self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
         # the privacy unit, chosen once; its users read again if the trainer prepared a new dataset (TRL tokenizes)
@@ -227,20 +233,43 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         The first chunk of ≥ 2 units of the run, and the first after every switch of the trainable set, is probed for
         unit independence, together with a probe chunk from the training set."""
         total = torch.zeros((), device=self.args.device)
-        for chunk in chunks.physical_chunks(
+        physical: Iterable[PhysicalChunk] = chunks.physical_chunks(
             inputs,
             model,
             self.args.per_device_train_batch_size,
             partial(self.trainer_family.rows_per_unit, model),
             packed_row_tokens=self.packed_row_tokens,
             packed_forward_tokens=self.packed_forward_tokens,
-        ):
+        )
+        if self.fsdp2_sharded:  # every process joins FSDP2's collectives of each chunk: as many chunks on each
+            physical = list(physical)
+            padding = sharded.padding_chunks(physical, self.args.device)
+            sharded.sync_gradients(model)
+        for chunk in physical:
             with engine.recording(len(chunk.units), chunk.unit_rows, packed=chunk.layout):
                 total = total + self._chunk_step(model, chunk.inputs)
             engine.finish_backward()
-            if len(chunk.units) >= 2 and self.privacy_run.needs_independence_probe:
+            if len(chunk.units) >= 2 and self.privacy_run.needs_independence_probe and not self.fsdp2_sharded:
                 self._probe_example_independence(model, chunk, engine)
+        if self.fsdp2_sharded:
+            for _ in range(padding):
+                self._padding_step(model, engine)
+            if self.privacy_run.needs_independence_probe:  # the probe chunk alone: the same forwards on every process
+                self._probe_example_independence(model, None, engine)
         return total
+
+    def _padding_step(self, model: nn.Module, engine: PerExampleGradientEngine) -> None:
+        """One chunk of public filler (`sharded.padding_inputs`) whose loss counts zero, recorded as one unit: it adds
+        exactly zero to the clipped sums, and lets this process join the collectives of a chunk it does not have."""
+        if self._padding is None:
+            dataset, collate = self.training_data()
+            self._padding = sharded.padding_inputs(collate([dataset[0]]))
+        rows = self.trainer_family.rows_per_unit(model, self._padding)
+        model.train()
+        with engine.recording(1, rows):
+            loss = self._training_loss(model, self._prepare_inputs(self._padding)) * 0.0
+            self.accelerator.backward(loss)
+        engine.finish_backward()
 
     def _chunk_step(self, model: nn.Module, inputs: dict) -> torch.Tensor:
         """One physical chunk's forward and backward as `Trainer.training_step` runs them (context parallelism's
@@ -268,10 +297,11 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
             return self.summed_loss(model, inputs)[0]
 
     def _probe_example_independence(
-        self, model: nn.Module, chunk: PhysicalChunk, engine: PerExampleGradientEngine
+        self, model: nn.Module, chunk: PhysicalChunk | None, engine: PerExampleGradientEngine
     ) -> None:
         """Units recomputed alone must get the norms they had in this chunk and in a chunk of training examples
-        spread over their lengths, collated as training chunks are."""
+        spread over their lengths, collated as training chunks are (sharded: the latter alone, `chunk` None, since
+        every process must run the same forwards)."""
         dataset, collate = self.training_data()
         indices = self.units.in_unit_order(
             spread_by_length(dataset, count=min(PROBE_EXAMPLES, self.args.per_device_train_batch_size))
@@ -280,10 +310,10 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         probe = self._prepare_inputs(probe)
         low_precision = self.args.bf16 or any(p.dtype in (torch.float16, torch.bfloat16) for _, p in engine.parameters)
         probe_rows = self.trainer_family.rows_per_unit(model, probe)
-        probed = [
-            (self._prepare_inputs(chunk.inputs), sum(chunk.units), chunk.rows_per_example, _grouped(chunk.units)),
-            (probe, len(indices), probe_rows, _grouped(probe_units)),
-        ]
+        probed = [(probe, len(indices), probe_rows, _grouped(probe_units))]
+        if chunk is not None:
+            units = chunk.units
+            probed.insert(0, (self._prepare_inputs(chunk.inputs), sum(units), chunk.rows_per_example, _grouped(units)))
         probe_example_independence(engine, model, probed, self._training_loss, low_precision)
         self.privacy_run.needs_independence_probe = False
 

@@ -15,7 +15,7 @@ Why before `Trainer.__init__` (`check_before_trainer`):
 
 What needs the built Trainer is checked right after it, before anything is planned (`check_built_trainer`): the
 default TrainingArguments Trainer makes when `args` is None, the parallelism its accelerator set up (several GPUs in
-one process, DeepSpeed, FSDP, a model split over devices), the process count and the expected logical batch.
+one process, DeepSpeed, FSDP1, a model split over devices), the process count and the expected logical batch.
 
 The rules on the privacy numbers themselves (exactly one of target_epsilon and noise_multiplier, δ, the expected
 batch against N) are the plan's (`privacy.plan`): a DP config and a standalone `PrivacyPlan` apply them too, so they
@@ -48,6 +48,7 @@ from ..logs import get_logger
 from ..methods import MethodConfig
 from ..privacy.plan import check_expected_batch
 from ..release.artifacts import DP_CONFIG_NAME, LEDGER_NAME
+from .sharded import check_sharded_mesh, check_sharding
 
 logger = get_logger(__name__)
 
@@ -104,6 +105,7 @@ def check_before_trainer(
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
         check_user_level_arguments(args, dp_config)
+        check_sharding(args, model, dp_config, trainer_class)  # before Trainer, which refuses FSDP on one process
     return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, model, users)
 
 
@@ -407,7 +409,8 @@ def _replace_trainer_clipping(args: TrainingArguments, max_grad_norm: float) -> 
 # ---------------------------------------------------------------------- model
 _SUPPORTED_PARALLELISM = (
     "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu --num_processes N`, "
-    "or torchrun), each holding the whole model."
+    "or torchrun), each holding the whole model, and FSDP2 (`accelerate launch --use_fsdp --fsdp_version 2`, or "
+    "TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2}))."
 )
 
 
@@ -522,10 +525,14 @@ def check_parallelism(trainer: Trainer) -> None:
     Trainer."""
     if trainer.args.n_gpu > 1:
         raise ValueError(f"torch DataParallel (several GPUs in one process) is not supported: {_SUPPORTED_PARALLELISM}")
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+    if trainer.is_deepspeed_enabled:
         raise ValueError(
-            "DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: " + _SUPPORTED_PARALLELISM
+            "DeepSpeed ZeRO shards gradients before a flat per-example clip is possible: " + _SUPPORTED_PARALLELISM
         )
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # `accelerate launch --use_fsdp` on accelerators
+    if trainer.is_fsdp_enabled and (plugin is None or plugin.fsdp_version != 2):
+        raise ValueError("FSDP1 is not supported: " + _SUPPORTED_PARALLELISM)
+    check_sharded_mesh(trainer.accelerator)
     if trainer.is_model_parallel or trainer.is_distributed_loading_by_transformers:  # Trainer's own reading
         raise ValueError(
             "Model or tensor parallelism (one model split over several devices) is not supported: "

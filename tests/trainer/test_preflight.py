@@ -312,7 +312,8 @@ def _row(id: str, error: type[Exception], fragment: str, **build: Any) -> Row:
 
 PARALLELISM = (
     "hf_private supports one process per device (DDP through `accelerate launch --multi_gpu "
-    "--num_processes N`, or torchrun), each holding the whole model."
+    "--num_processes N`, or torchrun), each holding the whole model, and FSDP2 (`accelerate launch --use_fsdp "
+    "--fsdp_version 2`, or TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2}))."
 )
 
 ROWS = [
@@ -694,15 +695,31 @@ ROWS = [
         ValueError,
         f"torch DataParallel (several GPUs in one process) is not supported: {PARALLELISM}",
     ),
-    *[
-        Row(
-            flag,
-            _trainer_flag(flag),
-            ValueError,
-            f"DeepSpeed and FSDP shard gradients before a flat per-example clip is possible: {PARALLELISM}",
-        )
-        for flag in ("is_deepspeed_enabled", "is_fsdp_enabled")
-    ],
+    Row(
+        "is_deepspeed_enabled",
+        _trainer_flag("is_deepspeed_enabled"),
+        ValueError,
+        f"DeepSpeed ZeRO shards gradients before a flat per-example clip is possible: {PARALLELISM}",
+    ),
+    Row("is_fsdp_enabled-without-fsdp2", _trainer_flag("is_fsdp_enabled"), ValueError, "FSDP1 is not supported"),
+    _row(
+        "fsdp1-arguments",
+        ValueError,
+        "FSDP1 is not supported: the clipped sums are reduce-scattered to FSDP2 shards.",
+        args={"fsdp": True, "fsdp_config": {"fsdp_version": 1}},
+    ),
+    _row(
+        "fsdp2-with-bf16-and-checkpoints",
+        NotImplementedError,
+        "Sharded (FSDP2) private training does not support mixed precision (bf16/fp16), checkpoints",
+        args={"fsdp": True, "fsdp_config": {"fsdp_version": 2}, "bf16": True, "save_strategy": "steps"},
+    ),
+    _row(
+        "fsdp2-on-one-process",
+        ValueError,
+        "FSDP2 with one process shards nothing",
+        args={"fsdp": True, "fsdp_config": {"fsdp_version": 2}},
+    ),
     _row(
         "model-split-over-devices",
         ValueError,

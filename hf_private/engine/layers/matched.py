@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from ..terms import SampleTerm
@@ -71,7 +72,10 @@ class ScaledEmbeddingHandler(EmbeddingHandler):
 
 
 def matched_handler(module: nn.Module, trainable: set[str]) -> LayerHandler | None:
-    """A fast rule whose form the module's forward was shown to have, or None."""
+    """A fast rule whose form the module's forward was shown to have, or None. FSDP2-sharded weights (DTensors) are
+    not probed: a probe mixes them with plain tensors; the generic rule, checked against autograd, applies."""
+    if any(isinstance(p, DTensor) for p in module._parameters.values()):
+        return None
     if isinstance(module, nn.Embedding):
         return _match_scaled_embedding(module, trainable)
     return _match_gain(module, trainable)

@@ -1,0 +1,167 @@
+"""Sharded training with FSDP2 (`fully_shard`), as Accelerate drives it: how a private trainer reaches it, what it
+refuses, and the one thing its step must add (every process runs the same number of chunks).
+
+Asked for as users ask Accelerate for it: `accelerate launch --use_fsdp --fsdp_version 2 ...`, or
+`TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`. Two decisions, and why:
+
+* The trainer shards the model when it is built, with Accelerate's own `fsdp2_prepare_model` and plugin (each layer
+  Accelerate's wrap policy names, the embeddings, the final norm and head, then the root), rather than leaving it to
+  `accelerator.prepare` in `train()`. The per-example engine and the noisy optimizer are built with the run and hold
+  the trainable parameters, which `fully_shard` replaces by their DTensor shards: sharding first builds them on the
+  shards. Accelerate's later `prepare` finds an `FSDPModule` and keeps it as it is (its own early return), so what
+  trains is what Accelerate would have built.
+* On the CPU, Accelerate keeps a multi-process run (gloo) MULTI_CPU and drops the FSDP plugin (it shards only on
+  accelerator devices), then would wrap the model in DDP. There the trainer hands Accelerate's state the plugin the
+  arguments asked for and marks the run FSDP, so every step after it (the wrapping, `no_sync`, Trainer's FSDP branches
+  of `save_model`, the full state dict it gathers with `get_model_state_dict(full_state_dict=True, cpu_offload=True)`)
+  is the code path Accelerate runs on GPUs. That is what the two-process CPU tests exercise, and a way to try a sharded
+  script without a GPU (`torchrun --nproc-per-node 2 script.py` with `use_cpu=True`).
+
+The privacy path under sharding is the optimizer's (`NoisyOptimizer`: clipped sums reduce-scattered to the shards,
+noise once per coordinate on its owner) and the engine's (its check against autograd on the reduced shards).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from ..data.chunks import PhysicalChunk
+from ..engine.sharding import is_sharded
+from ..logs import get_logger
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
+    from ..methods import MethodConfig
+
+logger = get_logger(__name__)
+
+FSDP2_FIX = (
+    "Shard with FSDP2: `accelerate launch --use_fsdp --fsdp_version 2 ...`, or "
+    "TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2})."
+)
+
+
+def requested_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin | None:
+    """The FSDP plugin this run asks Accelerate for: the one Trainer builds from TrainingArguments' fsdp settings,
+    else the launcher's (`accelerate launch --use_fsdp` sets ACCELERATE_USE_FSDP and FSDP_*); None for no sharding."""
+    if args.fsdp_plugin_args is not None:
+        return FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return FullyShardedDataParallelPlugin()
+    return None
+
+
+def check_sharding(
+    args: TrainingArguments, model: nn.Module, dp_config: MethodConfig, trainer_class: type[Trainer]
+) -> None:
+    """Refuse, by name, what sharded private training does not support (yet), before Trainer is built."""
+    if args.fsdp_plugin_args is not None:
+        version = int(args.fsdp_plugin_args.get("fsdp_version", 2))
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        version = int(os.environ.get("FSDP_VERSION", "1"))  # Accelerate's own default
+    else:
+        return
+    if version != 2:  # before building its plugin, which FSDP1 cannot on a CPU
+        raise ValueError(f"FSDP1 is not supported: the clipped sums are reduce-scattered to FSDP2 shards. {FSDP2_FIX}")
+    plugin = requested_plugin(args)
+    assert plugin is not None
+    check_sharded_mesh(args)
+    refused = {
+        "PEFT/LoRA models": _is_peft(model),
+        f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
+        "user-level privacy units": dp_config.privacy_unit == "user",
+        "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
+        f"{trainer_class.__name__} (TRL's SFT/DPO trainers)": _is_trl(trainer_class),
+        "mixed precision (bf16/fp16)": bool(args.bf16 or args.fp16 or plugin.mixed_precision_policy is not None),
+        "activation checkpointing": bool(args.gradient_checkpointing or plugin.activation_checkpointing),
+        "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+        "checkpoints (save_strategy other than 'no') and resuming from them": args.save_strategy != "no",
+        "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
+        "torch.compile": bool(args.torch_compile),
+    }
+    names = [name for name, hit in refused.items() if hit]
+    if names:
+        raise NotImplementedError(
+            f"Sharded (FSDP2) private training does not support {', '.join(names)} yet: train without them, or "
+            "without sharding (DDP: `accelerate launch --multi_gpu --num_processes N`)."
+        )
+    if args.world_size < 2:
+        raise ValueError(
+            "FSDP2 with one process shards nothing: launch several processes (`accelerate launch --use_fsdp "
+            "--fsdp_version 2 --num_processes N`, or torchrun), or drop the fsdp settings."
+        )
+
+
+def check_sharded_mesh(holder: Any) -> None:
+    """Only FSDP2's one-dimensional mesh: `holder`'s (TrainingArguments' or the Accelerator's) parallelism config
+    must not ask for HSDP (replicas of shards) or tensor, context or sequence parallelism."""
+    parallelism = getattr(holder, "parallelism_config", None)
+    if parallelism is not None and any(
+        getattr(parallelism, f"{axis}_size", 1) > 1 for axis in ("dp_replicate", "tp", "cp", "sp")
+    ):
+        raise ValueError(
+            "HSDP, tensor, context and sequence parallelism are not supported with DP training: only FSDP2's "
+            "one-dimensional sharding (full shard over every process)."
+        )
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return any(type(m).__module__.startswith("peft.") for m in (model, *model.children()))
+
+
+def _is_trl(trainer_class: type) -> bool:
+    return any(klass.__module__.startswith("trl.") for klass in trainer_class.__mro__)
+
+
+def shard_for_training(trainer: Trainer, plugin: FullyShardedDataParallelPlugin) -> None:
+    """`fully_shard` the trainer's model in place as Accelerate's FSDP2 preparation does, before the engine and the
+    optimizer are built on its parameters; on the CPU, give Accelerate the plugin first (see the module docstring)."""
+    state = trainer.accelerator.state
+    if getattr(state, "fsdp_plugin", None) is None:
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        trainer.is_fsdp_enabled = True
+        logger.info("Accelerate does not shard on %s: applying its FSDP2 preparation here.", trainer.args.device)
+    model = trainer.model
+    assert model is not None  # preflight refused a missing model
+    fsdp2_prepare_model(trainer.accelerator, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not is_sharded(trainable):  # refuses a mix of sharded and whole trainable parameters by itself
+        raise RuntimeError("FSDP2's preparation left the trainable parameters whole (no DTensor).")
+
+
+def sync_gradients(model: nn.Module) -> None:
+    """Reduce-scatter every backward's gradient: Trainer's `no_sync` for FSDP2 would keep whole, unreduced gradients
+    until the last micro-batch (the memory sharding saves), and the engine's check reads the reduced shards."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(True)
+
+
+def padding_chunks(chunks: list[PhysicalChunk], device: torch.device) -> int:
+    """How many chunks this process must add so that every process runs as many as the one with the most.
+
+    FSDP2 all-gathers each unit's parameters in forward and reduce-scatters its gradient in backward: collectives that
+    every process must join. A Poisson batch gives each process its own number of units, so the counts differ."""
+    count = torch.tensor([len(chunks)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item()) - len(chunks)
+
+
+def padding_inputs(collated: dict[str, Any]) -> dict[str, Any]:
+    """One row of public filler shaped like a collated row (token ids and labels 0, attention mask 1): the forward
+    and backward a padding chunk runs, whose loss is multiplied by zero. Nothing of any example is in it."""
+    return {
+        key: (torch.ones_like(value) if key == "attention_mask" else torch.zeros_like(value))
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in collated.items()
+    }
