@@ -342,6 +342,7 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.pop("grad_norm", None)  # a norm of un-clipped, un-noised gradients: not private
         self.privacy_run.epsilon_to_log(logs)
+        self.privacy_run.clip_to_log(logs)
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:

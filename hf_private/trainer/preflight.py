@@ -103,7 +103,7 @@ def check_before_trainer(
     refuse_string_labels(train_dataset, model)
     labels = check_labels(train_dataset)  # one pass: refuse non-finite labels now, log the -100 count later
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
-        check_arguments(args, dp_config.max_grad_norm, custom_loss, trainer_class, family, model)
+        check_arguments(args, dp_config.initial_clip_norm, custom_loss, trainer_class, family, model)
         check_user_level_arguments(args, dp_config)
         check_sharding(args, model, dp_config, trainer_class)  # before Trainer, which refuses FSDP on one process
     return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, model, users)
@@ -118,7 +118,7 @@ def check_built_trainer(
         assert trainer.model is not None  # check_before_trainer refused a missing model and model_init
         check_arguments(
             trainer.args,
-            dp_config.max_grad_norm,
+            dp_config.initial_clip_norm,
             per_example_loss is not None,
             type(trainer),
             checked.family,
