@@ -352,6 +352,7 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
         median = statistics.median(times[label])
         result["arms"][label] = {
             "median_step_s": median,
+            "step_s": times[label],
             "peak_bytes": peaks[label],
             "time_ratio": median / statistics.median(times[reference]),
             "memory_ratio": peaks[label] / peaks[reference],
