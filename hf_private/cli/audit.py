@@ -89,6 +89,12 @@ def run_audit(
     """
     if audit_data not in AUDIT_DATA:
         raise ValueError(f"audit_data must be one of {', '.join(map(repr, AUDIT_DATA))}, got {audit_data!r}.")
+    if getattr(dp_config, "noise_mechanism", "dp-sgd") != "dp-sgd":
+        raise ValueError(
+            f"The one-run audit is not supported with noise_mechanism={dp_config.noise_mechanism!r}: its white-box "
+            "score reads each step's noise as independent, and BandMF's is correlated across steps. Audit the same "
+            "model and data with noise_mechanism='dp-sgd', or skip the audit."
+        )
     check_confidence(confidence)
     if not scores or set(scores) - set(SCORE_HELP):
         raise ValueError(f"scores must be a non-empty subset of {tuple(SCORE_HELP)}, got {tuple(scores)}.")

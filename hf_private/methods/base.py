@@ -34,6 +34,7 @@ from ..logs import get_logger
 from ..optimizer import NoisyOptimizer
 from ..privacy.accountants import check_accountant
 from ..privacy.adaptive_clip import check_adaptive_settings, initial_clip_norm
+from ..privacy.band_mf import check_band_mf_settings
 from ..privacy.noise import GaussianNoise
 from ..privacy.plan import PrivacyPlan, Stage, check_budget, check_target_delta, resolve_delta
 
@@ -105,6 +106,18 @@ class MethodConfig:
             "is σ_b = this × expected batch (paper: expected batch / 20). Paid for by the gradient noise, not ε."
         },
     )
+    noise_mechanism: str = field(
+        default="dp-sgd",
+        metadata={
+            "help": "'dp-sgd' (independent noise each step) or 'band-mf': amplified banded matrix factorization "
+            "(Choquette-Choo et al. 2023; DPConfig and DPLoRAConfig): correlated noise over `bands` steps, the "
+            "data split into `bands` partitions, step t sampling partition t mod bands at q̂ = bands·B/N."
+        },
+    )
+    bands: int = field(
+        default=1,
+        metadata={"help": "noise_mechanism='band-mf': the number of bands b (1 is DP-SGD exactly; at most the steps)."},
+    )
     accountant: str = field(
         default="prv", metadata={"help": "'prv' (tight upper bound, default) or 'rdp' (conservative)."}
     )
@@ -153,6 +166,7 @@ class MethodConfig:
         check_target_delta(self.target_delta)
         check_privacy_unit(self)
         check_adaptive_settings(self)
+        check_band_mf_settings(self)
         if not isinstance(self.max_grad_norm, str) and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm (per-example clip C) must be > 0, got {self.max_grad_norm}.")
         check_accountant(self.accountant)

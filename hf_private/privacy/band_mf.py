@@ -19,7 +19,8 @@ are cached on disk. Measured for n = 10⁴ steps on a shared 2-core CPU (load ~6
 
 The noise of step t is applied in the streaming form of C w = z: w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0, so only
 the last b − 1 noise vectors are kept (`BandedNoise`). They are as secret as the noise itself: they live in the
-checkpoint's own file (`STATE_NAME`), never pushed.
+checkpoint's own file (`release.artifacts.BAND_MF_STATE_NAME`), never pushed; `run.band_mf` wires all of this into a
+run (`DPConfig(noise_mechanism="band-mf", bands=b)`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,64 @@ from .events import BAND_MF, MechanismGroup
 
 logger = get_logger(__name__)
 
-#: the checkpoint file holding the noise history and the partition assignment (secret: never pushed)
-STATE_NAME = "band_mf_state.pt"
 _CACHE_VERSION = 1
+
+DP_SGD, BAND_MF_MECHANISM = "dp-sgd", "band-mf"
+NOISE_MECHANISMS = (DP_SGD, BAND_MF_MECHANISM)
+#: the methods whose one training release is DP-SGD's clipped sum over one trainable set, which BandMF replaces
+SUPPORTED_METHODS = ("dp-sgd", "dp-lora")
+_NOT_COVERED = {
+    "dp-frost": "its selection rounds are releases of their own, outside the b-min-sep schedule",
+    "dp-fp": "its release is not DP-SGD's clipped gradient sum",
+    "dp-bitfit": "its stage switch changes the trainable set, so the noise history no longer fits it",
+    "sparse-lowrank": "its masks and RGP re-decomposition change the released coordinates between steps",
+}
+
+
+def check_band_mf_settings(config: Any) -> None:
+    """The DP config's noise_mechanism and bands: refuse, by name, what the BandMF analysis does not cover."""
+    mechanism = config.noise_mechanism
+    if mechanism not in NOISE_MECHANISMS:
+        raise ValueError(f"noise_mechanism must be one of {', '.join(map(repr, NOISE_MECHANISMS))}, got {mechanism!r}.")
+    check_bands(config.bands)
+    if mechanism == DP_SGD:
+        if config.bands != 1:
+            raise ValueError(
+                f"bands={config.bands} is the number of bands of noise_mechanism={BAND_MF_MECHANISM!r}; "
+                f"DP-SGD has none: set noise_mechanism={BAND_MF_MECHANISM!r}, or leave bands=1."
+            )
+        return
+    if config.method not in SUPPORTED_METHODS:
+        why = _NOT_COVERED.get(config.method, "its releases are not covered by the BandMF analysis")
+        raise ValueError(
+            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported by method {config.method!r}: {why}. Use "
+            "DPConfig or DPLoRAConfig, or noise_mechanism='dp-sgd'."
+        )
+    if config.privacy_unit != "example":
+        raise ValueError(
+            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported with privacy_unit={config.privacy_unit!r}: "
+            "its amplification (b-min-sep sampling of partitions) is proven for one example per unit. Use "
+            "privacy_unit='example' or noise_mechanism='dp-sgd'."
+        )
+    if config.max_grad_norm == "adaptive":
+        raise ValueError(
+            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported with max_grad_norm='adaptive': the joint "
+            "release of the clipped sum and the unclipped count is analysed for independent noise only. Use a "
+            "fixed max_grad_norm, or noise_mechanism='dp-sgd'."
+        )
+
+
+def check_band_mf_run(bands: int, steps: int | None, expected_batch_size: int, dataset_size: int) -> float:
+    """q̂ = b·B/N for a run of `steps` steps: refused when b exceeds the steps or the partitions hold fewer than B."""
+    check_bands(bands, steps)
+    rate = bands * expected_batch_size / dataset_size
+    if rate > 1:
+        raise ValueError(
+            f"bands={bands} with an expected batch of {expected_batch_size} needs b·B ≤ N={dataset_size} (each "
+            f"partition of about N/b examples is sampled at q̂ = b·B/N = {rate:.3g} > 1): use fewer bands or a "
+            "smaller batch."
+        )
+    return rate
 
 
 def check_bands(bands: int, steps: int | None = None) -> int:
@@ -73,6 +129,30 @@ def band_mf_event(
     """`steps` BandMF training steps at noise multiplier σ (strategy column norm ≤ 1) and per-partition rate q̂: the
     ledger's typed event, accounted as ⌈steps/b⌉ Poisson-subsampled Gaussian releases (q̂, σ) (`events.releases_of`)."""
     return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm, BAND_MF, bands=check_bands(bands))
+
+
+def card_release(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ledger entry as the card's `privacy.mechanisms` lists it: a BandMF event as what it is accounted as,
+    ⌈n/b⌉ Poisson-subsampled Gaussian releases at (q̂, σ) (`steps`; its n training steps in `training_steps`), so a
+    standard accountant recomputes ε from the entry alone; any other entry as it is."""
+    if entry.get("mechanism") != BAND_MF:
+        return dict(entry)
+    return {
+        **entry,
+        "steps": rounds(entry["steps"], entry["bands"]),
+        "training_steps": int(entry["steps"]),
+        "accounted_as": "poisson_gaussian",
+    }
+
+
+def card_line(facts: dict[str, Any]) -> str:
+    """The card's one line on the noise, from `run.band_mf.BandMF.report()`."""
+    return (
+        f"amplified BandMF (Choquette-Choo et al. 2023): correlated noise over {facts['bands']} bands (optimised "
+        f"Toeplitz strategy, columns of norm ≤ 1), the data split into {facts['bands']} secret partitions, step t "
+        f"Poisson-sampling partition t mod {facts['bands']} at q̂ = {facts['sample_rate']:.4g}; accounted as "
+        "⌈steps/bands⌉ Poisson-subsampled Gaussian releases at q̂ (the mechanisms table)"
+    )
 
 
 def calibrate_noise_multiplier(

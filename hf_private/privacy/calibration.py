@@ -82,11 +82,14 @@ def _epsilon_of(
     prior: Sequence[MechanismGroup],
     name: str,
     examples_per_user: int | None = None,
+    bands: int | None = None,
 ) -> Callable[[float, float, int], float]:
     prior = list(prior)
 
     def epsilon(noise_multiplier: float, sample_rate: float, steps: int) -> float:
-        event = gaussian_event(name, noise_multiplier, sample_rate, steps, examples_per_user=examples_per_user)
+        event = gaussian_event(
+            name, noise_multiplier, sample_rate, steps, examples_per_user=examples_per_user, bands=bands
+        )
         return compute_epsilon([*prior, event], delta, accountant)
 
     return epsilon
@@ -182,6 +185,7 @@ def calibrate_noise_multiplier(
     tolerance: float = 0.01,
     max_noise_multiplier: float = 1000.0,
     examples_per_user: int | None = None,
+    bands: int | None = None,
 ) -> float:
     """The σ such that `prior` + `steps` releases of (σ, `sample_rate`) spend ε ≤ `target_epsilon`.
 
@@ -193,12 +197,13 @@ def calibrate_noise_multiplier(
 
     With `examples_per_user` = k the releases are user-level ELS ones (`MechanismGroup.els`: per-example rate q,
     at most k examples per user): the search is the same, on their ε (under "prv" the PLD accountant checks it,
-    seeded by the RDP answer for `accountants.rdp.els_fallback`).
+    seeded by the RDP answer for `accountants.rdp.els_fallback`). With `bands` = b they are amplified BandMF steps
+    (`events.BAND_MF`: ⌈steps/b⌉ releases at the per-partition rate `sample_rate`).
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}.")
-    mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user)
+    mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user, bands)
     return calibrate_jointly(
         target_epsilon,
         delta,
@@ -213,13 +218,14 @@ def calibrate_noise_multiplier(
 @dataclass(frozen=True)
 class JointMechanism:
     """One mechanism of a joint calibration: `steps` releases of (σ = `noise_ratio` · s, `sample_rate`), user-level
-    ELS ones with at most `examples_per_user` examples per user when that is given."""
+    ELS ones with at most `examples_per_user` examples per user when that is given, BandMF steps with `bands`."""
 
     name: str
     noise_ratio: float
     sample_rate: float
     steps: int
     examples_per_user: int | None = None
+    bands: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.noise_ratio) and self.noise_ratio > 0):
@@ -234,7 +240,12 @@ class JointMechanism:
     def event(self, scale: float) -> MechanismGroup:
         """The ledger event of this mechanism's releases at σ = noise_ratio · `scale`."""
         return gaussian_event(
-            self.name, self.noise_ratio * scale, self.sample_rate, self.steps, examples_per_user=self.examples_per_user
+            self.name,
+            self.noise_ratio * scale,
+            self.sample_rate,
+            self.steps,
+            examples_per_user=self.examples_per_user,
+            bands=self.bands,
         )
 
 
@@ -346,12 +357,14 @@ def max_steps_within(
     name: str = "dp-sgd",
     upper: int = 10**7,
     examples_per_user: int | None = None,
+    bands: int | None = None,
 ) -> int:
     """The largest k ≥ 0 (at most `upper`) with ε(`prior` + k releases of (σ, q)) ≤ `target_epsilon`.
 
     Used to stop training before the budget is exceeded. ε is non-decreasing in k; under PRV the search
     starts from the RDP answer (PRV is tighter, so it allows at least about as many steps). With
-    `examples_per_user` the releases are user-level ELS ones (as in `calibrate_noise_multiplier`).
+    `examples_per_user` the releases are user-level ELS ones, with `bands` BandMF steps (as in
+    `calibrate_noise_multiplier`).
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(upper) != upper or upper < 0:
@@ -362,7 +375,7 @@ def max_steps_within(
         return 0
 
     def under(accountant: str) -> Callable[[int], float]:
-        epsilon = _epsilon_of(delta, accountant, prior, name, examples_per_user)
+        epsilon = _epsilon_of(delta, accountant, prior, name, examples_per_user, bands)
         return lambda k: epsilon(noise_multiplier, sample_rate, k)
 
     seed = _seed_of(accountant)

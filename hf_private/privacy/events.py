@@ -237,9 +237,15 @@ def gaussian_event(
     steps: int,
     max_grad_norm: float | None = None,
     examples_per_user: int | None = None,
+    bands: int | None = None,
 ) -> MechanismGroup:
     """`steps` releases of a Gaussian mechanism: a Poisson-subsampled Gaussian (σ, q), or with `examples_per_user`
-    = k a user-level ELS one (σ, per-example rate q, at most k examples per user)."""
+    = k a user-level ELS one (σ, per-example rate q, at most k examples per user), or with `bands` = b amplified
+    BandMF steps (σ, per-partition rate q̂; `BAND_MF`)."""
+    if bands is not None:
+        if examples_per_user is not None:
+            raise ValueError(f"{name!r}: BandMF (bands) has no user-level (examples_per_user) accounting.")
+        return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm, BAND_MF, bands=bands)
     if examples_per_user is None:
         return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm)
     return MechanismGroup.els(name, noise_multiplier, sample_rate, examples_per_user, steps, max_grad_norm)

@@ -31,6 +31,10 @@ A stage may be user-level by example-level sampling (ELS): `Stage(examples_per_u
 events carrying k; σ is calibrated (or checked) on their ε exactly as for the other stages, by the same searches
 (`accountants` says how ε of such a history is computed). k = 1 gives the numbers of example-level DP-SGD.
 
+A training stage may be amplified BandMF: `Stage(bands=b, sample_rate=q̂)`, q̂ = b·B/N the rate within one of
+the b partitions. Its events are `"band_mf"` events, ⌈steps/b⌉ Poisson-Gaussian releases (q̂, σ) for the accountant,
+and σ is calibrated and the budget stopped on their ε by the same searches.
+
 A stage may be marked `no_guarantee` with a reason (DP-FP in paper mode): it is never calibrated, the plan's ε is
 ∞, its `guarantee` is ("none", reason), the budget stop does not apply, and its ledger events are
 `"no_guarantee"` events, so the report says `guarantee: none` for that reason.
@@ -55,7 +59,7 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .events import ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
+from .events import BAND_MF, ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
 from .rng import Z_MAX
 
 logger = get_logger(__name__)
@@ -204,6 +208,14 @@ class Stage:
             "with k, accounted as a mixture of Gaussians. None: example-level (one unit, one term)."
         },
     )
+    bands: int | None = field(
+        default=None,
+        metadata={
+            "help": "Amplified BandMF (`band_mf`): b-banded correlated noise, partition t mod b sampled at this "
+            "stage's rate q̂; the stage's events are 'band_mf' events with b, accounted as ⌈steps/b⌉ "
+            "Poisson-subsampled Gaussian releases (q̂, σ). None: independent noise (DP-SGD)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -242,12 +254,24 @@ class Stage:
             if self.no_guarantee is not None:
                 raise ValueError(f"Stage {self.name!r} has no guarantee: it has no ELS accounting (examples_per_user).")
             object.__setattr__(self, "examples_per_user", int(k))
+        if self.bands is not None:
+            b = self.bands
+            if isinstance(b, bool) or int(b) != b or b < 1:
+                raise ValueError(f"Stage {self.name!r}: bands must be a positive integer, got {b!r}.")
+            if self.no_guarantee is not None or self.examples_per_user is not None or not self.training:
+                raise ValueError(
+                    f"Stage {self.name!r}: bands (BandMF) is for a training stage with a guarantee at example level."
+                )
+            object.__setattr__(self, "bands", int(b))
 
     def event(
         self, noise_multiplier: float, sample_rate: float, steps: int, max_grad_norm: float | None = None
     ) -> MechanismGroup:
-        """The ledger event of `steps` noised releases of this stage at (σ, q): ELS when `examples_per_user` is set."""
-        return gaussian_event(self.name, noise_multiplier, sample_rate, steps, max_grad_norm, self.examples_per_user)
+        """The ledger event of `steps` noised releases of this stage at (σ, q): ELS when `examples_per_user` is set,
+        BandMF when `bands` is."""
+        return gaussian_event(
+            self.name, noise_multiplier, sample_rate, steps, max_grad_norm, self.examples_per_user, self.bands
+        )
 
     @property
     def calibration(self) -> str:
@@ -309,6 +333,8 @@ class PlannedStage:
     def to_dict(self) -> dict[str, Any]:
         if self.stage.no_guarantee is not None:
             mechanism = NO_GUARANTEE
+        elif self.stage.bands is not None:
+            mechanism = BAND_MF
         else:
             mechanism = POISSON_GAUSSIAN if self.stage.examples_per_user is None else ELS_POISSON_GAUSSIAN
         d: dict[str, Any] = {
@@ -327,6 +353,8 @@ class PlannedStage:
             d["reason"] = self.stage.no_guarantee
         if self.stage.examples_per_user is not None:
             d["examples_per_user"] = self.stage.examples_per_user
+        if self.stage.bands is not None:
+            d["bands"] = self.stage.bands
         return d
 
 
@@ -486,6 +514,7 @@ class PrivacyPlan:
                 tolerance=self.tolerance,
                 max_noise_multiplier=self.max_noise_multiplier,
                 examples_per_user=stage.examples_per_user,
+                bands=stage.bands,
             )
             prior.append(stage.event(calibrated, q, k))
         joint = [
@@ -495,6 +524,7 @@ class PrivacyPlan:
                 layout[i][1],
                 layout[i][2],
                 layout[i][0].examples_per_user,
+                layout[i][0].bands,
             )
             for i in ratio
         ]
@@ -647,6 +677,7 @@ class PrivacyPlan:
                 name=planned.name,
                 upper=remaining,
                 examples_per_user=planned.stage.examples_per_user,
+                bands=planned.stage.bands,
             )
             allowed += k
             if k < remaining or last:
@@ -698,6 +729,8 @@ class PrivacyPlan:
             note = f"; sensitivity: {p.stage.sensitivity}" if p.stage.sensitivity else ""
             if p.stage.examples_per_user is not None:
                 note += f"; user level (ELS): at most {p.stage.examples_per_user} examples per user"
+            if p.stage.bands is not None:
+                note += f"; BandMF: {p.stage.bands} bands, q̂ per partition"
             lines.append(f"  {p.name}: q={p.sample_rate:.5g}, {p.steps} releases ({when}), {sigma} ({how}){note}")
         if not self.has_guarantee:
             lines.append(f"  guarantee: none. {self.guarantee[1]}")

@@ -87,6 +87,7 @@ TEST_STREAMS = {
     "rgp carriers": 49979687,
     "user cap": 67867967,
     "clip count": 86028121,
+    "band partitions": 122949823,
 }
 
 

@@ -24,6 +24,8 @@ DP_CONFIG_NAME = "dp_config.json"
 METHOD_STATE_NAME = "dp_method_state.json"  # a method's released choices (DP-FROST: the selected partitions)
 # ELS (user level): which examples each user kept, drawn secretly once; resumed runs keep them. Never pushed.
 USER_CAP_NAME = "user_cap.json"
+# BandMF: the last b − 1 correlated noise vectors and each example's partition (`run.band_mf`). Never pushed.
+BAND_MF_STATE_NAME = "band_mf_state.pt"
 CARD_NAME = "README.md"
 ADAPTER_WEIGHTS_NAME = "private_adapter.safetensors"
 # TRAINING_ARGS_NAME (imported): transformers' own name for the saved TrainingArguments, also next to a private adapter

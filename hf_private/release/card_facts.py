@@ -17,6 +17,7 @@ from ..evaluation.held_out import card_evaluation
 from ..models.peft import unwrap_peft
 from ..optimizer import noisy_optimizer
 from ..privacy.adaptive_clip import clip_line
+from ..privacy.band_mf import card_line
 from .checkpoints import checkpoint_step
 from .model_card import (
     adapter_note,
@@ -85,6 +86,8 @@ def write_card(
     training.update(_method_lines(report.get("method_details", {})))
     if "adaptive_clipping" in report:
         training["clip norm C"] = clip_line(report["adaptive_clipping"])
+    if "band_mf" in report:
+        training["noise"] = card_line(report["band_mf"])
     tail = sampler_tail_line(report)
     if tail is not None:
         training["noise sampler's tail in δ"] = tail

@@ -15,6 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..models.peft import unwrap_peft
+from ..privacy.band_mf import card_release
 from ..privacy.events import AUDIT_MECHANISM_PREFIX
 from ..privacy.rng import Z_MAX
 from ..version import __version__
@@ -148,7 +149,7 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "unit": report.get("unit", "example"),
         "method": method,
         "dataset_size": int(report["dataset_size"]),
-        "mechanisms": [dict(m) for m in report["mechanisms"]],
+        "mechanisms": [card_release(m) for m in report["mechanisms"]],
     }
     if "epsilon" in report:  # absent without a guarantee: no number may read as one
         block["epsilon"] = float(report["epsilon"])
@@ -168,6 +169,7 @@ def privacy_metadata(report: dict[str, Any], method: str, audit: dict[str, Any] 
         "phases",
         "method_details",
         "adaptive_clipping",
+        "band_mf",
     ):
         if report.get(optional) is not None:
             block[optional] = report[optional]

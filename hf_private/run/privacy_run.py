@@ -30,6 +30,7 @@ from ..models.peft import auxiliary_parameter_names
 from ..optimizer import NoisyOptimizer
 from ..privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
 from ..privacy.adaptive_clip import ADAPTIVE
+from ..privacy.band_mf import BAND_MF_MECHANISM
 from ..privacy.rng import test_stream_seed
 from ..release.adapters import private_adapter_names
 from ..release.checkpoints import (
@@ -42,6 +43,7 @@ from ..release.checkpoints import (
 )
 from ..release.model_card import base_model_name, public_base_model
 from .adaptive_clip import AdaptiveClip
+from .band_mf import BandMF, band_mf_stages
 from .forks import find_fork
 from .method_view import MethodView, TrainingPasses
 from .report import plan_lines, privacy_report
@@ -90,6 +92,9 @@ class PrivacyRun:
         self.device = args.device
         self.delta, self.expected_batch_size = delta, expected_batch_size
         schedule = {"steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
+        stages = stages_for(method.stages(), config)
+        if config.noise_mechanism == BAND_MF_MECHANISM:  # the training stage at q̂ = b·B/N, accounted as BandMF
+            stages = band_mf_stages(stages, config.bands, expected_batch_size, dataset_size)
         self.plan = PrivacyPlan(
             dataset_size,
             self.expected_batch_size,
@@ -98,8 +103,9 @@ class PrivacyRun:
             accountant=self.accountant,
             target_epsilon=self.target_epsilon,
             noise_multiplier=config.noise_multiplier,
-            stages=stages_for(method.stages(), config),
+            stages=stages,
         )
+        self.band_mf = self._band_mf(args)  # None for independent noise (DP-SGD)
         self.stage = self.plan.stage_at(0)
         self.ledger = PrivacyLedger(dataset_size, self.delta, self.accountant)
         # what the guarantee is about, in the report, the ledger and the card
@@ -208,6 +214,12 @@ class PrivacyRun:
         self.add_instrument(clip)
         return clip
 
+    def _band_mf(self, args: Any) -> BandMF | None:
+        """BandMF's strategy, noise state and partitions when the config asks for it (`run.band_mf`)."""
+        if self._config.noise_mechanism != BAND_MF_MECHANISM:
+            return None
+        return BandMF(self._config.bands, self.plan, args, self.sampling_random("band partitions"))
+
     def _set_clip_norm(self, clip: float) -> None:
         """The adapted C for the next step: the engine's clip, the optimizer's noise scale, and every later engine."""
         self.max_grad_norm = clip
@@ -233,6 +245,8 @@ class PrivacyRun:
             on_step=lambda: self.record_release(self.mechanism_name),
         )
         self.method.attach_optimizer(self.optimizer)
+        if self.band_mf is not None:
+            self.band_mf.attach_optimizer(self.optimizer)
         for instrument in self._instruments:
             instrument.attach_optimizer(self.optimizer)
         return self.optimizer
@@ -314,6 +328,8 @@ class PrivacyRun:
             self.kept_examples = None  # mapped from the cap onto this training set's rows (kept_by_users)
         self.ledger = load_ledger(checkpoint, self.dataset_size, self.delta, self.accountant)
         self.ledger.subject = dict(self.subject)
+        if self.band_mf is not None:
+            self.band_mf.load(checkpoint)  # the same noise sequence and partitions; refused with another b
         if self.adaptive_clip is not None and self.ledger.clip_norm:
             self.adaptive_clip.load_state_dict(self.ledger.clip_norm)  # continue from the adapted C
         self._warn_if_config_changed(checkpoint)
@@ -510,6 +526,8 @@ class PrivacyRun:
         )
         if self.adaptive_clip is not None:
             report["adaptive_clipping"] = self.adaptive_clip.report()
+        if self.band_mf is not None:
+            report["band_mf"] = self.band_mf.report()
         return report
 
     def attach_audit(self, result: AuditResult) -> None:
@@ -561,6 +579,8 @@ class PrivacyRun:
         if self.adaptive_clip is not None:
             self.ledger.clip_norm = self.adaptive_clip.state_dict()
         save_privacy_record(output_dir, self.ledger, self._config, self.method.state_dict())
+        if self.band_mf is not None:
+            self.band_mf.save(output_dir)
         if self._user_cap is not None:
             save_user_cap(output_dir, self._user_cap, self._config)
 

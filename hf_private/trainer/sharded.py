@@ -80,6 +80,7 @@ def check_sharding(
         f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
         "user-level privacy units": dp_config.privacy_unit == "user",
         "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
+        "BandMF (noise_mechanism='band-mf')": dp_config.noise_mechanism == "band-mf",  # its history is unsharded
         f"{trainer_class.__name__} (TRL's SFT/DPO trainers)": _is_trl(trainer_class),
         "mixed precision (bf16/fp16)": bool(args.bf16 or args.fp16 or plugin.mixed_precision_policy is not None),
         "activation checkpointing": bool(args.gradient_checkpointing or plugin.activation_checkpointing),
