@@ -15,10 +15,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Sampler
 
 from ..audit import AuditResult
 from ..clip_norm import ClipNormCheck
 from ..data.sampling import sampling_random
+from ..data.units import PrivacyUnits
 from ..data.user_cap import UserExamples
 from ..data.users import UserIndex, cap_examples, sampled_unit, stages_for, user_level_facts
 from ..engine import PerExampleGradientEngine, trainable_parameters
@@ -250,6 +252,25 @@ class PrivacyRun:
         for instrument in self._instruments:
             instrument.attach_optimizer(self.optimizer)
         return self.optimizer
+
+    def training_sampler(
+        self,
+        units: PrivacyUnits,
+        view: Any,
+        num_chunks: int,
+        lengths: torch.Tensor | None,
+        share: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Sampler[list[int]]:
+        """The training batches from `view` (the unit's): Poisson at q, or under BandMF partition t mod b at q̂, t the
+        ledger's training steps when the batch is drawn (its partitions drawn once and `share`d from the main
+        process)."""
+        random = self.sampling_random("training sampling")
+        if self.band_mf is None:
+            return units.poisson_sampler(view, self.sample_rate, self.steps_per_epoch, num_chunks, random, lengths)
+        rank, world_size = units.args.process_index, units.args.world_size
+        return self.band_mf.sampler(
+            len(view), self.steps_per_epoch, num_chunks, random, lengths, self.training_steps, share, rank, world_size
+        )
 
     def prepare_noise(self) -> None:
         """Once the logical batch's trainable set and σ are known: draw its noise while forward and backward run."""

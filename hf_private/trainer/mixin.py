@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput
 
 from ..data import chunks
@@ -170,25 +170,9 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         """A plain DataLoader with a Poisson batch sampler (not passed through Accelerate: it would re-shard)."""
         dataset, collate = self.training_data()
         lengths = self.units.chunk_lengths(self.train_dataset, self.processing_class, dataset, collate)
-        random = self.privacy_run.sampling_random("training sampling")
-        band_mf = self.privacy_run.band_mf
-        sampler: Sampler[list[int]]
-        if band_mf is not None:  # b-min-sep: step t samples partition t mod b at q̂ (example units only)
-            sampler = band_mf.sampler(
-                len(dataset),
-                self.steps_per_epoch,
-                self.args.gradient_accumulation_steps,
-                random,
-                lengths,
-                step=self.privacy_run.training_steps,
-                share=self._from_main_process,
-                rank=self.args.process_index,
-                world_size=self.args.world_size,
-            )
-        else:
-            sampler = self.units.poisson_sampler(
-                dataset, self.sample_rate, self.steps_per_epoch, self.args.gradient_accumulation_steps, random, lengths
-            )
+        sampler = self.privacy_run.training_sampler(
+            self.units, dataset, self.args.gradient_accumulation_steps, lengths, self._from_main_process
+        )
         return DataLoader(
             dataset,
             batch_sampler=sampler,
