@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..evaluation.held_out import card_evaluation
 from ..models.peft import unwrap_peft
@@ -52,6 +53,8 @@ class RunFacts:
     evaluations: Evaluations
     reloaded_best: dict[str, Any] | None  # `reloaded_checkpoint` of the best checkpoint put back, if any
     global_step: int
+    processes: int = 1  # how many processes trained it
+    sharded: bool = False  # whether FSDP2 sharded its weights over them
 
 
 def write_card(
@@ -68,6 +71,7 @@ def write_card(
     report = facts.report
     fmt = facts.adapter_format
     base = unwrap_peft(facts.model)
+    model_class = _model_class(base)
     base_model = finetuned_from or base_model_name(base)
     hub_id = facts.hub_id
     title = model_name or (hub_id.split("/")[-1] if hub_id else None)  # None: the base model and the method
@@ -83,6 +87,10 @@ def write_card(
         "optimizer": facts.optimizer,
         "trainable parameters": f"{100 * report['trainable_fraction']:.3f}% of the model",
     }
+    if facts.sharded:
+        training["sharded"] = f"FSDP2 (`fully_shard`): weights and optimizer state over {facts.processes} processes"
+    elif facts.processes > 1:
+        training["processes"] = f"{facts.processes} (data parallel)"
     training.update(_method_lines(report.get("method_details", {})))
     if "adaptive_clipping" in report:
         training["clip norm C"] = clip_line(report["adaptive_clipping"])
@@ -103,7 +111,9 @@ def write_card(
         training=training,
         eval_results=held_out,
         eval_notes=eval_notes,
-        load_snippet=load_snippet(fmt, type(base).__name__, base_model, hub_id, _num_labels(base), _model_module(base)),
+        load_snippet=load_snippet(
+            fmt, model_class.__name__, base_model, hub_id, _num_labels(base, model_class), _model_module(model_class)
+        ),
         library_name="peft" if fmt == "peft" else "transformers",
         tags=tags,
         citations=facts.citations,
@@ -116,8 +126,8 @@ def write_card(
         ),
         needs_hf_private=fmt == "private_adapter",
         license=license,
-        model_class=type(base).__name__,
-        task_type=_task_type(base),
+        model_class=model_class.__name__,
+        task_type=_task_type(model_class),
         eval_dataset_name=f"{dataset} (held-out evaluation data)" if dataset else "held-out evaluation data",
         eval_dataset_type=dataset_tags[0] if dataset_tags else "held-out",
         best_checkpoint=best,
@@ -188,26 +198,31 @@ def _drop_stale_evaluations(facts: RunFacts, step: int, held_out: dict[str, floa
     ]
 
 
-def _task_type(model: nn.Module) -> str | None:
+def _model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps it for a subclass named FSDP<class>, which nothing loads."""
+    return next(klass for klass in type(model).__mro__ if not issubclass(klass, FSDPModule))
+
+
+def _task_type(model_class: type) -> str | None:
     """The Hub task of the model's head (as transformers' own cards infer it), for the card's model-index."""
     from transformers.modelcard import TASK_MAPPING, _get_mapping_values
     from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
 
-    name = type(model).__name__
+    name = model_class.__name__
     tasks = {**TASK_MAPPING, "multiple-choice": MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES}
     return next((task for task, mapping in tasks.items() if name in _get_mapping_values(mapping)), None)
 
 
-def _model_module(model: nn.Module) -> str:
+def _model_module(model_class: type) -> str:
     """Where the card's snippet imports the model's class from: transformers or hf_private (its own heads) for
     their classes, else the class's own module."""
-    module = type(model).__module__
+    module = model_class.__module__
     root = module.split(".")[0]
     return root if root in ("transformers", "hf_private") else module
 
 
-def _num_labels(model: nn.Module) -> int | None:
+def _num_labels(model: nn.Module, model_class: type) -> int | None:
     """Needed to rebuild a new classification head's shape on the base model; None for other heads."""
-    if type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification")):
+    if model_class.__name__.endswith(("ForSequenceClassification", "ForTokenClassification")):
         return getattr(getattr(model, "config", None), "num_labels", None)
     return None

@@ -25,6 +25,7 @@ from ..release.adapters import adapter_format, has_private_adapter, load_adapter
 from ..release.artifacts import copy_pushable, has_trainer_weights, pushable_files, withheld_files
 from ..release.card_facts import RunFacts, optimizer_name, reloaded_checkpoint, write_card
 from ..release.checkpoints import save_private_checkpoint
+from . import sharded
 
 if TYPE_CHECKING:  # type checkers read the hooks as the Trainer methods they override
     from transformers import Trainer as _Trainer
@@ -87,6 +88,7 @@ class ReleaseHooks(_Trainer):
     # Trainer leaves these two unannotated, set to None in __init__: type checkers infer `None` from that.
     hub_model_id: str | None  # type: ignore[assignment]  # the repository's id once init_hf_repo has run
     push_in_progress: PushInProgress | None  # type: ignore[assignment]  # the checkpoint pushes under way
+    fsdp2_sharded: bool  # the mixin's: FSDP2 shards the model (hf_private.trainer.sharded)
 
     @property
     def _output_dir(self) -> str:
@@ -108,7 +110,12 @@ class ReleaseHooks(_Trainer):
         return AllowListedUpload()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        if self.fsdp2_sharded:  # full weights whatever the plugin's state_dict_type; Trainer asks Accelerate's state
+            self._save(output_dir, state_dict=sharded.full_state_dict(self.model))  # gathered on every process
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        else:
+            super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self._output_dir
         if self.args.should_save:
             self.privacy_run.save(output_dir)
@@ -268,6 +275,8 @@ class ReleaseHooks(_Trainer):
                 evaluations=self._evaluations.results,
                 reloaded_best=getattr(self, "_reloaded_best", None),
                 global_step=self.state.global_step,
+                processes=self.args.world_size,
+                sharded=self.fsdp2_sharded,
             ),
             **publication,
         )

@@ -12,10 +12,13 @@ Asked for as users ask Accelerate for it: `accelerate launch --use_fsdp --fsdp_v
   trains is what Accelerate would have built.
 * On the CPU, Accelerate keeps a multi-process run (gloo) MULTI_CPU and drops the FSDP plugin (it shards only on
   accelerator devices), then would wrap the model in DDP. There the trainer hands Accelerate's state the plugin the
-  arguments asked for and marks the run FSDP, so every step after it (the wrapping, `no_sync`, Trainer's FSDP branches
-  of `save_model`, the full state dict it gathers with `get_model_state_dict(full_state_dict=True, cpu_offload=True)`)
-  is the code path Accelerate runs on GPUs. That is what the two-process CPU tests exercise, and a way to try a sharded
-  script without a GPU (`torchrun --nproc-per-node 2 script.py` with `use_cpu=True`).
+  arguments asked for and marks it FSDP before Trainer's `accelerator.prepare`, which so finds an `FSDPModule` and
+  leaves it as it is. That mark does not last: Accelerate's state is rebuilt from its process state (still
+  MULTI_CPU) whenever one of its objects is made again, the optimizer wrapper `prepare` makes included, so from then on
+  `accelerator.is_fsdp2` is False and Accelerate runs its CPU branches, not the GPU code path. What a sharded run needs
+  after `prepare` therefore does not ask Accelerate: the step forces the reduce-scatter itself (`sync_gradients`) and
+  `save_model` gathers the full weights itself (`full_state_dict`). That is what the two-process CPU tests exercise,
+  and a way to try a sharded script without a GPU (`torchrun --nproc-per-node 2 script.py` with `use_cpu=True`).
 
 The privacy path under sharding is the optimizer's (`NoisyOptimizer`: clipped sums reduce-scattered to the shards,
 noise once per coordinate on its owner) and the engine's (its check against autograd on the reduced shards).
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from ..data.chunks import PhysicalChunk
@@ -77,6 +81,7 @@ def check_sharding(
     check_sharded_mesh(args)
     refused = {
         "PEFT/LoRA models": _is_peft(model),
+        "partly frozen models (saved as a private adapter)": not all(p.requires_grad for p in model.parameters()),
         f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
         "user-level privacy units": dp_config.privacy_unit == "user",
         "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
@@ -145,6 +150,12 @@ def sync_gradients(model: nn.Module) -> None:
     until the last micro-batch (the memory sharding saves), and the engine's check reads the reduced shards."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(True)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The whole model's weights gathered from the shards, as `save_pretrained` writes them: a collective (every
+    process calls it); full tensors on the CPU of the main process, an empty dict on the others."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def padding_chunks(chunks: list[PhysicalChunk], device: torch.device) -> int:

@@ -102,6 +102,7 @@ def run(case: str, out: Path, world_size: int, replace: int | None = None) -> No
                 "global_step": trainer.state.global_step,
                 "samples": samples,
                 "card": card.read_text() if card.exists() else "",
+                "accelerate_fsdp2_at_save": trainer.accelerator.is_fsdp2,
             },
             out / "result.pt",
         )
