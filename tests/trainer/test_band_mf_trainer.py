@@ -70,7 +70,9 @@ def test_four_bands_train_and_the_card_epsilon_is_dp_accountings(tmp_path):
     assert report["epsilon"] == pytest.approx(independent, rel=0.02)
     assert report["epsilon"] <= 4.0
     # the card lists the release in the form anyone recomputes
-    card = yaml.safe_load((tmp_path / "checkpoint-6" / "README.md").read_text().split("---")[1])["privacy"]
+    card_text = (tmp_path / "checkpoint-6" / "README.md").read_text()
+    assert "BandMF's correlated noise" in card_text and "the previous 3 steps' secret draws" in card_text
+    card = yaml.safe_load(card_text.split("---")[1])["privacy"]
     (released,) = card["mechanisms"]
     assert (released["sample_rate"], released["noise_multiplier"], released["steps"]) == (q_hat, sigma, 2)
     assert (released["name"], released["bands"], released["accounted_as"]) == ("band-mf", 4, "poisson_gaussian")
