@@ -105,7 +105,6 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
         self.fsdp2_sharded = plugin is not None  # sharded before the engine is built on the parameters (.sharded)
         if plugin is not None:
             sharded.shard_for_training(self, plugin)
-        self._padding: dict | None = None  # a sharded run's filler chunk, collated once (`_padding_step`)
         self.trainer_family = checked.family  # the unit, its rows and loss (hf_private.integrations)
         self.train_dataset = checked.family.training_set(self.train_dataset, self.args)
         # the privacy unit, chosen once; its users read again if the trainer prepared a new dataset (TRL tokenizes)
@@ -247,24 +246,8 @@ class PrivateTrainingMixin(RunAttributes, EvaluationHooks, ReleaseHooks):
             if len(chunk.units) >= 2 and self.privacy_run.needs_independence_probe and not self.fsdp2_sharded:
                 self._probe_example_independence(model, chunk, engine)
         if self.fsdp2_sharded:
-            for _ in range(padding):
-                self._padding_step(model, engine)
-            if self.privacy_run.needs_independence_probe:  # the probe chunk alone: the same forwards on every process
-                self._probe_example_independence(model, None, engine)
+            sharded.join_the_other_chunks(self, model, engine, padding)
         return total
-
-    def _padding_step(self, model: nn.Module, engine: PerExampleGradientEngine) -> None:
-        """One chunk of public filler (`sharded.padding_inputs`) whose loss counts zero, recorded as one unit: it adds
-        exactly zero to the clipped sums, and lets this process join the collectives of a chunk it does not have."""
-        if self._padding is None:
-            dataset, collate = self.training_data()
-            self._padding = sharded.padding_inputs(collate([dataset[0]]))
-        rows = self.trainer_family.rows_per_unit(model, self._padding)
-        model.train()
-        with engine.recording(1, rows):
-            loss = self._training_loss(model, self._prepare_inputs(self._padding)) * 0.0
-            self.accelerator.backward(loss)
-        engine.finish_backward()
 
     def _chunk_step(self, model: nn.Module, inputs: dict) -> torch.Tensor:
         """One physical chunk's forward and backward as `Trainer.training_step` runs them (context parallelism's

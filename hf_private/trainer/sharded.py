@@ -168,6 +168,24 @@ def padding_chunks(chunks: list[PhysicalChunk], device: torch.device) -> int:
     return int(count.item()) - len(chunks)
 
 
+def join_the_other_chunks(trainer: Any, model: nn.Module, engine: Any, padding: int) -> None:
+    """After this process's own chunks: `padding` chunks of public filler (`padding_inputs`), each recorded as one
+    unit whose loss counts zero, so that this process joins the collectives of the chunks other processes still run
+    and adds exactly zero to the clipped sums; then the independence probe where it is due, on the probe chunk alone
+    (the same forwards on every process)."""
+    if padding:
+        dataset, collate = trainer.training_data()
+        inputs = padding_inputs(collate([dataset[0]]))
+        rows = trainer.trainer_family.rows_per_unit(model, inputs)
+    for _ in range(padding):
+        model.train()
+        with engine.recording(1, rows):
+            trainer.accelerator.backward(trainer._training_loss(model, trainer._prepare_inputs(inputs)) * 0.0)
+        engine.finish_backward()
+    if trainer.privacy_run.needs_independence_probe:
+        trainer._probe_example_independence(model, None, engine)
+
+
 def padding_inputs(collated: dict[str, Any]) -> dict[str, Any]:
     """One row of public filler shaped like a collated row (token ids and labels 0, attention mask 1): the forward
     and backward a padding chunk runs, whose loss is multiplied by zero. Nothing of any example is in it."""
