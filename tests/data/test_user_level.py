@@ -18,7 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from huggingface_hub import ModelCard
-from transformers import DataCollatorWithPadding, TrainerCallback
+from transformers import DataCollatorWithPadding
 
 import hf_private.data.chunks
 import hf_private.data.units
@@ -30,7 +30,7 @@ from hf_private.data.user_cap import UserExamples
 from hf_private.data.users import UserIndex, UserPoissonSampler
 from hf_private.privacy.rng import SecretRandom
 from tests.support import tiny
-from tests.support.helpers import TRL_TEST_ARGS, make_trainer
+from tests.support.helpers import TRL_TEST_ARGS, KillAtStep, make_trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -474,15 +474,6 @@ def test_privatized_trl_trainers_train_at_user_level(kind, tmp_path):
 
 
 # ---------------------------------------------------------------------- resume and the budget at user level
-class _Kill(TrainerCallback):
-    """Interrupts training at a step, as a crash or Ctrl-C would."""
-
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at_step:
-            raise KeyboardInterrupt
 
 
 def test_kill_and_resume_continue_the_user_level_ledger_and_the_budget_holds(tmp_path):
@@ -493,7 +484,7 @@ def test_kill_and_resume_continue_the_user_level_ledger_and_the_budget_holds(tmp
     full.train()
 
     interrupted = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
-    interrupted.add_callback(_Kill(at_step=6))
+    interrupted.add_callback(KillAtStep(at_step=6))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     resumed = user_trainer(tmp_path / "run", data, users, **settings, save_strategy="steps", save_steps=4)
@@ -583,7 +574,7 @@ def test_an_els_resume_keeps_the_examples_each_user_kept(tmp_path):
         dp=els_config(target_epsilon=4.0, noise_multiplier=None), max_steps=6, per_device_train_batch_size=6
     )
     interrupted = user_trainer(tmp_path, data, users, **settings, save_strategy="steps", save_steps=3)
-    interrupted.add_callback(_Kill(at_step=4))
+    interrupted.add_callback(KillAtStep(at_step=4))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     kept = interrupted.privacy_run.kept_examples.copy()
@@ -610,7 +601,7 @@ def interrupted_els_run(tmp_path) -> dict:
         save_steps=1,
     )
     interrupted = user_trainer(tmp_path, OWNER_DATA, OWNER_USERS, **settings)
-    interrupted.add_callback(_Kill(at_step=2))
+    interrupted.add_callback(KillAtStep(at_step=2))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     settings["kept"] = examples_of(interrupted)

@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import TrainerCallback
 
 from hf_private import DPConfig
 from hf_private.engine.reducers import FlatL2ClipReducer
@@ -23,7 +22,7 @@ from hf_private.privacy.adaptive_clip import (
 )
 from hf_private.run.adaptive_clip import CountingClipReducer
 from tests.support import tiny
-from tests.support.helpers import make_trainer
+from tests.support.helpers import KillAtStep, make_trainer
 
 
 def adaptive(**overrides) -> DPConfig:
@@ -196,13 +195,6 @@ def test_the_released_sum_moves_by_at_most_the_adapted_c(tmp_path):
 
 
 # ---------------------------------------------------------------------- (5) resume
-class _Kill(TrainerCallback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at_step:
-            raise KeyboardInterrupt
 
 
 def test_resume_continues_from_the_adapted_c(tmp_path):
@@ -213,7 +205,7 @@ def test_resume_continues_from_the_adapted_c(tmp_path):
     full_clips = [entry["max_grad_norm"] for entry in full.state.log_history if "loss" in entry]
 
     interrupted = make_trainer(tmp_path / "run", save_strategy="steps", save_steps=3, **args)
-    interrupted.add_callback(_Kill(at_step=4))
+    interrupted.add_callback(KillAtStep(at_step=4))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     saved = PrivacyLedger.load(tmp_path / "run" / "checkpoint-3" / "privacy_ledger.json")

@@ -15,7 +15,7 @@ from hf_private import BitFitConfig, DPConfig, PrivateTrainer, load_private_adap
 from hf_private.methods import MethodConfig
 from hf_private.release.adapters import ADAPTER_WEIGHTS_NAME
 from tests.support import tiny
-from tests.support.helpers import eval_logits, make_trainer, training_args
+from tests.support.helpers import KillAtStep, eval_logits, make_trainer, training_args
 
 
 def _frozen_embeddings_bert():
@@ -142,12 +142,6 @@ def test_missing_adapters_get_clear_errors(tmp_path):
         load_private_adapter(_lora_roberta(), tmp_path)
 
 
-class _Kill(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 3:
-            raise KeyboardInterrupt("simulated kill")
-
-
 class _BiasAtStart(TrainerCallback):
     def __init__(self):
         self.value = None
@@ -160,7 +154,7 @@ def test_adapter_checkpoints_resume_and_load_the_best(tmp_path):
     dp = BitFitConfig(noise_multiplier=1.0)
     args = dict(max_steps=4, save_strategy="steps", save_steps=2)
     run = make_trainer(tmp_path, model=tiny.roberta(), dp=dp, **args)
-    run.add_callback(_Kill())
+    run.add_callback(KillAtStep(at_step=3))
     with pytest.raises(KeyboardInterrupt):
         run.train()
     checkpoint = tmp_path / "checkpoint-2"

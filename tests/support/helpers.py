@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainerCallback, TrainingArguments
 
 from hf_private import DPConfig, PrivateTrainer
 from tests.support import tiny
@@ -42,6 +42,17 @@ TRL_TEST_ARGS = dict(
     gradient_checkpointing=False,
     max_length=32,
 )
+
+
+class KillAtStep(TrainerCallback):
+    """Interrupts training at the end of a step, as a crash or Ctrl-C would."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step:
+            raise KeyboardInterrupt("simulated kill")
 
 
 def make_trainer(output_dir, model=None, dataset=None, dp=None, **arg_overrides) -> PrivateTrainer:

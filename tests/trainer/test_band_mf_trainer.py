@@ -11,7 +11,6 @@ import torch
 import yaml
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
-from transformers import TrainerCallback
 
 from hf_private import DPConfig
 from hf_private.cli.audit import run_audit
@@ -21,22 +20,13 @@ from hf_private.methods.frost import FrostConfig
 from hf_private.release.artifacts import BAND_MF_STATE_NAME, PUSHABLE_NAMES
 from hf_private.trainer import sharded
 from tests.support import tiny
-from tests.support.helpers import make_trainer
+from tests.support.helpers import KillAtStep, make_trainer
 
 DATA = dict(dataset=tiny.sentiment_dataset(64), per_device_train_batch_size=8)  # B = 8 of N = 64: q = 1/8
 
 
 def band_mf(bands: int = 4, **overrides) -> DPConfig:
     return DPConfig(**{"target_epsilon": 4.0, "noise_mechanism": "band-mf", "bands": bands, **overrides})
-
-
-class _Kill(TrainerCallback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at_step:
-            raise KeyboardInterrupt
 
 
 def test_one_band_is_dp_sgd_bit_for_bit(tmp_path):
@@ -99,7 +89,7 @@ def test_resume_continues_the_noise_history_and_the_partitions(tmp_path):
     dp = band_mf(3, noise_seed=0)
     args = dict(max_steps=6, save_strategy="steps", save_steps=3, **DATA)
     interrupted = make_trainer(tmp_path, dp=dp, **args)
-    interrupted.add_callback(_Kill(at_step=4))
+    interrupted.add_callback(KillAtStep(at_step=4))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     saved = torch.load(tmp_path / "checkpoint-3" / BAND_MF_STATE_NAME, weights_only=True)

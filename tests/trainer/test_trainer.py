@@ -12,14 +12,14 @@ import torch
 import yaml
 from huggingface_hub import ModelCard
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, TrainerCallback
+from transformers import DataCollatorForLanguageModeling
 
 from hf_private import BudgetError, DPConfig, PrivateTrainer, UnsupportedLayerError
 from hf_private.engine.layers import module_vjp
 from hf_private.privacy import MechanismGroup, compute_epsilon
 from hf_private.release.artifacts import LEDGER_NAME
 from tests.support import tiny
-from tests.support.helpers import make_trainer, snapshot, training_args
+from tests.support.helpers import KillAtStep, make_trainer, snapshot, training_args
 
 
 def _logged(trainer, key):
@@ -149,7 +149,7 @@ def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_pat
     first = make_trainer(
         tmp_path, dp=DPConfig(target_epsilon=8.0, max_grad_norm=1.0), max_steps=8, save_strategy="steps", save_steps=4
     )
-    first.add_callback(_Kill(at_step=5))
+    first.add_callback(KillAtStep(at_step=5))
     with pytest.raises(KeyboardInterrupt):
         first.train()
     resumed = make_trainer(tmp_path, dp=DPConfig(target_epsilon=20.0, max_grad_norm=5.0), max_steps=8)
@@ -161,7 +161,7 @@ def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_pat
     longer = make_trainer(
         tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=8, save_strategy="steps", save_steps=4
     )
-    longer.add_callback(_Kill(at_step=5))
+    longer.add_callback(KillAtStep(at_step=5))
     with pytest.raises(KeyboardInterrupt):
         longer.train()
     more = make_trainer(tmp_path / "longer", dp=DPConfig(target_epsilon=8.0), max_steps=16)
@@ -171,22 +171,13 @@ def test_a_resume_with_another_dp_config_or_more_steps_says_what_changed(tmp_pat
     assert more.ledger.epsilon() <= 8.0 and more.ledger.total_steps < 16
 
 
-class _Kill(TrainerCallback):
-    def __init__(self, at_step):
-        self.at_step = at_step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at_step:
-            raise KeyboardInterrupt("simulated kill")
-
-
 def test_kill_and_resume_continues_the_ledger(tmp_path):
     dp = DPConfig(target_epsilon=4.0)
     full = make_trainer(tmp_path / "full", dp=dp, max_steps=8)
     full.train()
 
     interrupted = make_trainer(tmp_path / "run", dp=dp, max_steps=8, save_strategy="steps", save_steps=4)
-    interrupted.add_callback(_Kill(at_step=6))
+    interrupted.add_callback(KillAtStep(at_step=6))
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     with open(tmp_path / "run" / "checkpoint-4" / LEDGER_NAME) as f:
