@@ -7,11 +7,13 @@ Each rank writes `DIR/rank{R}.pt`: the trainable parameters before and after, th
 often it wrote the card and the model. The same function runs in one process for the reference run.
 
 Methods: full, lora, bitfit, frost, rgp (and rgp-entropy), users and users-els (DP-SGD at user level, ULS and ELS),
-frost-users (DP-FROST under ULS).
+frost-users (DP-FROST under ULS), adaptive (DP-SGD with max_grad_norm="adaptive").
 
 Cases:
   update  noise switched off (monkeypatched, test only): the update must equal the one-process update
   noise   a zero loss, so the applied update is the noise alone: its variance must be σ²C²/(qN)²
+  count   every noise on under the test seed: each step's unclipped count (this rank's share, exact) and the noisy
+          fraction the run released, and the C it moved to (adaptive clipping's count must be noised once)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from hf_private import (  # noqa: E402
 from hf_private.privacy import PrivacyLedger  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from hf_private.release import card_facts, checkpoints  # noqa: E402
+from hf_private.run.adaptive_clip import AdaptiveClip, CountingClipReducer  # noqa: E402
 from hf_private.run.method_view import MethodView  # noqa: E402
 from recipes.process_group import leave_process_group  # noqa: E402
 from tests.support import tiny  # noqa: E402
@@ -48,7 +51,8 @@ USERS = 20  # at user level (USER_LEVEL methods): 20 users of 2 to 4 examples
 KEPT = 53  # ELS ("users-els"): the examples left when each of them keeps at most 3
 NOISE_MULTIPLIER, CLIP = 1.0, 1.0
 LOGICAL_BATCH, GRAD_ACCUM = 16, 2
-LEARNING_RATE = {"update": 0.05, "noise": 1.0}
+LEARNING_RATE = {"update": 0.05, "noise": 1.0, "count": 0.05}
+STEPS = {"update": 3, "noise": 1, "count": 6}
 
 
 def build(method: str):
@@ -74,6 +78,8 @@ def build(method: str):
         return model, partial(
             DPConfig, privacy_unit="user", user_column="user_id", user_sampling="example", max_examples_per_user=3
         )
+    if method == "adaptive":  # C starts at the tiny model's typical norm, so the count moves it both ways
+        return model, partial(DPConfig, initial_max_grad_norm=CLIP)
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
@@ -82,13 +88,15 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     model.double()  # the comparison with one process is at 1e-6: keep summation-order error far below it
     # rgp-entropy: no test seed, so the carriers' seed comes from OS entropy on rank 0 and must be broadcast
     dp = config_class(
-        noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=None if method == "rgp-entropy" else 11
+        noise_multiplier=NOISE_MULTIPLIER,
+        max_grad_norm="adaptive" if method == "adaptive" else CLIP,
+        noise_seed=None if method == "rgp-entropy" else 11,
     )
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
         gradient_accumulation_steps=GRAD_ACCUM,
-        max_steps=3 if case == "update" else 1,
+        max_steps=STEPS[case],
         optim="sgd",
         learning_rate=LEARNING_RATE[case],
         lr_scheduler_type="constant",
@@ -104,6 +112,7 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
     calls = {"card": 0, "ledger": 0, "model": 0}
     _count_calls(calls, model)
     releases = _record_releases()
+    counts = _record_counts()
     if case == "update":
         GaussianNoise.add_ = lambda self, tensors, std: None  # test only: compare the deterministic part
     per_example_loss = _zero_loss if case == "noise" else None
@@ -132,6 +141,7 @@ def run(method: str, case: str, out: Path, world_size: int) -> None:
             "wrapped": type(trainer.model_wrapped).__name__,
             "global_step": trainer.state.global_step,
             "releases": releases,
+            "counts": counts,
         },
         out / f"rank{trainer.args.process_index}.pt",
     )
@@ -147,6 +157,25 @@ def _record_releases() -> list[torch.Tensor]:
 
     MethodView.release = recorded
     return releases
+
+
+def _record_counts() -> dict[str, list[float]]:
+    """Adaptive clipping's steps: this rank's exact Σ(b_i − ½), the noisy unclipped fraction released, the new C."""
+    counts: dict[str, list[float]] = {"exact": [], "released": [], "clip": []}
+    pop, update = CountingClipReducer.pop_centred_count, AdaptiveClip.update
+
+    def recorded_pop(self, device):
+        count = pop(self, device)
+        counts["exact"].append(float(count.item()))
+        return count
+
+    def recorded_update(self, fraction):
+        counts["released"].append(fraction)
+        counts["clip"].append(update(self, fraction))
+        return counts["clip"][-1]
+
+    CountingClipReducer.pop_centred_count, AdaptiveClip.update = recorded_pop, recorded_update
+    return counts
 
 
 def _trainable(trainer: PrivateTrainer) -> dict[str, torch.Tensor]:
@@ -191,7 +220,18 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--method",
-        choices=["full", "lora", "bitfit", "frost", "rgp", "rgp-entropy", "users", "users-els", "frost-users"],
+        choices=[
+            "full",
+            "lora",
+            "bitfit",
+            "frost",
+            "rgp",
+            "rgp-entropy",
+            "users",
+            "users-els",
+            "frost-users",
+            "adaptive",
+        ],
         required=True,
     )
     parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)

@@ -131,3 +131,29 @@ def test_noise_is_added_exactly_once(method, tmp_path):
     expected = (worker.NOISE_MULTIPLIER * worker.CLIP) ** 2
     ratio = noise.pow(2).mean().item() / expected
     assert abs(ratio - 1) <= 5 * math.sqrt(2 / noise.numel()), (ratio, noise.numel())
+
+
+def test_adaptive_clipping_count_is_released_once(tmp_path):
+    """Adaptive clipping under a test seed: each rank counts its shard of the batch, the count is summed and noised
+    once, so both ranks release the same noisy count and move C alike, and the whole C trajectory is the one-process
+    run's (noise drawn on every rank would add it twice; a count left unsummed would see half the batch)."""
+    rank0, rank1 = _launch("adaptive", "count", tmp_path / "2proc")
+    patched = worker.CountingClipReducer.pop_centred_count, worker.AdaptiveClip.update, worker.MethodView.release
+    try:
+        worker.run("adaptive", "count", tmp_path / "1proc", world_size=1)
+    finally:
+        worker.CountingClipReducer.pop_centred_count, worker.AdaptiveClip.update, worker.MethodView.release = patched
+    single = torch.load(tmp_path / "1proc" / "rank0.pt", weights_only=False)["counts"]
+    steps = worker.STEPS["count"]
+    assert rank0["wrapped"] == "DistributedDataParallel" and rank0["global_step"] == steps
+    assert len(single["clip"]) == len(rank0["counts"]["clip"]) == steps
+    mine, theirs = rank0["counts"], rank1["counts"]
+    assert mine["released"] == theirs["released"] and mine["clip"] == theirs["clip"]
+    # the ranks' exact shares add up to the one-process count, and the released fraction is that count plus noise
+    exact = [a + b for a, b in zip(mine["exact"], theirs["exact"])]
+    assert exact == pytest.approx(single["exact"], abs=1e-9)
+    assert len(set(single["clip"])) == steps  # C moved every step
+    noiseless = [count / worker.LOGICAL_BATCH + 0.5 for count in exact]
+    assert all(abs(r - f) > 1e-6 for r, f in zip(mine["released"], noiseless)), "the count was released unnoised"
+    assert mine["released"] == pytest.approx(single["released"], abs=1e-6)
+    assert mine["clip"] == pytest.approx(single["clip"], rel=1e-6)
