@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .banded_inverse import sensitivity as banded_inverse_sensitivity
+
 POISSON_GAUSSIAN = "poisson_gaussian"
 NO_GUARANTEE = "no_guarantee"
 ELS_POISSON_GAUSSIAN = "els_poisson_gaussian"
@@ -37,9 +39,15 @@ ELS_POISSON_GAUSSIAN = "els_poisson_gaussian"
 # q̂ per partition; by Theorem 4 of arXiv 2306.08153 exactly as private as ⌈steps/b⌉ Poisson-subsampled Gaussian
 # releases (q̂, σ) (`merged_releases`). Each step still draws fresh noise (the sampler tail counts every step).
 BAND_MF = "band_mf"
-EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE, ELS_POISSON_GAUSSIAN, BAND_MF)
+# Banded-inverse MF (`band_inv_mf`, `banded_inverse`): `steps` steps of noise w_t = Σ_{j<b} d_j z_{t−j}, each example in
+# one of b partitions (steps p, p + b, …), no amplification: one Gaussian mechanism C x + z, noise multiplier
+# σ / sensitivity(b, steps), sampled at rate 1 (dp_accounting's GaussianDpEvent). Each step draws fresh noise.
+BAND_INV_MF = "band_inv_mf"
+EVENT_KINDS = (POISSON_GAUSSIAN, NO_GUARANTEE, ELS_POISSON_GAUSSIAN, BAND_MF, BAND_INV_MF)
 # The event types whose release is noised by σ (a Gaussian mechanism): finite ε when σ > 0.
-GAUSSIAN_KINDS = (POISSON_GAUSSIAN, ELS_POISSON_GAUSSIAN, BAND_MF)
+GAUSSIAN_KINDS = (POISSON_GAUSSIAN, ELS_POISSON_GAUSSIAN, BAND_MF, BAND_INV_MF)
+# The event types that carry `bands`.
+BANDED_KINDS = (BAND_MF, BAND_INV_MF)
 
 
 @dataclass
@@ -77,8 +85,8 @@ class MechanismGroup:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("A mechanism needs a name (e.g. 'dp-sgd').")
-        if (self.mechanism == BAND_MF) != (self.bands is not None):
-            raise ValueError(f"A BandMF event, and only one, carries bands ({self.name!r}: {self.mechanism}).")
+        if (self.mechanism in BANDED_KINDS) != (self.bands is not None):
+            raise ValueError(f"A banded event, and only one, carries bands ({self.name!r}: {self.mechanism}).")
         if self.bands is not None and (isinstance(self.bands, bool) or int(self.bands) != self.bands or self.bands < 1):
             raise ValueError(f"bands of {self.name!r} must be a positive integer, got {self.bands!r}.")
         if self.mechanism not in EVENT_KINDS:
@@ -281,6 +289,16 @@ def releases_of(group: MechanismGroup, draws: bool = False) -> int:
     return -(-int(group.steps) // int(group.bands))
 
 
+def _accounted(group: MechanismGroup, draws: bool) -> tuple[float, float, int]:
+    """(σ, q, count) as the accountants compose `group`: a banded-inverse event is one un-amplified Gaussian release
+    at σ / sensitivity (its `steps` draws for the sampler tail, each at that σ: the shift one draw sees is at most
+    the sensitivity); any other its own σ and q, `releases_of` times."""
+    if group.mechanism != BAND_INV_MF:
+        return float(group.noise_multiplier), float(group.sample_rate), releases_of(group, draws)
+    sigma = float(group.noise_multiplier) / banded_inverse_sensitivity(int(group.bands or 1), int(group.steps))
+    return sigma, 1.0, int(group.steps) if draws else 1
+
+
 def merged_releases(mechanisms: Sequence[MechanismGroup], draws: bool = False) -> list[Releases]:
     """One `Releases` per distinct (σ, q, k), in order of first appearance; k = 1 for a Poisson-subsampled Gaussian,
     whose mixture Binomial(1, q) is exactly that mechanism, so an ELS event with k = 1 is one.
@@ -291,6 +309,7 @@ def merged_releases(mechanisms: Sequence[MechanismGroup], draws: bool = False) -
     steps: dict[tuple[float, float, int], int] = {}
     for group in mechanisms:
         if group.steps > 0:
-            key = (float(group.noise_multiplier), float(group.sample_rate), _examples_per_user(group))
-            steps[key] = steps.get(key, 0) + releases_of(group, draws)
+            sigma, q, count = _accounted(group, draws)
+            key = (sigma, q, _examples_per_user(group))
+            steps[key] = steps.get(key, 0) + count
     return [Releases(sigma, q, k, n) for (sigma, q, k), n in steps.items()]
