@@ -321,15 +321,19 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
     errors: dict[str, str] = {}
     arms = {spec[0]: _make_arm(model_name, spec, batch_size, chunks, device, errors) for spec in specs}
     arms = {label: arm for label, arm in arms.items() if arm is not None}
-    times = {label: [] for label in arms}
+    times: dict[str, list[float]] = {label: [] for label in arms}
+    # The process's CPU seconds too (every thread's): on a machine shared with other work, wall time counts the waits
+    # for a core, CPU time much less.
+    cpu_times: dict[str, list[float]] = {label: [] for label in arms}
     for _ in range(rounds):
         for label, arm in arms.items():
             for _ in range(steps):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 arm.step(chunks)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[label].append(time.perf_counter() - start)
+                cpu_times[label].append(time.process_time() - cpu_start)
     arms.clear()
     peaks = {
         label: peak_in_fresh_process(model_name, spec, seq_len, batch_size, grad_accum, device)
@@ -353,8 +357,10 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
         result["arms"][label] = {
             "median_step_s": median,
             "step_s": times[label],
+            "step_cpu_s": cpu_times[label],
             "peak_bytes": peaks[label],
             "time_ratio": median / statistics.median(times[reference]),
+            "cpu_time_ratio": statistics.median(cpu_times[label]) / statistics.median(cpu_times[reference]),
             "memory_ratio": peaks[label] / peaks[reference],
         }
     return result
@@ -367,7 +373,11 @@ def print_table(results: list[dict], labels: list[str]) -> None:
         cells = []
         for label in labels[1:]:
             a = r["arms"].get(label)
-            cells.append(f"{a['time_ratio']:>13.2f}x t {a['memory_ratio']:>7.2f}x mem" if a else f"{'n/a':>30}")
+            cells.append(
+                f"{a['time_ratio']:>6.2f}x t {a['cpu_time_ratio']:.2f}x cpu {a['memory_ratio']:>5.2f}x mem"
+                if a
+                else f"{'n/a':>30}"
+            )
         ref = r["arms"][r["reference"]]
         row = f"{r['model']:<13}{r['mode']:<7}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
         print(
