@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .engine import PerExampleGradientEngine
 from .engine.sharding import dim0_shard, is_sharded, reduce_scatter_to_shard
 from .privacy import GaussianNoise
+from .privacy.band_inv_mf import BandedInverseNoise
 from .privacy.band_mf import BandedNoise
 from .privacy.sharded_noise import TensorShard
 
@@ -122,8 +123,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         self._gradient_transforms: dict[nn.Parameter, OrderedDict[int, GradientTransform]] = {}
         self._pre_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._step_end_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
-        #: BandMF's correlated noise (`privacy.band_mf.BandedNoise`), set by the run; None: DP-SGD's independent noise
-        self.banded_noise: BandedNoise | None = None
+        #: BandMF's correlated noise (`privacy.band_mf.BandedNoise`) or the banded-inverse one
+        #: (`privacy.band_inv_mf.BandedInverseNoise`), set by the run; None: DP-SGD's independent noise
+        self.banded_noise: BandedNoise | BandedInverseNoise | None = None
         for param, transform in (gradient_transforms or {}).items():
             self.add_gradient_transform(param, transform)
         for hook in step_end_hooks:
@@ -206,7 +208,7 @@ class NoisyOptimizer(torch.optim.Optimizer):
         if is_sharded(params):
             if self.banded_noise is not None:
                 raise NotImplementedError(
-                    "BandMF noise (noise_mechanism='band-mf') is not supported with FSDP2-sharded "
+                    "Correlated noise (noise_mechanism='band-mf' or 'band-inv-mf') is not supported with FSDP2-sharded "
                     "parameters yet: train with DDP or a single process."
                 )
             self._refuse_hooks_when_sharded()
@@ -273,7 +275,9 @@ class NoisyOptimizer(torch.optim.Optimizer):
         that claims no guarantee, whose steps the ledger records as such)."""
         if self.noise_multiplier > 0 and (self.banded_noise is None or self.banded_noise.bands == 1):  # b = 1: DP-SGD
             self.noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
-        elif self.noise_multiplier > 0 and self.banded_noise is not None:  # BandMF: z_t as DP-SGD draws it, then C⁻¹z
+        elif self.noise_multiplier > 0 and isinstance(self.banded_noise, BandedInverseNoise):  # draws it itself
+            self.banded_noise.add_(totals, self.noise_multiplier * self.max_grad_norm)
+        elif self.noise_multiplier > 0 and isinstance(self.banded_noise, BandedNoise):  # BandMF: z_t, then C⁻¹z
             noise = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in totals]
             self.noise.add_(noise, self.noise_multiplier * self.max_grad_norm)
             self.banded_noise.correlate_(noise)
@@ -284,7 +288,8 @@ class NoisyOptimizer(torch.optim.Optimizer):
         """Start drawing this logical batch's noise in the background (`GaussianNoise.prepare`), where `add_noise`
         will add it, so the step does not wait for it. Called once the batch's trainable set and σ are known."""
         params = [p for _, p in self.engine.parameters]
-        if self.noise_multiplier > 0 and adds_noise_here() and not is_sharded(params):  # sharded: no draw ahead
+        inverse = isinstance(self.banded_noise, BandedInverseNoise) and self.banded_noise.bands > 1  # draws its own
+        if self.noise_multiplier > 0 and adds_noise_here() and not is_sharded(params) and not inverse:
             self.noise.prepare(
                 [p.numel() for _, p in self.engine.parameters], self.noise_multiplier * self.max_grad_norm
             )

@@ -111,12 +111,17 @@ class MethodConfig:
         metadata={
             "help": "'dp-sgd' (independent noise each step) or 'band-mf': amplified banded matrix factorization "
             "(Choquette-Choo et al. 2023; DPConfig and DPLoRAConfig): correlated noise over `bands` steps, the "
-            "data split into `bands` partitions, step t sampling partition t mod bands at q̂ = bands·B/N."
+            "data split into `bands` partitions, step t sampling partition t mod bands at q̂ = bands·B/N; or "
+            "'band-inv-mf': banded-inverse MF (BISR, Kalinin et al. 2026), noise a filter of the last `bands` "
+            "draws, the same partitions, accounted WITHOUT amplification (one Gaussian at σ / sensitivity)."
         },
     )
-    bands: int = field(
+    bands: int | str = field(
         default=1,
-        metadata={"help": "noise_mechanism='band-mf': the number of bands b (1 is DP-SGD exactly; at most the steps)."},
+        metadata={
+            "help": "The number of bands b of 'band-mf' or 'band-inv-mf' (1 is DP-SGD exactly; at most the steps); "
+            "'auto' (band-mf with a target_epsilon): the b of least expected prefix-sum error (`band_auto`)."
+        },
     )
     accountant: str = field(
         default="prv", metadata={"help": "'prv' (tight upper bound, default) or 'rdp' (conservative)."}

@@ -100,6 +100,17 @@ def card_release(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def card_line(facts: dict[str, Any]) -> str:
+    """The card's one line on the noise, from `run.band_mf.BandMF.report()` of a banded-inverse run."""
+    return (
+        f"banded-inverse MF (BISR, Kalinin et al. 2026): each step's noise a fixed combination of its own and the "
+        f"previous {facts['bands'] - 1} steps' independent draws (coefficients of (1 − x)^(1/2)), the data split "
+        f"into {facts['bands']} secret partitions, step t Poisson-sampling partition t mod {facts['bands']} at "
+        f"q̂ = {facts['sample_rate']:.4g}; NOT amplified by that sampling: accounted as one Gaussian mechanism at "
+        f"σ / sensitivity, sensitivity {facts['sensitivity']:.4g} over the planned steps (the mechanisms table)"
+    )
+
+
 class BandedInverseNoise:
     """Adds w_t = Σ_{j<b} d_j z_{t−j} (BISR's d) to the clipped sums, z drawn from `random` at reserved requests;
     `layout` "store", "regenerate" or "auto" (module docstring). `pairs_per_chunk` must be the DP-SGD sampler's."""
@@ -191,13 +202,18 @@ class BandedInverseNoise:
             history.append(flat)
         return {"bands": self.bands, "step": self.step, "sizes": self.sizes, "history": history}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a checkpoint's sequence; refuse one made with another b (its noise would not match the filter)."""
-        if state["bands"] != self.bands:
+    @staticmethod
+    def check_state(state: dict[str, Any], bands: int) -> None:
+        """Refuse a checkpoint's noise made with another b (its draws would not match the filter)."""
+        if state["bands"] != bands:
             raise ValueError(
                 f"The checkpoint's banded-inverse noise was made with bands={state['bands']}, this run has "
-                f"bands={self.bands}: resume with the bands it was started with."
+                f"bands={bands}: resume with the bands it was started with."
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a checkpoint's sequence (`check_state` first)."""
+        self.check_state(state, self.bands)
         self.step, self.sizes = int(state["step"]), None if state["sizes"] is None else tuple(state["sizes"])
         if self.sizes is not None:
             self.layout = self._resolve_layout(sum(self.sizes))

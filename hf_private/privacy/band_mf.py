@@ -39,15 +39,18 @@ import torch
 from scipy import optimize, signal
 
 from ..logs import get_logger
+from . import band_inv_mf
 from .accountants import compute_epsilon
-from .events import BAND_MF, MechanismGroup
+from .band_inv_mf import BAND_INV_MF_MECHANISM
+from .events import BAND_INV_MF, BAND_MF, MechanismGroup
 
 logger = get_logger(__name__)
 
 _CACHE_VERSION = 1
 
 DP_SGD, BAND_MF_MECHANISM = "dp-sgd", "band-mf"
-NOISE_MECHANISMS = (DP_SGD, BAND_MF_MECHANISM)
+NOISE_MECHANISMS = (DP_SGD, BAND_MF_MECHANISM, BAND_INV_MF_MECHANISM)
+AUTO_BANDS = "auto"  # bands="auto": `band_auto.choose_bands` picks b
 #: the methods whose one training release is DP-SGD's clipped sum over one trainable set, which BandMF replaces
 SUPPORTED_METHODS = ("dp-sgd", "dp-lora")
 _NOT_COVERED = {
@@ -59,33 +62,41 @@ _NOT_COVERED = {
 
 
 def check_band_mf_settings(config: Any) -> None:
-    """The DP config's noise_mechanism and bands: refuse, by name, what the BandMF analysis does not cover."""
+    """The DP config's noise_mechanism and bands: refuse, by name, what the BandMF (or banded-inverse) analysis does
+    not cover."""
     mechanism = config.noise_mechanism
     if mechanism not in NOISE_MECHANISMS:
         raise ValueError(f"noise_mechanism must be one of {', '.join(map(repr, NOISE_MECHANISMS))}, got {mechanism!r}.")
-    check_bands(config.bands)
+    if config.bands == AUTO_BANDS:
+        if mechanism != BAND_MF_MECHANISM or config.target_epsilon is None:
+            raise ValueError(
+                f"bands='auto' picks b for noise_mechanism={BAND_MF_MECHANISM!r} by the error at a target ε: set "
+                f"noise_mechanism={BAND_MF_MECHANISM!r} and target_epsilon, or give bands as an integer."
+            )
+    else:
+        check_bands(config.bands)
     if mechanism == DP_SGD:
         if config.bands != 1:
             raise ValueError(
-                f"bands={config.bands} is the number of bands of noise_mechanism={BAND_MF_MECHANISM!r}; "
+                f"bands={config.bands!r} is the number of bands of noise_mechanism={BAND_MF_MECHANISM!r}; "
                 f"DP-SGD has none: set noise_mechanism={BAND_MF_MECHANISM!r}, or leave bands=1."
             )
         return
     if config.method not in SUPPORTED_METHODS:
         why = _NOT_COVERED.get(config.method, "its releases are not covered by the BandMF analysis")
         raise ValueError(
-            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported by method {config.method!r}: {why}. Use "
+            f"noise_mechanism={mechanism!r} is not supported by method {config.method!r}: {why}. Use "
             "DPConfig or DPLoRAConfig, or noise_mechanism='dp-sgd'."
         )
     if config.privacy_unit != "example":
         raise ValueError(
-            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported with privacy_unit={config.privacy_unit!r}: "
-            "its amplification (b-min-sep sampling of partitions) is proven for one example per unit. Use "
+            f"noise_mechanism={mechanism!r} is not supported with privacy_unit={config.privacy_unit!r}: "
+            "its analysis (b-min-sep sampling of partitions) is for one example per unit. Use "
             "privacy_unit='example' or noise_mechanism='dp-sgd'."
         )
     if config.max_grad_norm == "adaptive":
         raise ValueError(
-            f"noise_mechanism={BAND_MF_MECHANISM!r} is not supported with max_grad_norm='adaptive': the joint "
+            f"noise_mechanism={mechanism!r} is not supported with max_grad_norm='adaptive': the joint "
             "release of the clipped sum and the unclipped count is analysed for independent noise only. Use a "
             "fixed max_grad_norm, or noise_mechanism='dp-sgd'."
         )
@@ -134,7 +145,10 @@ def band_mf_event(
 def card_release(entry: dict[str, Any]) -> dict[str, Any]:
     """A ledger entry as the card's `privacy.mechanisms` lists it: a BandMF event as what it is accounted as,
     ⌈n/b⌉ Poisson-subsampled Gaussian releases at (q̂, σ) (`steps`; its n training steps in `training_steps`), so a
-    standard accountant recomputes ε from the entry alone; any other entry as it is."""
+    standard accountant recomputes ε from the entry alone; a banded-inverse one as `band_inv_mf.card_release` lists
+    it; any other entry as it is."""
+    if entry.get("mechanism") == BAND_INV_MF:
+        return band_inv_mf.card_release(entry)
     if entry.get("mechanism") != BAND_MF:
         return dict(entry)
     return {
@@ -147,6 +161,8 @@ def card_release(entry: dict[str, Any]) -> dict[str, Any]:
 
 def card_line(facts: dict[str, Any]) -> str:
     """The card's one line on the noise, from `run.band_mf.BandMF.report()`."""
+    if facts["mechanism"] == BAND_INV_MF_MECHANISM:
+        return band_inv_mf.card_line(facts)
     return (
         f"amplified BandMF (Choquette-Choo et al. 2023): correlated noise over {facts['bands']} bands (optimised "
         f"Toeplitz strategy, columns of norm ≤ 1), the data split into {facts['bands']} secret partitions, step t "

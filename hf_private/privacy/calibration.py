@@ -83,12 +83,19 @@ def _epsilon_of(
     name: str,
     examples_per_user: int | None = None,
     bands: int | None = None,
+    banded_inverse: bool = False,
 ) -> Callable[[float, float, int], float]:
     prior = list(prior)
 
     def epsilon(noise_multiplier: float, sample_rate: float, steps: int) -> float:
         event = gaussian_event(
-            name, noise_multiplier, sample_rate, steps, examples_per_user=examples_per_user, bands=bands
+            name,
+            noise_multiplier,
+            sample_rate,
+            steps,
+            examples_per_user=examples_per_user,
+            bands=bands,
+            banded_inverse=banded_inverse,
         )
         return compute_epsilon([*prior, event], delta, accountant)
 
@@ -186,6 +193,7 @@ def calibrate_noise_multiplier(
     max_noise_multiplier: float = 1000.0,
     examples_per_user: int | None = None,
     bands: int | None = None,
+    banded_inverse: bool = False,
 ) -> float:
     """The σ such that `prior` + `steps` releases of (σ, `sample_rate`) spend ε ≤ `target_epsilon`.
 
@@ -198,12 +206,13 @@ def calibrate_noise_multiplier(
     With `examples_per_user` = k the releases are user-level ELS ones (`MechanismGroup.els`: per-example rate q,
     at most k examples per user): the search is the same, on their ε (under "prv" the PLD accountant checks it,
     seeded by the RDP answer for `accountants.rdp.els_fallback`). With `bands` = b they are amplified BandMF steps
-    (`events.BAND_MF`: ⌈steps/b⌉ releases at the per-partition rate `sample_rate`).
+    (`events.BAND_MF`: ⌈steps/b⌉ releases at the per-partition rate `sample_rate`), with `banded_inverse` too
+    banded-inverse steps (`events.BAND_INV_MF`: one Gaussian at σ / sensitivity).
     """
     _validate(target_epsilon, delta, sample_rate, accountant)
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps}.")
-    mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user, bands)
+    mechanism = JointMechanism(name, 1.0, sample_rate, int(steps), examples_per_user, bands, banded_inverse)
     return calibrate_jointly(
         target_epsilon,
         delta,
@@ -226,6 +235,7 @@ class JointMechanism:
     steps: int
     examples_per_user: int | None = None
     bands: int | None = None
+    banded_inverse: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.noise_ratio) and self.noise_ratio > 0):
@@ -246,6 +256,7 @@ class JointMechanism:
             self.steps,
             examples_per_user=self.examples_per_user,
             bands=self.bands,
+            banded_inverse=self.banded_inverse,
         )
 
 
@@ -358,6 +369,7 @@ def max_steps_within(
     upper: int = 10**7,
     examples_per_user: int | None = None,
     bands: int | None = None,
+    banded_inverse: bool = False,
 ) -> int:
     """The largest k ≥ 0 (at most `upper`) with ε(`prior` + k releases of (σ, q)) ≤ `target_epsilon`.
 
@@ -375,7 +387,7 @@ def max_steps_within(
         return 0
 
     def under(accountant: str) -> Callable[[int], float]:
-        epsilon = _epsilon_of(delta, accountant, prior, name, examples_per_user, bands)
+        epsilon = _epsilon_of(delta, accountant, prior, name, examples_per_user, bands, banded_inverse)
         return lambda k: epsilon(noise_multiplier, sample_rate, k)
 
     seed = _seed_of(accountant)

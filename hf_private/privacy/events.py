@@ -246,14 +246,19 @@ def gaussian_event(
     max_grad_norm: float | None = None,
     examples_per_user: int | None = None,
     bands: int | None = None,
+    banded_inverse: bool = False,
 ) -> MechanismGroup:
     """`steps` releases of a Gaussian mechanism: a Poisson-subsampled Gaussian (σ, q), or with `examples_per_user`
     = k a user-level ELS one (σ, per-example rate q, at most k examples per user), or with `bands` = b amplified
-    BandMF steps (σ, per-partition rate q̂; `BAND_MF`)."""
+    BandMF steps (σ, per-partition rate q̂; `BAND_MF`), or with `banded_inverse` too banded-inverse steps
+    (`BAND_INV_MF`; with b = 1 DP-SGD's Poisson-subsampled Gaussian, which they are)."""
     if bands is not None:
         if examples_per_user is not None:
             raise ValueError(f"{name!r}: BandMF (bands) has no user-level (examples_per_user) accounting.")
-        return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm, BAND_MF, bands=bands)
+        if banded_inverse and bands == 1:
+            return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm)
+        kind = BAND_INV_MF if banded_inverse else BAND_MF
+        return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm, kind, bands=bands)
     if examples_per_user is None:
         return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm)
     return MechanismGroup.els(name, noise_multiplier, sample_rate, examples_per_user, steps, max_grad_norm)

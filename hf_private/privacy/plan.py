@@ -59,7 +59,15 @@ from .calibration import (
     calibrate_noise_multiplier,
     max_steps_within,
 )
-from .events import BAND_MF, ELS_POISSON_GAUSSIAN, NO_GUARANTEE, POISSON_GAUSSIAN, MechanismGroup, gaussian_event
+from .events import (
+    BAND_INV_MF,
+    BAND_MF,
+    ELS_POISSON_GAUSSIAN,
+    NO_GUARANTEE,
+    POISSON_GAUSSIAN,
+    MechanismGroup,
+    gaussian_event,
+)
 from .rng import Z_MAX
 
 logger = get_logger(__name__)
@@ -216,6 +224,13 @@ class Stage:
             "Poisson-subsampled Gaussian releases (q̂, σ). None: independent noise (DP-SGD)."
         },
     )
+    banded_inverse: bool = field(
+        default=False,
+        metadata={
+            "help": "With `bands`: banded-inverse MF (`band_inv_mf`, BISR) instead of BandMF; its events are "
+            "'band_inv_mf' events, one un-amplified Gaussian at σ / sensitivity (`privacy.banded_inverse`)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -263,6 +278,8 @@ class Stage:
                     f"Stage {self.name!r}: bands (BandMF) is for a training stage with a guarantee at example level."
                 )
             object.__setattr__(self, "bands", int(b))
+        if self.banded_inverse and self.bands is None:
+            raise ValueError(f"Stage {self.name!r}: banded_inverse needs bands.")
 
     def event(
         self, noise_multiplier: float, sample_rate: float, steps: int, max_grad_norm: float | None = None
@@ -270,7 +287,14 @@ class Stage:
         """The ledger event of `steps` noised releases of this stage at (σ, q): ELS when `examples_per_user` is set,
         BandMF when `bands` is."""
         return gaussian_event(
-            self.name, noise_multiplier, sample_rate, steps, max_grad_norm, self.examples_per_user, self.bands
+            self.name,
+            noise_multiplier,
+            sample_rate,
+            steps,
+            max_grad_norm,
+            self.examples_per_user,
+            self.bands,
+            self.banded_inverse,
         )
 
     @property
@@ -334,7 +358,9 @@ class PlannedStage:
         if self.stage.no_guarantee is not None:
             mechanism = NO_GUARANTEE
         elif self.stage.bands is not None:
-            mechanism = BAND_MF
+            mechanism = BAND_INV_MF if self.stage.banded_inverse else BAND_MF
+            if self.stage.banded_inverse and self.stage.bands == 1:
+                mechanism = POISSON_GAUSSIAN  # C = I: DP-SGD
         else:
             mechanism = POISSON_GAUSSIAN if self.stage.examples_per_user is None else ELS_POISSON_GAUSSIAN
         d: dict[str, Any] = {
@@ -515,6 +541,7 @@ class PrivacyPlan:
                 max_noise_multiplier=self.max_noise_multiplier,
                 examples_per_user=stage.examples_per_user,
                 bands=stage.bands,
+                banded_inverse=stage.banded_inverse,
             )
             prior.append(stage.event(calibrated, q, k))
         joint = [
@@ -525,6 +552,7 @@ class PrivacyPlan:
                 layout[i][2],
                 layout[i][0].examples_per_user,
                 layout[i][0].bands,
+                layout[i][0].banded_inverse,
             )
             for i in ratio
         ]
@@ -678,6 +706,7 @@ class PrivacyPlan:
                 upper=remaining,
                 examples_per_user=planned.stage.examples_per_user,
                 bands=planned.stage.bands,
+                banded_inverse=planned.stage.banded_inverse,
             )
             allowed += k
             if k < remaining or last:
@@ -730,7 +759,8 @@ class PrivacyPlan:
             if p.stage.examples_per_user is not None:
                 note += f"; user level (ELS): at most {p.stage.examples_per_user} examples per user"
             if p.stage.bands is not None:
-                note += f"; BandMF: {p.stage.bands} bands, q̂ per partition"
+                kind = "banded-inverse MF, not amplified" if p.stage.banded_inverse else "BandMF"
+                note += f"; {kind}: {p.stage.bands} bands, q̂ per partition"
             lines.append(f"  {p.name}: q={p.sample_rate:.5g}, {p.steps} releases ({when}), {sigma} ({how}){note}")
         if not self.has_guarantee:
             lines.append(f"  guarantee: none. {self.guarantee[1]}")

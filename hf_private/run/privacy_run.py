@@ -32,7 +32,6 @@ from ..models.peft import auxiliary_parameter_names
 from ..optimizer import NoisyOptimizer
 from ..privacy import GaussianNoise, PrivacyLedger, PrivacyPlan
 from ..privacy.adaptive_clip import ADAPTIVE
-from ..privacy.band_mf import BAND_MF_MECHANISM
 from ..privacy.rng import test_stream_seed
 from ..release.adapters import private_adapter_names
 from ..release.checkpoints import (
@@ -45,7 +44,7 @@ from ..release.checkpoints import (
 )
 from ..release.model_card import base_model_name, public_base_model
 from .adaptive_clip import AdaptiveClip
-from .band_mf import BandMF, band_mf_stages
+from .band_mf import CORRELATED, BandMF, band_mf_stages, resolve_bands
 from .forks import find_fork
 from .method_view import MethodView, TrainingPasses
 from .report import plan_lines, privacy_report
@@ -95,8 +94,9 @@ class PrivacyRun:
         self.delta, self.expected_batch_size = delta, expected_batch_size
         schedule = {"steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
         stages = stages_for(method.stages(), config)
-        if config.noise_mechanism == BAND_MF_MECHANISM:  # the training stage at q̂ = b·B/N, accounted as BandMF
-            stages = band_mf_stages(stages, config.bands, expected_batch_size, dataset_size)
+        self._bands, self._auto_bands = resolve_bands(config, schedule, delta, expected_batch_size, dataset_size)
+        if config.noise_mechanism in CORRELATED:  # the training stage at q̂ = b·B/N, accounted as BandMF or BISR
+            stages = band_mf_stages(stages, self._bands, expected_batch_size, dataset_size, config.noise_mechanism)
         self.plan = PrivacyPlan(
             dataset_size,
             self.expected_batch_size,
@@ -218,9 +218,10 @@ class PrivacyRun:
 
     def _band_mf(self, args: Any) -> BandMF | None:
         """BandMF's strategy, noise state and partitions when the config asks for it (`run.band_mf`)."""
-        if self._config.noise_mechanism != BAND_MF_MECHANISM:
+        if self._config.noise_mechanism not in CORRELATED:
             return None
-        return BandMF(self._config.bands, self.plan, args, self.sampling_random("band partitions"))
+        random = self.sampling_random("band partitions")
+        return BandMF(self._bands, self.plan, args, random, self._config.noise_mechanism, self._auto_bands)
 
     def _set_clip_norm(self, clip: float) -> None:
         """The adapted C for the next step: the engine's clip, the optimizer's noise scale, and every later engine."""
