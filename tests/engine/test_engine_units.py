@@ -439,3 +439,17 @@ def test_a_unit_alone_is_the_slice_of_its_examples():
     assert torch.equal(unit["labels"], batch["labels"][4:6, :7])
     assert torch.equal(unit["broadcast"], batch["broadcast"])
     assert torch.equal(example_alone(batch, 2, 7)["input_ids"], batch["input_ids"][2:3, :9])  # one example a unit
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_an_instantiated_terms_squared_norm_covers_every_block(dtype):
+    """The squares are summed block by block (`terms._SQUARE_BLOCK` values at a time): every block counts, the last
+    partial one included, and the result keeps a float64 sum's accuracy."""
+    torch.manual_seed(0)
+    width = 2 * (terms._SQUARE_BLOCK // 3) + 5  # three examples: two whole blocks and a partial third
+    grad = torch.randn(3, width) * torch.tensor([[1.0], [3.0], [1e-3]])
+    grad[1, -1] = 100.0  # in the partial block
+    expected = grad.double().pow(2).sum(1)
+    got = terms.squared_norm(terms.SampleTerm(grad.view(3, width, 1)), dtype=dtype)
+    assert got.dtype == (dtype or torch.float32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0.0)
