@@ -474,9 +474,14 @@ def instantiate(term) -> torch.Tensor:
         out = term.right.new_zeros(batch, term.num_rows, width)
         return out.scatter_add_(1, term.index.unsqueeze(2).expand(-1, -1, width), term.right)
     if isinstance(term, RoutedOuterTerm):
-        out = term.left.new_zeros(term.examples, term.experts, term.left.shape[1], term.right.shape[1])
+        # Written once: each (example, expert) with pairs by its GEMM, only those without pairs zeroed.
+        out = term.left.new_empty(term.examples, term.experts, term.left.shape[1], term.right.shape[1])
+        unwritten = torch.ones(term.examples, term.experts, dtype=torch.bool)
         for example, expert, left, right in _routed_segments(term):
             torch.mm(left.t(), right, out=out[example, expert])
+            unwritten[example, expert] = False
+        for example, expert in unwritten.nonzero().tolist():
+            out[example, expert].zero_()
         return out
     return torch.einsum("btp,btd->bpd", term.left, term.right)
 

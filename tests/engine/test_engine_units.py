@@ -453,3 +453,19 @@ def test_an_instantiated_terms_squared_norm_covers_every_block(dtype):
     got = terms.squared_norm(terms.SampleTerm(grad.view(3, width, 1)), dtype=dtype)
     assert got.dtype == (dtype or torch.float32)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0.0)
+
+
+def test_an_instantiated_routed_term_is_zero_where_an_example_sent_no_pairs_to_an_expert(monkeypatch):
+    """The [B, E, P, D] gradients are written by their GEMMs into an uninitialised buffer: an (example, expert)
+    without pairs must still read zero, whatever the allocator hands back (NaN here)."""
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *size, **kw: torch.full(size, float("nan"), **kw))
+    torch.manual_seed(0)
+    left, right = torch.randn(5, 3), torch.randn(5, 4)
+    example = torch.tensor([0, 0, 1, 2, 2])
+    expert = torch.tensor([0, 1, 1, 0, 1])  # example 1 sent nothing to expert 0
+    term = terms.RoutedOuterTerm(left=left, right=right, example=example, expert=expert, examples=3, experts=2)
+    got = terms.instantiate(term)
+    expected = torch.zeros(3, 2, 3, 4)
+    for k in range(5):
+        expected[example[k], expert[k]] += torch.outer(left[k], right[k])
+    torch.testing.assert_close(got, expected)
