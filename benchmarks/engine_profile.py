@@ -57,6 +57,23 @@ def timed_private_step(arm: HfPrivate, chunks: list[dict]) -> dict[str, float]:
     return dict(phases)
 
 
+def timed_public_step(arm: NonPrivate, chunks: list[dict]) -> dict[str, float]:
+    """One non-private step with the same phases timed apart (the arm's own step, unrolled)."""
+    phases = Counter()
+    arm.optimizer.zero_grad(set_to_none=True)
+    for batch in chunks:
+        start = time.perf_counter()
+        loss = per_example_loss(arm.model, batch).mean()
+        forward = time.perf_counter()
+        loss.backward()
+        phases["forward"] += forward - start
+        phases["backward"] += time.perf_counter() - forward
+    start = time.perf_counter()
+    arm.optimizer.step()
+    phases["optimizer step"] += time.perf_counter() - start
+    return dict(phases)
+
+
 def linear_paths(model: torch.nn.Module, seq_len: int) -> list[tuple[str, int, str]]:
     """(in × out, count, path) of every Linear/Conv1D weight shape at this T."""
     shapes = Counter()
@@ -95,12 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     chunks = make_chunks(model, args.batch_size, args.seq_len, args.grad_accum, device)
 
     public = NonPrivate(model, args.batch_size)
-    public.step(chunks)
-    public_times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        public.step(chunks)
-        public_times.append(time.perf_counter() - start)
+    timed_public_step(public, chunks)
+    public_phases = [timed_public_step(public, chunks) for _ in range(args.steps)]
     public.optimizer.zero_grad(set_to_none=True)
 
     arm = HfPrivate(model, args.batch_size)
@@ -112,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         arm.step(chunks)
     profile.disable()
 
-    reference = statistics.median(public_times)
+    reference = statistics.median(sum(p.values()) for p in public_phases)
     print(f"{args.model} full, T = {args.seq_len}, {args.batch_size} × {args.grad_accum}, C = {CLIP}, σ = {SIGMA}")
     print(f"non-private step: {reference:.3f} s")
+    for name in public_phases[0]:
+        print(f"  non-private {name:36s} {statistics.median(p[name] for p in public_phases):7.3f} s")
     total = 0.0
     for name in phases[0]:
         seconds = statistics.median(p[name] for p in phases)
