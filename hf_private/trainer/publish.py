@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 from concurrent.futures import Future
+from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -138,7 +139,19 @@ class ReleaseHooks(_Trainer):
                 self.model, output_dir, self.privacy_run.trained_parameter_names, self.processing_class, self.args
             )
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        with sharded.checkpoint_io(self) if self.fsdp2_sharded else nullcontext():
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        with sharded.checkpoint_io(self) if self.fsdp2_sharded else nullcontext():
+            super()._load_optimizer_and_scheduler(checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if self.fsdp2_sharded:  # Trainer loads the shards (or the full state) with Accelerate's FSDP loaders
+            sharded.check_resumable(resume_from_checkpoint, self.args.world_size, self.accelerator.state.fsdp_plugin)
+            with sharded.checkpoint_io(self):
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if has_private_adapter(resume_from_checkpoint):
             logger.info("Loading the private adapter from %s.", resume_from_checkpoint)
             load_adapter_weights(model if model is not None else self.model, resume_from_checkpoint)

@@ -17,8 +17,9 @@ Asked for as users ask Accelerate for it: `accelerate launch --use_fsdp --fsdp_v
   MULTI_CPU) whenever one of its objects is made again, the optimizer wrapper `prepare` makes included, so from then on
   `accelerator.is_fsdp2` is False and Accelerate runs its CPU branches, not the GPU code path. What a sharded run needs
   after `prepare` therefore does not ask Accelerate: the step forces the reduce-scatter itself (`sync_gradients`) and
-  `save_model` gathers the full weights itself (`full_state_dict`). That is what the two-process CPU tests exercise,
-  and a way to try a sharded script without a GPU (`torchrun --nproc-per-node 2 script.py` with `use_cpu=True`).
+  `save_model` gathers the full weights itself (`full_state_dict`); a checkpoint's reads and writes mark Accelerate's
+  state FSDP again while they run (`checkpoint_io`). That is what the two-process CPU tests exercise, and a way to
+  try a sharded script without a GPU (`torchrun --nproc-per-node 2 script.py` with `use_cpu=True`).
 
 The privacy path under sharding is the optimizer's (`NoisyOptimizer`: clipped sums reduce-scattered to the shards,
 noise once per coordinate on its owner) and the engine's (its check against autograd on the reduced shards).
@@ -27,11 +28,14 @@ noise once per coordinate on its owner) and the engine's (its check against auto
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.constants import FSDP_MODEL_NAME
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -40,6 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from ..data.chunks import PhysicalChunk
 from ..engine.sharding import is_sharded
 from ..logs import get_logger
+from ..optimizer import noisy_optimizer
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -90,7 +95,6 @@ def check_sharding(
         "mixed precision (bf16/fp16)": bool(args.bf16 or args.fp16 or plugin.mixed_precision_policy is not None),
         "activation checkpointing": bool(args.gradient_checkpointing or plugin.activation_checkpointing),
         "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-        "checkpoints (save_strategy other than 'no') and resuming from them": args.save_strategy != "no",
         "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
         "torch.compile": bool(args.torch_compile),
     }
@@ -156,6 +160,49 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """The whole model's weights gathered from the shards, as `save_pretrained` writes them: a collective (every
     process calls it); full tensors on the CPU of the main process, an empty dict on the others."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def check_resumable(checkpoint: str, processes: int, plugin: FullyShardedDataParallelPlugin) -> None:
+    """A sharded run resumes only from a checkpoint that a sharded run of the same layout wrote: this plugin's
+    state_dict_type (SHARDED_STATE_DICT: the shards in `pytorch_model_fsdp_0/`; FULL_STATE_DICT:
+    `pytorch_model_fsdp.bin`) and as many processes as now (Trainer writes one `rng_state_<rank>.pth` each). Another
+    layout is untested, so it is refused by name rather than loaded in part."""
+    kind = "SHARDED_STATE_DICT" if "SHARDED" in str(plugin.state_dict_type) else "FULL_STATE_DICT"
+    weights = os.path.join(
+        checkpoint, f"{FSDP_MODEL_NAME}_0" if kind == "SHARDED_STATE_DICT" else f"{FSDP_MODEL_NAME}.bin"
+    )
+    saved_by = len([name for name in os.listdir(checkpoint) if name.startswith("rng_state_")])
+    if not os.path.exists(weights) or saved_by != processes:
+        raise ValueError(
+            f"{checkpoint} was not written by a sharded run of {processes} processes with "
+            f"fsdp_config['state_dict_type'] = {kind!r} (it holds {saved_by} per-process RNG states and "
+            f"{'no' if not os.path.exists(weights) else 'the'} {os.path.basename(weights)}): resume a sharded run with "
+            "the number of processes and the state_dict_type its checkpoints were saved with, or start afresh."
+        )
+
+
+@contextmanager
+def checkpoint_io(trainer: Any) -> Iterator[None]:
+    """While Trainer saves or loads a sharded checkpoint's model and optimizer state with Accelerate's FSDP helpers.
+
+    Two things differ from Trainer's own FSDP2 run. Accelerate's state is marked FSDP again while they run: on the
+    CPU it reads MULTI_CPU after `prepare` (module docstring), and its FULL_STATE_DICT loader would then return early
+    on every process but the main one, which waits alone in the broadcast of the weights. And Trainer holds the inner
+    optimizer, not the noisy one: Accelerate reads the optimizer's state with torch's `get_optimizer_state_dict`,
+    which creates a missing state (at a resume, before the load; plain SGD, always) by one `step()` on zero
+    gradients at learning rate 0; through the noisy optimizer that step would add noise and record one more release
+    in the ledger at every resume, while the inner optimizer's changes nothing and its state is then replaced by the
+    checkpoint's."""
+    state = trainer.accelerator.state
+    kind, state.distributed_type = state.distributed_type, DistributedType.FSDP
+    noisy = noisy_optimizer(trainer.optimizer)
+    wrapped = trainer.optimizer
+    if noisy is not None:
+        trainer.optimizer = noisy.optimizer
+    try:
+        yield
+    finally:
+        trainer.optimizer, state.distributed_type = wrapped, kind
 
 
 def padding_chunks(chunks: list[PhysicalChunk], device: torch.device) -> int:
