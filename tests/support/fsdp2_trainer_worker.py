@@ -9,60 +9,87 @@ world_size=1)`, no fsdp settings) the same run unsharded. Rank 0 writes `DIR/res
 training, the privacy report, which parameters were sharded, the indices each step sampled on each rank, and the
 card; `save_model` writes `DIR/model`.
 
-Cases: `noisy` (noise on), `clipped` (noise off, test only: the deterministic part), `neighbour` (noise off, one step,
-the example `--replace` replaced by an unlike one: what the sensitivity test compares with `clipped`).
+Cases: `noisy` (noise on); `clipped` and `neighbour` (noise off, test only, one step: the released update is the
+clipped sum; the example `--scaled` has its loss weighted by `WEIGHT_DOWN`, resp. `WEIGHT_UP`, through the public
+`per_example_loss`: two neighbouring datasets whose one example's gradient differs by a factor 10^12);
+`checkpointed` (as `noisy`, AdamW, a checkpoint every step, `fsdp_config["state_dict_type"]` from
+`--state-dict-type`; `--kill-at S` interrupts it after step S, `--resume` resumes it from its newest checkpoint; the
+full model and optimizer state are recorded at each save and when the resumed run begins); `budget` (a secret seed,
+target ε, σ calibrated for `STEPS["budget"]` steps, then asked for `BUDGET_ASKED`: the budget must stop it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import DataCollatorForLanguageModeling, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_private import DPConfig, PrivateTrainer  # noqa: E402
+from hf_private.data.labels import IGNORE_INDEX  # noqa: E402
 from hf_private.data.sampling import PoissonBatchSampler  # noqa: E402
+from hf_private.integrations.losses import default_per_example_loss  # noqa: E402
+from hf_private.optimizer import noisy_optimizer  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests.support import tiny  # noqa: E402
+from tests.support.helpers import KillAtStep  # noqa: E402
 
 DATASET_SIZE = 32
 LOGICAL_BATCH, GRAD_ACCUM = 8, 2
 CLIP, NOISE_MULTIPLIER, LEARNING_RATE = 0.5, 1.0, 0.1
-STEPS = {"noisy": 3, "clipped": 1, "neighbour": 1}
-UNLIKE = "good good good good good good good good"
+STEPS = {"noisy": 3, "clipped": 1, "neighbour": 1, "checkpointed": 3, "budget": 2}
+WEIGHT_DOWN, WEIGHT_UP = 1e-6, 1e6  # the scaled example's loss weight in `clipped` and `neighbour`
+BUDGET_EPSILON, BUDGET_ASKED = 2.0, 40
+CHECKPOINT_LEARNING_RATE = 1e-3  # AdamW: the steps the checkpoint tests compare stay small
 
 
-def dataset(replace: int | None):
-    data = tiny.lm_dataset(DATASET_SIZE)
-    if replace is None:
-        return data
-    unlike = tiny.tokenizer()(UNLIKE)
-    return data.map(lambda row, i: dict(unlike) if i == replace else row, with_indices=True)
+def dataset():
+    return tiny.lm_dataset(DATASET_SIZE)
 
 
-def run(case: str, out: Path, world_size: int, replace: int | None = None) -> None:
+def scaled_loss(example: int, weight: float):
+    """The model's own per-example loss, times `weight` for the rows that are `example` (matched by its labels: the
+    collator's labels are its token ids, padding -100). The filler chunks of a sharded step are token 0, never it."""
+    ids = [token for token in dataset()[example]["input_ids"] if token != tiny.tokenizer().pad_token_id]
+
+    def loss(model, outputs, labels):
+        losses = default_per_example_loss(model, outputs, labels)
+        hit = torch.tensor([row[row != IGNORE_INDEX].tolist() == ids for row in labels], device=losses.device)
+        return torch.where(hit, losses * weight, losses)
+
+    return loss
+
+
+def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> None:
     model = tiny.llama()
     model.double()  # the comparison with one process is at 1e-5: keep summation-order error far below it
-    sharding = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if world_size > 1 else {}
+    fsdp_config = {"fsdp_version": 2}
+    if options.state_dict_type is not None:
+        fsdp_config["state_dict_type"] = options.state_dict_type
+    sharding = {"fsdp": True, "fsdp_config": fsdp_config} if world_size > 1 else {}
+    checkpointed = case == "checkpointed"
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
         gradient_accumulation_steps=GRAD_ACCUM,
         max_steps=STEPS[case],
-        optim="sgd",
-        learning_rate=LEARNING_RATE,
+        optim="adamw_torch" if checkpointed else "sgd",
+        learning_rate=CHECKPOINT_LEARNING_RATE if checkpointed else LEARNING_RATE,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if checkpointed else "no",
+        save_steps=1,
         report_to="none",
         use_cpu=True,
         seed=0,
@@ -71,21 +98,38 @@ def run(case: str, out: Path, world_size: int, replace: int | None = None) -> No
         **sharding,
     )
     sampled = _record_samples()
-    if case != "noisy":  # test only: no noise, so the released update is the clipped sum alone
+    if case in ("clipped", "neighbour"):  # test only: no noise, so the released update is the clipped sum alone
         GaussianNoise.add_ = lambda self, tensors, std: None  # type: ignore[method-assign]
         GaussianNoise.add_shards_ = lambda self, shards, std: None  # type: ignore[method-assign]
-    tok = tiny.tokenizer()
+    dp_config = DPConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=11)
+    if case == "budget":  # a secret seed, as the one-process budget test
+        dp_config = DPConfig(target_epsilon=BUDGET_EPSILON, max_grad_norm=CLIP)
+    loss = None
+    if options.scaled is not None:
+        loss = scaled_loss(options.scaled, WEIGHT_UP if case == "neighbour" else WEIGHT_DOWN)
     trainer = PrivateTrainer(
         model=model,
         args=args,
-        train_dataset=dataset(replace),
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        dp_config=DPConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=11),
+        train_dataset=dataset(),
+        data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
+        dp_config=dp_config,
+        per_example_loss=loss,
     )
-    trainer.train()
-    trainer.save_model(str(out / "model"))
+    if case == "budget":
+        trainer.args.max_steps = BUDGET_ASKED  # asks for many more steps than σ was calibrated for
+    states = _StateRecorder(trainer, options.resume)
+    trainer.add_callback(states)
+    if options.kill_at is not None:
+        trainer.add_callback(KillAtStep(options.kill_at))
+    warnings = _record_warnings()
+    try:
+        trainer.train(resume_from_checkpoint=True if options.resume else None)
+    except KeyboardInterrupt:  # --kill-at: the checkpoints written so far are what a resume starts from
+        pass
+    else:
+        trainer.save_model(str(out / "model"))
     params = dict(trainer.model.named_parameters())
-    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(trainer.model, options=FULL)
     samples = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(samples, sampled)
@@ -98,14 +142,56 @@ def run(case: str, out: Path, world_size: int, replace: int | None = None) -> No
                 "after": {name: tensor.detach().clone() for name, tensor in full.items()},
                 "sharded": {n: isinstance(p, DTensor) and p.to_local().shape != p.shape for n, p in params.items()},
                 "report": trainer.privacy_report(),
+                "epsilon": trainer.ledger.epsilon(),
+                "ledger_steps": trainer.ledger.total_steps,
+                "expected_batch": trainer.sample_rate * trainer.dataset_size,
                 "world_size": trainer.args.world_size,
                 "global_step": trainer.state.global_step,
                 "samples": samples,
                 "card": card.read_text() if card.exists() else "",
                 "accelerate_fsdp2_at_save": trainer.accelerator.is_fsdp2,
+                "states": states.recorded,
+                "warnings": warnings,
             },
-            out / "result.pt",
+            out / ("resumed.pt" if options.resume else "result.pt"),
         )
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class _StateRecorder(TrainerCallback):
+    """The full model and optimizer state (gathered from the shards: a collective, on every process; copied, since
+    tensors that are not sharded, such as Adam's step count, come back as the live ones) after each checkpoint is
+    saved (`saved`, by step) and, in a resumed run, when training begins (`begin`: after the checkpoint's loads; in a
+    fresh run the optimizer has no state yet, and reading it would create one)."""
+
+    def __init__(self, trainer: PrivateTrainer, resumed: bool) -> None:
+        self.trainer, self.resumed, self.recorded = trainer, resumed, {"saved": {}}
+
+    def _state(self) -> dict:
+        model, inner = self.trainer.model, noisy_optimizer(self.trainer.optimizer).optimizer  # type: ignore[union-attr]
+        state = {
+            "model": get_model_state_dict(model, options=FULL),
+            "optimizer": get_optimizer_state_dict(model, inner, options=FULL),
+        }
+        return copy.deepcopy(state)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.resumed:
+            self.recorded["begin"] = self._state()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.recorded["saved"][state.global_step] = self._state()
+
+
+def _record_warnings() -> list[str]:
+    """hf_private's WARNING lines on this process."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers.hf_private").addHandler(handler)
+    return lines
 
 
 def _record_samples() -> list[list[int]]:
@@ -126,9 +212,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(STEPS), required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--replace", type=int, default=None)
+    parser.add_argument("--scaled", type=int, default=None, help="the example whose loss is weighted")
+    parser.add_argument("--state-dict-type", choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"], default=None)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
     ns = parser.parse_args()
     torch.set_num_threads(1)
-    run(ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")), ns.replace)
+    run(ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")), ns)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -16,20 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from hf_private.trainer.sharded import check_resumable
 from tests.support import fsdp2_trainer_worker as worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 WORKER = Path(worker.__file__)
-TIMEOUT_S = 300  # both runs together; they take well under a minute on an idle machine
+TIMEOUT_S = 300  # the runs of one fixture together; they take well under a minute on an idle machine
 
 
-def _command(processes: int, out: Path) -> list[str]:
+def _command(processes: int, out: Path, *worker_args: str) -> list[str]:
+    worker_args = ("--out", str(out), *worker_args)
     if processes == 1:
-        return [sys.executable, str(WORKER), "--case", "noisy", "--out", str(out)]
+        return [sys.executable, str(WORKER), *worker_args]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -41,49 +44,58 @@ def _command(processes: int, out: Path) -> list[str]:
         "--master-addr=127.0.0.1",
         f"--master-port={port}",
         str(WORKER),
-        "--case",
-        "noisy",
-        "--out",
-        str(out),
+        *worker_args,
     ]
 
 
-def _run_both(root: Path) -> dict[int, dict]:
-    """The 2-process sharded run and the 1-process run, side by side; fail (rather than wait) past the timeout,
-    ending each run's whole process group (a rank stuck in a collective never exits by itself)."""
+def _run_all(root: Path, launches: dict[str, tuple[int, Path, list[str]]]) -> None:
+    """The runs named in `launches` (processes, output directory, worker arguments), side by side; fail (rather than
+    wait) past the timeout, ending each run's whole process group (a rank stuck in a collective never exits)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     runs = {}
-    for processes in (2, 1):
-        out = root / f"world{processes}"
-        log = open(root / f"world{processes}.log", "w")  # noqa: SIM115  # closed with the run below
-        runs[processes] = (
-            subprocess.Popen(
-                _command(processes, out), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            ),
-            out,
+    for name, (processes, out, worker_args) in launches.items():
+        log = open(root / f"{name}.log", "w")  # noqa: SIM115  # closed with the run below
+        command = _command(processes, out, *worker_args)
+        runs[name] = (
+            subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
             log,
         )
-    results = {}
-    for processes, (process, out, log) in runs.items():
+    for name, (process, log) in runs.items():
         try:
             process.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            for other, _, _ in runs.values():
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            raise TimeoutError(f"the {processes}-process run took longer than {TIMEOUT_S} s") from None
+            for other, _ in runs.values():
+                _end(other)
+            raise TimeoutError(f"the {name} run took longer than {TIMEOUT_S} s") from None
         finally:
             log.close()
-        text = (root / f"world{processes}.log").read_text()
-        assert process.returncode == 0, f"the {processes}-process run failed:\n{text[-4000:]}"
-        results[processes] = torch.load(out / "result.pt", weights_only=False) | {"model_dir": out / "model"}
-    return results
+        text = (root / f"{name}.log").read_text()
+        assert process.returncode == 0, f"the {name} run failed:\n{text[-4000:]}"
+
+
+def _end(process: subprocess.Popen) -> None:
+    """End a run that is still going: SIGTERM first, which torchrun passes on to its workers (they run in sessions of
+    their own, so killing torchrun alone would leave them waiting on its store for ever), then SIGKILL."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _result(out: Path, name: str = "result.pt") -> dict:
+    return torch.load(out / name, weights_only=False) | {"model_dir": out / "model"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict]:
-    return _run_both(tmp_path_factory.mktemp("fsdp2_trainer"))
+    """The 2-process sharded run and the 1-process run of the `noisy` case."""
+    root = tmp_path_factory.mktemp("fsdp2_trainer")
+    _run_all(root, {f"world{n}": (n, root / f"world{n}", ["--case", "noisy"]) for n in (2, 1)})
+    return {n: _result(root / f"world{n}") for n in (2, 1)}
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -152,3 +164,95 @@ def test_the_card_says_the_run_was_sharded(runs):
     assert "FSDP2" in card and "over 2 processes" in card
     assert "FSDPLlama" not in card, "the card names the model's own class, not FSDP2's subclass"
     assert "FSDP2" not in runs[1]["card"]
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+KILL_AT = 2  # after this step; the newest checkpoint is the step before (save_steps=1, saved after on_step_end)
+
+
+@pytest.fixture(scope="module", params=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def resumed(request, tmp_path_factory) -> dict:
+    """A sharded `checkpointed` run interrupted after step KILL_AT, then resumed from its newest checkpoint."""
+    root = tmp_path_factory.mktemp(f"fsdp2_resume_{request.param}")
+    out = root / "run"
+    common = ["--case", "checkpointed", "--state-dict-type", request.param]
+    _run_all(root, {"interrupted": (2, out, [*common, "--kill-at", str(KILL_AT)])})
+    left = sorted(path.name for path in out.glob("checkpoint-*"))
+    _run_all(root, {"resumed": (2, out, [*common, "--resume"])})
+    return {
+        "checkpoints_left": left,
+        "interrupted": _result(out),
+        "resumed": _result(out, "resumed.pt"),
+        "out": out,
+        "state_dict_type": request.param,
+    }
+
+
+def _ledger_file(directory: Path) -> dict:
+    return json.loads((directory / "privacy_ledger.json").read_text())
+
+
+def test_a_resumed_sharded_run_ends_with_the_ledger_of_an_uninterrupted_one(resumed, runs):
+    """The uninterrupted run is the sharded `noisy` run (same data, batch, σ, C and steps; SGD instead of AdamW, which
+    the ledger does not depend on). Its final weights are not compared: under the test seed the noise and sampling
+    streams restart at a resume (a checkpoint keeps no secret stream, as in the DDP path: a secret run draws fresh
+    OS entropy), so the resumed steps add other noise than the uninterrupted run's; the one-process resume test
+    compares the ledger alone for the same reason."""
+    interrupted, again = resumed["interrupted"], resumed["resumed"]
+    assert interrupted["ledger_steps"] == interrupted["global_step"] == KILL_AT
+    checkpoint = resumed["out"] / f"checkpoint-{KILL_AT - 1}"
+    assert sum(m["steps"] for m in _ledger_file(checkpoint)["mechanisms"]) == KILL_AT - 1
+    assert resumed["checkpoints_left"] == [checkpoint.name]
+    assert again["global_step"] == again["ledger_steps"] == worker.STEPS["checkpointed"] == worker.STEPS["noisy"]
+    assert again["epsilon"] == pytest.approx(runs[2]["epsilon"], rel=1e-12) and again["epsilon"] > 0
+    assert _ledger_file(again["model_dir"]) == _ledger_file(runs[2]["model_dir"])
+    for step in range(KILL_AT, worker.STEPS["checkpointed"] + 1):  # the step count continues, one checkpoint a step
+        assert sum(m["steps"] for m in _ledger_file(resumed["out"] / f"checkpoint-{step}")["mechanisms"]) == step
+
+
+def test_the_checkpoint_holds_the_state_dict_type_asked_for(resumed):
+    checkpoint = resumed["out"] / f"checkpoint-{KILL_AT - 1}"
+    names = {p.name for p in checkpoint.iterdir()}
+    sharded_files = {"pytorch_model_fsdp_0", "optimizer_0"}
+    full_files = {"pytorch_model_fsdp.bin", "optimizer.bin"}
+    expected, other = (
+        (sharded_files, full_files)
+        if resumed["state_dict_type"] == "SHARDED_STATE_DICT"
+        else (
+            full_files,
+            sharded_files,
+        )
+    )
+    assert expected <= names and not other & names, names
+    assert {"privacy_ledger.json", "dp_config.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+
+
+def test_the_resumed_run_loads_the_weights_and_optimizer_state_that_were_saved(resumed):
+    """Gathered from the shards when the checkpoint was written, and again once the resumed run has loaded it."""
+    saved = resumed["interrupted"]["states"]["saved"][KILL_AT - 1]
+    loaded = resumed["resumed"]["states"]["begin"]
+    assert saved["model"].keys() == loaded["model"].keys()
+    assert all(torch.equal(saved["model"][n], loaded["model"][n]) for n in saved["model"])
+    before = dict(worker.tiny.llama().double().state_dict())
+    assert _relative(saved["model"], before) > 0, "the saved weights must be a trained step's"
+    state, state_loaded = saved["optimizer"]["state"], loaded["optimizer"]["state"]
+    assert state.keys() == state_loaded.keys() == saved["model"].keys()
+    for name, moments in state.items():
+        assert moments.keys() == state_loaded[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state_loaded[name][k])) for k, v in moments.items())
+        assert float(moments["step"]) == KILL_AT - 1, "AdamW took exactly the run's steps (no step at save or load)"
+    assert any(moments["exp_avg"].abs().max() > 0 for moments in state.values())
+
+
+def test_a_resume_with_another_world_size_or_state_dict_type_is_refused(resumed):
+    checkpoint = str(resumed["out"] / f"checkpoint-{KILL_AT - 1}")
+    other = "FULL_STATE_DICT" if resumed["state_dict_type"] == "SHARDED_STATE_DICT" else "SHARDED_STATE_DICT"
+    check_resumable(
+        checkpoint, 2, FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=resumed["state_dict_type"])
+    )
+    for processes, kind in ((4, resumed["state_dict_type"]), (2, other)):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
+        with pytest.raises(
+            ValueError, match="resume a sharded run with the number of processes and the state_dict_type"
+        ):
+            check_resumable(checkpoint, processes, plugin)
