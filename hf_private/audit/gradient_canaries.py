@@ -2,10 +2,11 @@
 
 A gradient canary is a training example like any other (its own new token repeated, so the sampler, the unit count
 and the accountant treat it as one unit), except that whenever Poisson sampling draws it, the engine replaces its
-gradient by an inserted one: `INSERTED_NORM` × C along one trainable coordinate of its own, with a sign, both drawn
-from the auditor's secret seed. The replacement happens before the method's masks and the clip (a chunk transform,
-`PerExampleGradientEngine.add_chunk_transform`), so the inserted gradient meets exactly what any unit's would: a sound
-run clips it to C and noises it; a run that skips the clip releases all of it.
+gradient by an inserted one: `INSERTED_NORM` × C (the C the run declares for that step, which adaptive clipping
+moves every step; never the engine's own, which a broken clip may have lost) along one trainable coordinate of its
+own, with a sign, both drawn from the auditor's secret seed. The replacement happens before the method's masks and
+the clip (a chunk transform, `PerExampleGradientEngine.add_chunk_transform`), so the inserted gradient meets exactly
+what any unit's would: a sound run clips it to C and noises it; a run that skips the clip releases all of it.
 
 The score reads that coordinate of every step's released noisy gradient (the optimizer's input, after the method's
 gradient transforms) and sums it less its median step, signed (`GradientCanaryInserter.scores`): the whole sequence
@@ -13,10 +14,16 @@ of released gradients is what the accountant's ε covers, and the released weigh
 the plain sum is the final weight's movement along the canary (scaled); reading the gradients keeps it so under Adam and
 under RGP, whose weights mix the carriers' coordinates. Only these canaries' coordinates are read, so the score costs
 nothing per step beyond a gather.
+
+Each step's read is divided by that step's C first, so that under adaptive clipping every step counts the canary at
+one unit and its noise at the same effective multiplier. Under correlated noise (BandMF: the noise is w = C⁻¹z for the
+banded strategy C) the sequence of reads is whitened, multiplied by the strategy, so that its per-step noise is the
+independent z again before it is scored (`per_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,11 +89,14 @@ class GradientCanaryInserter:
     """Inserts the canaries' gradients into a run and reads their released coordinates (an `Instrument` of the
     run: `PrivacyRun.add_instrument` attaches it to every training engine and optimizer)."""
 
-    def __init__(self, model: nn.Module, canaries: GradientCanaries, max_grad_norm: float) -> None:
+    def __init__(self, model: nn.Module, canaries: GradientCanaries, clip: Callable[[], float]) -> None:
+        """`clip()`: the C the run declares for the step under way (its noise is scaled to it)."""
         self.canaries = canaries
-        self.norm = INSERTED_NORM * float(max_grad_norm)
+        self.clip = clip
         self._step = torch.zeros(canaries.count, dtype=torch.float64)  # this step's released coordinates
         self.released: list[torch.Tensor] = []  # every step's, in order
+        self.clips: list[float] = []  # the C each step was clipped and noised at
+        self.strategy: list[float] = [1.0]  # the banded strategy's first column (the identity: independent noise)
         self._rows: list[torch.Tensor] = []  # the canary (or −1) of each row of the chunk's training forwards
         self._parameters: dict[str, nn.Parameter] = {}
         self._optimizers: list[NoisyOptimizer] = []
@@ -144,10 +154,11 @@ class GradientCanaryInserter:
                 "audit needs a trainable set that stays the same for the whole run."
             )
         self._parameters = {name: trained[name] for name in holding}
-        engine.add_chunk_transform(self._insert)
+        engine.add_chunk_transform(lambda chunk, units: self._insert(chunk, units, INSERTED_NORM * self.clip()))
 
-    def _insert(self, chunk: ChunkTerms, units: ChunkUnits) -> ChunkTerms:
-        """Every canary unit's gradient replaced by its inserted one: zero in every data term, a Dirac term added."""
+    def _insert(self, chunk: ChunkTerms, units: ChunkUnits, norm: float) -> ChunkTerms:
+        """Every canary unit's gradient replaced by its inserted one (of `norm`): zero in every data term, a Dirac term
+        added."""
         canary = self._canary_of_units(units)
         drawn = canary >= 0
         if not bool(drawn.any()):
@@ -157,17 +168,17 @@ class GradientCanaryInserter:
         for slot in torch.unique(which[drawn]).tolist():
             param = self._parameters[self.canaries.parameter_names[slot]]
             mine = drawn & (which == slot)
-            terms.setdefault(param, []).append(self._dirac_term(param, canary, mine))
+            terms.setdefault(param, []).append(self._dirac_term(param, canary, mine, norm))
         return ChunkTerms(examples=chunk.examples, terms=terms)
 
-    def _dirac_term(self, param: nn.Parameter, canary: torch.Tensor, mine: torch.Tensor):
+    def _dirac_term(self, param: nn.Parameter, canary: torch.Tensor, mine: torch.Tensor, norm: float):
         """±norm at each of these units' coordinates of `param`, zero for every other unit: factored for a matrix (one
         position, a row vector and a column vector, as a Linear weight's term), explicit for a vector."""
         dtype, device = accumulation_dtype(param), param.device
         units = canary.numel()
         index = torch.nonzero(mine).flatten()
         flat = self.canaries.flat_index[canary[index]]
-        value = (self.canaries.sign[canary[index]] * self.norm).to(device=device, dtype=dtype)
+        value = (self.canaries.sign[canary[index]] * norm).to(device=device, dtype=dtype)
         index = index.to(param.device)
         if param.dim() == 1:
             grad = torch.zeros(units, param.numel(), dtype=dtype, device=device)
@@ -189,7 +200,7 @@ class GradientCanaryInserter:
             mine = torch.nonzero(self.canaries.parameter == slot).flatten()
             if mine.numel():
                 optimizer.add_gradient_transform(self._parameters[name], self._reader(mine))
-        optimizer.add_pre_step_hook(self._end_of_step)
+        optimizer.add_pre_step_hook(lambda: self._end_of_step(optimizer))
 
     def _reader(self, mine: torch.Tensor):
         coordinates = self.canaries.flat_index[mine]
@@ -199,8 +210,24 @@ class GradientCanaryInserter:
 
         return read
 
-    def _end_of_step(self) -> None:
+    def _end_of_step(self, optimizer: NoisyOptimizer) -> None:
         self.released.append(self._step.clone())
+        self.clips.append(float(self.clip()))
+        if optimizer.banded_noise is not None:
+            self.strategy = list(optimizer.banded_noise.coefficients)
+
+    def per_step(self) -> torch.Tensor:
+        """[steps, canaries]: each step's released coordinates in units of its C, whitened by the strategy.
+
+        With w = C⁻¹z, applying C along the steps turns the noise back into z, independent from step to step (for
+        DP-SGD C = I and this is the identity): (C y)_t = Σ_j c_j y_{t−j}. A canary's unit in a step it is sampled
+        reappears in the b − 1 steps after it weighted by c_j, which the sum in `scores` collects.
+        """
+        steps = torch.stack(self.released) / torch.tensor(self.clips, dtype=torch.float64).unsqueeze(1)
+        whitened = torch.zeros_like(steps)
+        for j, c in enumerate(self.strategy[: steps.shape[0]]):
+            whitened[j:] += c * steps[: steps.shape[0] - j]
+        return whitened
 
     def scores(self) -> torch.Tensor:
         """Each canary's released coordinate summed over the steps less its median step, signed.
@@ -213,7 +240,7 @@ class GradientCanaryInserter:
         """
         if not self.released:
             return torch.zeros(self.canaries.count)
-        steps = torch.stack(self.released)
+        steps = self.per_step()
         centred = steps.sum(0) - steps.shape[0] * steps.median(0).values
         return (centred * self.canaries.sign.double()).float()
 

@@ -44,6 +44,7 @@ from ..models.head_choice import HEADS
 from ..models.peft import auxiliary_parameter_names, unwrap_peft
 from ..privacy import PrivacyLedger
 from ..privacy.accountants import registered_accountants
+from ..privacy.band_mf import BAND_MF_MECHANISM, DP_SGD
 from ..trainer import PrivateTrainer
 
 logger = get_logger(__name__)
@@ -89,11 +90,12 @@ def run_audit(
     """
     if audit_data not in AUDIT_DATA:
         raise ValueError(f"audit_data must be one of {', '.join(map(repr, AUDIT_DATA))}, got {audit_data!r}.")
-    if getattr(dp_config, "noise_mechanism", "dp-sgd") != "dp-sgd":
+    mechanism = getattr(dp_config, "noise_mechanism", DP_SGD)
+    if mechanism not in AUDITED_NOISE:
         raise ValueError(
-            f"The one-run audit is not supported with noise_mechanism={dp_config.noise_mechanism!r}: its white-box "
-            "score reads each step's noise as independent, and BandMF's is correlated across steps. Audit the same "
-            "model and data with noise_mechanism='dp-sgd', or skip the audit."
+            f"The one-run audit is not supported with noise_mechanism={mechanism!r}: its white-box score whitens "
+            f"the correlated noise of {', '.join(map(repr, AUDITED_NOISE))} only. Audit the same model and data with "
+            f"noise_mechanism={DP_SGD!r}, or skip the audit."
         )
     check_confidence(confidence)
     if not scores or set(scores) - set(SCORE_HELP):
@@ -123,6 +125,11 @@ def run_audit(
         trainer_class or PrivateTrainer,
         trainer_kwargs,
     )
+    if WHITE_BOX in active and mechanism != DP_SGD:  # the embedding rows' final movement cannot be whitened
+        logger.info(
+            "%s noise is correlated: the white-box score uses gradient canaries, whitened step by step.", mechanism
+        )
+        active = list(dict.fromkeys(WHITE_BOX_GRADIENT if s == WHITE_BOX else s for s in active))
     trainer = setup.trainer(_canary_sets(active))
     if WHITE_BOX in active and not _trains_input_embedding(trainer):
         coordinates = sum(p.numel() for _, p in _always_trained(trainer))
@@ -150,7 +157,7 @@ def run_audit(
         gradient = draw_gradient_canaries(
             _always_trained(trainer), canaries, setup.token_ids[GRADIENT_CANARIES][0], secret
         )
-        inserter = GradientCanaryInserter(trainer.model, gradient, dp_config.max_grad_norm)
+        inserter = GradientCanaryInserter(trainer.model, gradient, lambda: trainer.privacy_run.max_grad_norm)
         trainer.privacy_run.add_instrument(inserter)
     token_ids, rows = setup.token_ids.get(TOKEN_CANARIES, []), setup.rows.get(TOKEN_CANARIES, [])
     if WHITE_BOX in active:
@@ -239,6 +246,9 @@ def run_audit(
 
 
 TOKEN_CANARIES, GRADIENT_CANARIES = "token", "gradient"
+#: The noise mechanisms the audit's scores read soundly: DP-SGD's independent noise, BandMF's whitened by its strategy
+#: (`GradientCanaryInserter.per_step`). Any other (a banded-inverse factorization) is refused by name until handled.
+AUDITED_NOISE = (DP_SGD, BAND_MF_MECHANISM)
 
 
 def _always_trained(trainer) -> list[tuple[str, nn.Parameter]]:

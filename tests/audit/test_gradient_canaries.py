@@ -97,7 +97,7 @@ def test_a_sampled_canary_adds_its_inserted_gradient_clipped_and_nothing_of_its_
     with_canary = collate([*rows, canary_row])
     labels, labels_with_canary = data.pop("labels"), with_canary.pop("labels")
     expected = _sums(engine, model, data, labels)
-    GradientCanaryInserter(model, canary, clip).attach_engine(engine)
+    GradientCanaryInserter(model, canary, lambda: clip).attach_engine(engine)
     got = _sums(engine, model, with_canary, labels_with_canary)
     name = params[5][0]
     inserted = torch.zeros_like(expected[name]).view(-1)
@@ -112,7 +112,7 @@ def test_the_canary_inserter_refuses_rows_it_cannot_attribute():
     model = tiny.bert()
     first, second = add_canary_tokens(model, 2, torch.Generator().manual_seed(0))
     canaries = GradientCanaries(first, ("x",), torch.tensor([0, 0]), torch.tensor([0, 1]), torch.ones(2))
-    inserter = GradientCanaryInserter(model, canaries, 1.0)
+    inserter = GradientCanaryInserter(model, canaries, lambda: 1.0)
     model.train()
     with pytest.raises(ValueError, match="two gradient canaries"):
         model(input_ids=torch.tensor([[first, second]]))

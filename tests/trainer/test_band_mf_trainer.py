@@ -120,8 +120,8 @@ def test_the_budget_stops_at_the_target(tmp_path):
 
 
 def test_config_refusals_name_what_to_change():
-    with pytest.raises(ValueError, match="noise_mechanism must be one of 'dp-sgd', 'band-mf'"):
-        DPConfig(target_epsilon=4.0, noise_mechanism="band-inv-mf")
+    with pytest.raises(ValueError, match="noise_mechanism must be one of 'dp-sgd', 'band-mf', 'band-inv-mf'"):
+        DPConfig(target_epsilon=4.0, noise_mechanism="band-tree")
     with pytest.raises(ValueError, match="bands must be a positive integer"):
         band_mf(0)
     with pytest.raises(ValueError, match="bands=4 is the number of bands of noise_mechanism='band-mf'"):
@@ -145,8 +145,10 @@ def test_run_refusals_name_what_to_change(tmp_path):
         make_trainer(tmp_path, dp=band_mf(8), max_steps=4, **DATA)
     with pytest.raises(ValueError, match="needs b·B ≤ N=64"):
         make_trainer(tmp_path, dp=band_mf(16), max_steps=32, **DATA)
-    with pytest.raises(ValueError, match="one-run audit is not supported with noise_mechanism='band-mf'"):
-        run_audit(tiny.bert, tiny.sentiment_dataset(8), band_mf(2), None)
+    coming = band_mf(2)
+    coming.noise_mechanism = "band-inv-mf"  # a mechanism the audit does not whiten yet (tests/audit audits band-mf)
+    with pytest.raises(ValueError, match="audit is not supported with noise_mechanism='band-inv-mf'.*'dp-sgd'"):
+        run_audit(tiny.bert, tiny.sentiment_dataset(8), coming, None)
 
 
 def test_fsdp2_is_refused_by_name(monkeypatch):
