@@ -45,6 +45,7 @@ from ..data.chunks import PhysicalChunk
 from ..engine.sharding import is_sharded
 from ..logs import get_logger
 from ..optimizer import noisy_optimizer
+from .sharded_precision import sharded_precision_policy
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -85,17 +86,19 @@ def check_sharding(
     assert plugin is not None
     check_sharded_mesh(args)
     refused = {
-        "PEFT/LoRA models": _is_peft(model),
-        "partly frozen models (saved as a private adapter)": not all(p.requires_grad for p in model.parameters()),
+        "partly frozen models other than PEFT ones (saved as a private adapter)": not _is_peft(model)
+        and not all(p.requires_grad for p in model.parameters()),
         f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
         "user-level privacy units": dp_config.privacy_unit == "user",
         "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
         "BandMF (noise_mechanism='band-mf')": dp_config.noise_mechanism == "band-mf",  # its history is unsharded
         f"{trainer_class.__name__} (TRL's SFT/DPO trainers)": _is_trl(trainer_class),
-        "mixed precision (bf16/fp16)": bool(args.bf16 or args.fp16 or plugin.mixed_precision_policy is not None),
         "activation checkpointing": bool(args.gradient_checkpointing or plugin.activation_checkpointing),
         "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
         "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
+        "fp16 mixed precision (bf16=True is supported)": bool(args.fp16),
+        # a PEFT model's checkpoints save, but resuming fails in torch's set_optimizer_state_dict (torch 2.13)
+        "checkpoints of PEFT models (save_strategy other than 'no')": _is_peft(model) and args.save_strategy != "no",
         "torch.compile": bool(args.torch_compile),
     }
     names = [name for name, hit in refused.items() if hit]
@@ -143,6 +146,7 @@ def shard_for_training(trainer: Trainer, plugin: FullyShardedDataParallelPlugin)
         logger.info("Accelerate does not shard on %s: applying its FSDP2 preparation here.", trainer.args.device)
     model = trainer.model
     assert model is not None  # preflight refused a missing model
+    plugin.mixed_precision_policy = sharded_precision_policy(trainer.args, plugin)
     fsdp2_prepare_model(trainer.accelerator, model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not is_sharded(trainable):  # refuses a mix of sharded and whole trainable parameters by itself
@@ -157,9 +161,12 @@ def sync_gradients(model: nn.Module) -> None:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The whole model's weights gathered from the shards, as `save_pretrained` writes them: a collective (every
-    process calls it); full tensors on the CPU of the main process, an empty dict on the others."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model's weights gathered from the shards, as `save_pretrained` writes them (a PEFT model's trainable
+    ones alone: its adapter, without gathering the frozen base it does not write): a collective (every process calls
+    it); full tensors on the CPU of the main process, an empty dict on the others."""
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=_is_peft(model))
+    )
 
 
 def check_resumable(checkpoint: str, processes: int, plugin: FullyShardedDataParallelPlugin) -> None:
