@@ -256,3 +256,31 @@ def test_a_resume_with_another_world_size_or_state_dict_type_is_refused(resumed)
             ValueError, match="resume a sharded run with the number of processes and the state_dict_type"
         ):
             check_resumable(checkpoint, processes, plugin)
+
+
+# ---------------------------------------------------------------- sensitivity through PrivateTrainer
+@pytest.fixture(scope="module")
+def neighbours(runs, tmp_path_factory) -> dict:
+    """`clipped` and `neighbour` (noise off, one step) with the scaled example one that the test seed's first Poisson
+    draw takes (the `noisy` run's first batch: same seed, data and rate)."""
+    scaled = min(index for rank in runs[2]["samples"] for index in rank[0])
+    root = tmp_path_factory.mktemp("fsdp2_sensitivity")
+    launches = {case: (2, root / case, ["--case", case, "--scaled", str(scaled)]) for case in ("clipped", "neighbour")}
+    _run_all(root, launches)
+    return {case: _result(root / case) for case in launches} | {"scaled": scaled}
+
+
+def test_one_examples_gradient_moves_the_released_sum_by_at_most_C(neighbours):
+    """Neighbouring datasets through the public API: one example's loss weighted 1e-6 in one, 1e6 in the other
+    (`per_example_loss`), so its gradient grows 10^12-fold. With the noise off, the released update of the one step is
+    −lr·Σ clipped / (expected batch), gathered across the shards over the whole model: the clipped sums differ by at
+    most C. The scaled example's clipped term goes from almost nothing to norm C, so the sum moves by almost exactly C
+    (the bound is tight here); without the clip it would move by 10^6 times the example's gradient norm."""
+    clipped, neighbour = neighbours["clipped"], neighbours["neighbour"]
+    for run in (clipped, neighbour):
+        assert any(neighbours["scaled"] in rank[0] for rank in run["samples"]), "the scaled example must be drawn"
+        assert run["world_size"] == 2 and all(run["sharded"].values())
+    difference = sum((clipped["after"][n] - neighbour["after"][n]).double().pow(2).sum() for n in clipped["after"])
+    moved = float(difference.sqrt()) * clipped["expected_batch"] / worker.LEARNING_RATE
+    assert moved <= worker.CLIP * (1 + 1e-6)
+    assert moved > 0.99 * worker.CLIP
