@@ -258,6 +258,26 @@ def test_a_resume_with_another_world_size_or_state_dict_type_is_refused(resumed)
             check_resumable(checkpoint, processes, plugin)
 
 
+# ---------------------------------------------------------------- the budget
+@pytest.fixture(scope="module")
+def budget(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fsdp2_budget")
+    _run_all(root, {"budget": (2, root / "budget", ["--case", "budget"])})
+    return _result(root / "budget")
+
+
+def test_a_sharded_run_stops_before_the_budget_is_exceeded(budget):
+    """tests/trainer/test_trainer.py::test_training_stops_before_the_budget_is_exceeded, sharded over 2 processes."""
+    planned, asked = worker.STEPS["budget"], worker.BUDGET_ASKED
+    assert budget["epsilon"] <= worker.BUDGET_EPSILON
+    assert planned <= budget["ledger_steps"] < asked
+    assert budget["global_step"] == budget["ledger_steps"]  # no empty step after the stop
+    text = "\n".join(budget["warnings"])
+    assert f"fewer than the {asked} asked for" in text  # said before step 1
+    assert f"calibrated for the {planned} steps planned at construction; TrainingArguments now asks for {asked}" in text
+    assert text.count(f"Privacy budget reached after {budget['ledger_steps']} of the {asked} steps asked for") == 1
+
+
 # ---------------------------------------------------------------- sensitivity through PrivateTrainer
 @pytest.fixture(scope="module")
 def neighbours(runs, tmp_path_factory) -> dict:
