@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .accountants import compute_epsilon
 from .banded_inverse import bisr_coefficients, sensitivity
 from .events import BAND_INV_MF, MechanismGroup
 from .rng import MAX_RELEASE_COORDINATES, PAIR_BYTES, BoxMuller, SecretRandom
@@ -52,33 +51,6 @@ def band_inv_mf_event(
     if bands == 1:
         return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm)
     return MechanismGroup(name, noise_multiplier, sample_rate, steps, max_grad_norm, BAND_INV_MF, bands=bands)
-
-
-def calibrate_noise_multiplier(
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    bands: int,
-    accountant: str = "prv",
-    tolerance: float = 0.01,
-    max_noise_multiplier: float = 1e6,
-) -> float:
-    """The smallest per-step σ (within `tolerance`, relative) whose `steps` banded-inverse steps spend at most
-    `target_epsilon` (ε falls as σ grows): a bisection on the event's own ε, sampler tail included."""
-
-    def epsilon(sigma: float) -> float:
-        return compute_epsilon([band_inv_mf_event("band-inv-mf", sigma, sample_rate, bands, steps)], delta, accountant)
-
-    low, high = 0.0, 1.0
-    while epsilon(high) > target_epsilon:
-        low, high = high, 2 * high
-        if high > max_noise_multiplier:
-            raise ValueError(f"No σ ≤ {max_noise_multiplier:g} meets ε={target_epsilon:g} for {steps} steps.")
-    while high - low > tolerance * high:
-        middle = (low + high) / 2
-        low, high = (low, middle) if epsilon(middle) <= target_epsilon else (middle, high)
-    return high
 
 
 def card_release(entry: dict[str, Any]) -> dict[str, Any]:

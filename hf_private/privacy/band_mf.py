@@ -40,7 +40,6 @@ from scipy import optimize, signal
 
 from ..logs import get_logger
 from . import band_inv_mf
-from .accountants import compute_epsilon
 from .band_inv_mf import BAND_INV_MF_MECHANISM
 from .events import BAND_INV_MF, BAND_MF, MechanismGroup
 
@@ -169,36 +168,6 @@ def card_line(facts: dict[str, Any]) -> str:
         f"Poisson-sampling partition t mod {facts['bands']} at q̂ = {facts['sample_rate']:.4g}; accounted as "
         "⌈steps/bands⌉ Poisson-subsampled Gaussian releases at q̂ (the mechanisms table)"
     )
-
-
-def calibrate_noise_multiplier(
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    bands: int,
-    accountant: str = "prv",
-    tolerance: float = 0.01,
-    max_noise_multiplier: float = 1000.0,
-) -> float:
-    """The smallest σ (within `tolerance`, relative) whose `steps` BandMF steps spend at most `target_epsilon`: DP-SGD's
-    calibration for ⌈steps/b⌉ releases at q̂, with the sampler tail of all `steps` draws (ε falls as σ grows)."""
-
-    def epsilon(sigma: float) -> float:
-        return compute_epsilon([band_mf_event("band-mf", sigma, sample_rate, bands, steps)], delta, accountant)
-
-    low, high = 0.0, 1.0
-    while epsilon(high) > target_epsilon:
-        low, high = high, 2 * high
-        if high > max_noise_multiplier:
-            raise ValueError(
-                f"No σ ≤ {max_noise_multiplier:g} meets ε={target_epsilon:g} for {steps} BandMF steps at "
-                f"q̂={sample_rate:g}."
-            )
-    while high - low > tolerance * high:
-        middle = (low + high) / 2
-        low, high = (low, middle) if epsilon(middle) <= target_epsilon else (middle, high)
-    return high
 
 
 # ---------------------------------------------------------------------------------------------- the strategy

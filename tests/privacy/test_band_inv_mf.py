@@ -13,6 +13,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from hf_private.privacy import band_inv_mf as bim
 from hf_private.privacy import banded_inverse as bi
 from hf_private.privacy.accountants import compute_epsilon, sampler_tail_delta
+from hf_private.privacy.calibration import calibrate_noise_multiplier
 from hf_private.privacy.rng import GaussianSampler, SecretRandom
 
 SHAPES = [(70, 30), (5,), (1000,)]
@@ -133,6 +134,6 @@ def test_one_band_is_accounted_as_dp_sgd():
 
 
 def test_calibration_meets_the_target():
-    sigma = bim.calibrate_noise_multiplier(3.0, 1e-5, 0.1, 50, 4)
+    sigma = calibrate_noise_multiplier(3.0, 1e-5, 0.1, 50, bands=4, banded_inverse=True)
     spent = compute_epsilon([bim.band_inv_mf_event("band-inv-mf", sigma, 0.1, 4, 50)], 1e-5, "prv")
     assert 2.9 <= spent <= 3.0

@@ -16,6 +16,7 @@ from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from hf_private.privacy import band_mf as bm
 from hf_private.privacy.accountants import compute_epsilon, sampler_tail_delta
+from hf_private.privacy.calibration import calibrate_noise_multiplier
 from hf_private.privacy.events import MechanismGroup
 from hf_private.privacy.rng import SecretRandom
 
@@ -177,7 +178,7 @@ def test_epsilon_is_dp_sgds_at_the_partition_rate_over_the_rounds():
 
 
 def test_calibration_meets_the_target():
-    sigma = bm.calibrate_noise_multiplier(3.0, 1e-5, 0.08, 100, 4)
+    sigma = calibrate_noise_multiplier(3.0, 1e-5, 0.08, 100, bands=4)
     assert compute_epsilon([bm.band_mf_event("b", sigma, 0.08, 4, 100)], 1e-5, "prv") <= 3.0
     assert compute_epsilon([bm.band_mf_event("b", sigma * 0.97, 0.08, 4, 100)], 1e-5, "prv") > 3.0
 
