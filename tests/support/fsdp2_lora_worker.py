@@ -32,8 +32,6 @@ from transformers import DataCollatorForLanguageModeling, TrainingArguments
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_private import DPConfig, PrivateTrainer  # noqa: E402
-from hf_private.data.labels import IGNORE_INDEX  # noqa: E402
-from hf_private.integrations.losses import default_per_example_loss  # noqa: E402
 from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from tests.support import fsdp2_trainer_worker as full  # noqa: E402
 from tests.support import tiny  # noqa: E402
@@ -52,19 +50,6 @@ def model_for(case: str) -> torch.nn.Module:
     if case == "lora":
         return get_peft_model(tiny.llama().double(), LoraConfig(**LORA))  # float64: compared with one process at 1e-5
     return tiny.llama()
-
-
-def scaled_loss(example: int, weight: float):
-    """The model's own per-example loss, times `weight` for the rows that are `example` (matched by its labels: the
-    collator's labels are its token ids, padding -100). The filler chunks of a sharded step are token 0, never it."""
-    ids = [token for token in dataset()[example]["input_ids"] if token != tiny.tokenizer().pad_token_id]
-
-    def loss(model, outputs, labels):
-        losses = default_per_example_loss(model, outputs, labels)
-        hit = torch.tensor([row[row != IGNORE_INDEX].tolist() == ids for row in labels], device=losses.device)
-        return torch.where(hit, losses * weight, losses)
-
-    return loss
 
 
 def build(case: str, out: Path, world_size: int, scaled: int | None = None) -> PrivateTrainer:
@@ -95,7 +80,7 @@ def build(case: str, out: Path, world_size: int, scaled: int | None = None) -> P
         train_dataset=dataset(),
         data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
         dp_config=DPConfig(noise_multiplier=full.NOISE_MULTIPLIER, max_grad_norm=full.CLIP, noise_seed=11),
-        per_example_loss=scaled_loss(scaled, WEIGHTS[case]) if scaled is not None else None,
+        per_example_loss=full.scaled_loss(scaled, WEIGHTS[case]) if scaled is not None else None,
     )
 
 
