@@ -15,10 +15,10 @@ override (as Opacus' DPOptimizer.pre_step):
    RGP's re-decomposition), once per logical batch on every process.
 
 Sharded parameters (FSDP2's `fully_shard`: DTensors, dim 0 split across processes) take steps 2-3 the other way round:
-each process's full-shape clipped sum is reduce-scattered to the shards one parameter at a time
-(`reduce_scatter_to_shard`), and each process noises only the coordinates it owns, with the values one process would
-draw for them (`GaussianNoise.add_shards_`): again Σ clipped + one noise draw per coordinate, and each process's
-`.grad` is its shard of it.
+the engine has already reduce-scattered each chunk's clipped sums to the shards (`FlatL2ClipReducer`), and each
+process noises only the coordinates it owns, with the values one process would draw for them
+(`GaussianNoise.add_shards_`): again Σ clipped + one noise draw per coordinate, and each process's `.grad` is its
+shard of it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .engine import PerExampleGradientEngine
-from .engine.sharding import dim0_shard, is_sharded, reduce_scatter_to_shard
+from .engine.sharding import dim0_shard, is_sharded
 from .privacy import GaussianNoise
 from .privacy.band_inv_mf import BandedInverseNoise
 from .privacy.band_mf import BandedNoise
@@ -83,6 +83,12 @@ def noise_once_then_sum(
 def _zero_sum(param: nn.Parameter) -> torch.Tensor:
     """The clipped sum of a parameter no example reached: zeros, in its dtype promoted to at least float32."""
     return torch.zeros(param.shape, dtype=torch.promote_types(param.dtype, torch.float32), device=param.device)
+
+
+def _zero_shard(param: nn.Parameter) -> torch.Tensor:
+    """This process's rows of a sharded parameter's clipped sum when no example reached it (`_zero_sum`'s dtype)."""
+    start, end, _ = dim0_shard(param)
+    return _zero_sum(param).new_zeros((end - start, *param.shape[1:]))
 
 
 def _distributed() -> bool:
@@ -232,15 +238,10 @@ class NoisyOptimizer(torch.optim.Optimizer):
         return [sums[p] if p in sums else _zero_sum(p) for p in params]
 
     def sharded_sums(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Each parameter's clipped sum over every process, this process's shard of it (`reduce_scatter_to_shard`),
-        one parameter at a time: each full-shape sum is dropped once scattered."""
+        """Each parameter's clipped sum over every process, this process's shard of it: the engine reduce-scatters
+        each chunk's sums as it reduces them (`FlatL2ClipReducer`); zeros where a step ran no chunk anywhere."""
         sums = self.engine.pop_clipped_sums()
-        shards = []
-        for param in params:
-            total = sums.pop(param, None)
-            shards.append(reduce_scatter_to_shard(total if total is not None else _zero_sum(param), param))
-            del total
-        return shards
+        return [sums[p] if p in sums else _zero_shard(p) for p in params]
 
     def add_sharded_noise(self, params: list[nn.Parameter], shards: list[torch.Tensor]) -> None:
         """shards += N(0, (σC)²) on the coordinates this process owns, the values one process would draw for them

@@ -270,6 +270,7 @@ class PerExampleGradientEngine:
         self.layers = self._find_layers()
         self.batch_norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self._reducer: Reducer = FlatL2ClipReducer(max_grad_norm)
+        self._reducer.bind(self.parameters)
         if reducer is not None:
             self.reducer = reducer
         self._term_transforms: dict[nn.Parameter, OrderedDict[int, TermTransform]] = {}

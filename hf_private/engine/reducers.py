@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .sharding import is_sharded, reduce_scatter_to_shard
 from .terms import FactorGrams, accumulation_dtype, cast_term, clipped_sum, combined_squared_norm, zero_examples
 
 # max_grad_norm / (norm + _CLIP_STABILITY): the flat clip's factor, as DP-SGD has always computed it here
@@ -90,12 +91,17 @@ class FlatL2ClipReducer(Reducer):
     """DP-SGD's one flat clip: g_b · min(1, C / (‖g_b‖₂ + 1e-6)) summed per parameter.
 
     ‖g_b‖₂ covers every tensor the optimizer updates. The sums stay in the parameter's dtype promoted to at least
-    float32 until `pop_clipped_sums` hands them to the optimizer.
+    float32 until `pop_clipped_sums` hands them to the optimizer; FSDP2-sharded parameters' sums are this process's
+    shards of the sums over every process.
     """
 
     def __init__(self, max_grad_norm: float) -> None:
         self.max_grad_norm = float(max_grad_norm)
         self.sums: dict[nn.Parameter, torch.Tensor] = {}
+        self._parameters: list[nn.Parameter] = []
+
+    def bind(self, parameters: Sequence[tuple[str, nn.Parameter]]) -> None:
+        self._parameters = [param for _, param in parameters]
 
     def reduce(self, chunk: ChunkTerms) -> torch.Tensor:
         norms = flat_norms(chunk)
@@ -106,6 +112,9 @@ class FlatL2ClipReducer(Reducer):
             # A NaN label or an overflow must not turn the release into NaN exactly when that record is sampled.
             factors = torch.where(finite, factors, 0.0)
             by_param = {p: [zero_examples(t, finite) for t in terms] for p, terms in by_param.items()}
+        if is_sharded(self._parameters):
+            self._add_to_shards(by_param, factors)
+            return norms
         for param, terms in by_param.items():
             dtype = accumulation_dtype(param)
             for term in terms:
@@ -113,6 +122,24 @@ class FlatL2ClipReducer(Reducer):
                 self.sums[param] = clipped_sum(cast_term(term, dtype), factors.to(dtype), param.shape, running)
             by_param[param] = []  # release this parameter's stored factors as soon as they are used
         return norms
+
+    def _add_to_shards(self, by_param: dict[nn.Parameter, list], factors: torch.Tensor) -> None:
+        """FSDP2: each parameter's clipped sum of the chunk, summed over processes and cut to this process's rows at
+        once (one reduce-scatter, as FSDP reduces a gradient after each backward), then added to the running sum of
+        this process's shard, so that no process holds a whole model's sums across the micro-batches of a step (the
+        memory sharding saves). Every process reduce-scatters every parameter in the same order, zeros where its
+        chunk has no terms for one (an expert no token here was routed to), as collectives require."""
+        for param in self._parameters:
+            dtype = accumulation_dtype(param)
+            chunk_sum = None
+            for term in by_param.pop(param, []):
+                chunk_sum = clipped_sum(cast_term(term, dtype), factors.to(dtype), param.shape, chunk_sum)
+            if chunk_sum is None:
+                chunk_sum = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            shard = reduce_scatter_to_shard(chunk_sum, param)
+            del chunk_sum
+            running = self.sums.get(param)
+            self.sums[param] = shard if running is None else running.add_(shard)
 
     def pop_clipped_sums(self) -> dict[nn.Parameter, torch.Tensor]:
         sums, self.sums = self.sums, {}

@@ -1,7 +1,7 @@
 """FSDP2's dim-0 layout (`fully_shard`: each trainable parameter a DTensor, dim 0 split across processes), and the
 engine's first-chunk check against autograd on it.
 
-The optimizer reduce-scatters each full-shape clipped sum to this layout (`reduce_scatter_to_shard`); the engine's
+The DP-SGD reducer reduce-scatters each chunk's clipped sums to this layout (`reduce_scatter_to_shard`); the engine's
 check does the same with its unclipped sums and compares each process's shard with the shard FSDP2 reduced, scaled
 back from FSDP2's mean to a sum. Every number a verdict depends on is summed over the processes first, so all of them
 raise the same error together: none is left waiting in a collective another one has abandoned.

@@ -22,8 +22,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hf_private import optimizer as optimizer_module
-from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError
+from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, reducers
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from tests.support import tiny
@@ -113,15 +112,15 @@ def one_step(noise_multiplier: float, neighbour: bool, mutation: str | None, sha
 
 def _case(name: str, shard: bool) -> dict:
     noise_multiplier, neighbour, mutation = CASES[name]
-    saved = GaussianNoise.add_shards_, optimizer_module.reduce_scatter_to_shard
+    saved = GaussianNoise.add_shards_, reducers.reduce_scatter_to_shard
     try:
         if mutation == "noise-per-rank":
             GaussianNoise.add_shards_ = _draw_from_coordinate_zero  # type: ignore[method-assign]
         if mutation == "averaged":
-            optimizer_module.reduce_scatter_to_shard = _averaged(saved[1])
+            reducers.reduce_scatter_to_shard = _averaged(saved[1])
         return one_step(noise_multiplier, neighbour, mutation, shard)
     finally:
-        GaussianNoise.add_shards_, optimizer_module.reduce_scatter_to_shard = saved  # type: ignore[method-assign]
+        GaussianNoise.add_shards_, reducers.reduce_scatter_to_shard = saved  # type: ignore[method-assign]
 
 
 class PartlyHidden(torch.nn.Module):
