@@ -5,6 +5,10 @@
 For every (model, T, mode) the arms — non-private, hf_private, Opacus hooks, Opacus ghost — run in alternating
 rounds on the same batch, so machine load hits them alike; the table reports median step time and peak memory as
 ratios to the non-private arm. Models are built from config (random init): speed does not depend on the weights.
+
+Correlated noise (issue 50) against DP-SGD, on request: `--arms hf_private hf_private-band-mf
+hf_private-band-inv-mf-store hf_private-band-inv-mf-regenerate` (b = `BANDS`, BandMF's strategy for `STRATEGY_STEPS`
+steps; each arm's history warmed to b − 1 past steps first, so every timed step is a steady-state one).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from hf_private import BitFitConfig
 from hf_private.engine import PerExampleGradientEngine
 from hf_private.integrations.losses import default_per_example_loss
 from hf_private.optimizer import NoisyOptimizer
+from hf_private.privacy.band_inv_mf import BandedInverseNoise
+from hf_private.privacy.band_mf import BandedNoise, strategy
 from hf_private.privacy.noise import GaussianNoise
 
 logger = logging.getLogger("benchmarks.speed")
@@ -85,6 +91,8 @@ LORA_TARGETS = {
     "mixtral-4x2": ["q_proj", "v_proj"],
 }
 CLIP, SIGMA = 1.0, 1.0
+# the correlated-noise arms (issue 50): b, and the run length BandMF's strategy is optimised for (the SST-2 runs')
+BANDS, STRATEGY_STEPS = 8, 234
 
 
 def make_chunks(model: torch.nn.Module, batch_size: int, seq_len: int, grad_accum: int, device: torch.device):
@@ -159,6 +167,49 @@ class HfPrivate:
         self.optimizer.step()
 
 
+class HfPrivateBandMF(HfPrivate):
+    """hf_private with amplified BandMF's correlated noise (`BANDS` bands, the optimised strategy for
+    `STRATEGY_STEPS` steps), its history warmed to the b − 1 past steps that every step after the first b − 1 reads."""
+
+    name = "hf_private-band-mf"
+
+    def __init__(self, model, batch_size):
+        super().__init__(model, batch_size)
+        self.optimizer.banded_noise = BandedNoise(strategy(STRATEGY_STEPS, BANDS))
+        _warm_history(self.optimizer)
+
+
+class HfPrivateBandInvMFStore(HfPrivate):
+    """hf_private with the banded-inverse (BISR) noise of `BANDS` bands, keeping the last b − 1 draws ("store"),
+    its history warmed as BandMF's."""
+
+    name = "hf_private-band-inv-mf-store"
+    layout = "store"
+
+    def __init__(self, model, batch_size):
+        super().__init__(model, batch_size)
+        source = self.optimizer.noise
+        self.optimizer.banded_noise = BandedInverseNoise(
+            source.random, BANDS, source.sampler.pairs, source.device, layout=self.layout
+        )
+        _warm_history(self.optimizer)
+
+
+class HfPrivateBandInvMFRegenerate(HfPrivateBandInvMFStore):
+    """As the store arm, re-drawing the last b − 1 draws from the ChaCha20 stream every step ("regenerate")."""
+
+    name = "hf_private-band-inv-mf-regenerate"
+    layout = "regenerate"
+
+
+def _warm_history(optimizer: NoisyOptimizer) -> None:
+    """b − 1 noise-only releases (zero sums) through the optimizer's own noise path, so that timed steps are
+    steady-state ones: a correlated mechanism's step t < b reads only t − 1 past steps."""
+    params = [p for _, p in optimizer.engine.parameters]
+    for _ in range(BANDS - 1):
+        optimizer.add_noise([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params])
+
+
 class OpacusHooks:
     name = "opacus-hooks"
 
@@ -220,10 +271,16 @@ class OpacusGhost:
         self.optimizer.step()
 
 
-ARM_CLASSES = {cls.__name__: cls for cls in (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost)}
+CORRELATED_ARMS = (HfPrivateBandMF, HfPrivateBandInvMFStore, HfPrivateBandInvMFRegenerate)
+ARM_CLASSES = {cls.__name__: cls for cls in (NonPrivate, HfPrivate, OpacusHooks, OpacusGhost, *CORRELATED_ARMS)}
 
 
-COMPARED_ARMS = {"hf_private": HfPrivate, "opacus-hooks": OpacusHooks, "opacus-ghost": OpacusGhost}
+COMPARED_ARMS = {
+    "hf_private": HfPrivate,
+    "opacus-hooks": OpacusHooks,
+    "opacus-ghost": OpacusGhost,
+    **{cls.name: cls for cls in CORRELATED_ARMS},
+}
 
 
 def arms_for(mode: str, compared: list[str] | None = None) -> list[tuple[str, type, str]]:
@@ -367,17 +424,18 @@ def bench_config(model_name, specs, seq_len, batch_size, grad_accum, steps, roun
 
 
 def print_table(results: list[dict], labels: list[str]) -> None:
-    header = f"{'model':<13}{'mode':<7}{'T':>5}{'B x GA':>8}" + "".join(f"{label:>30}" for label in labels[1:])
+    widths = {label: max(30, len(label) + 2) for label in labels[1:]}
+    cells = "".join(f"{label:>{widths[label]}}" for label in labels[1:])
+    header = f"{'model':<13}{'mode':<7}{'T':>5}{'B x GA':>8}" + cells
     print(header + "\n" + "-" * len(header))
     for r in results:
         cells = []
         for label in labels[1:]:
             a = r["arms"].get(label)
-            cells.append(
-                f"{a['time_ratio']:>6.2f}x t {a['cpu_time_ratio']:.2f}x cpu {a['memory_ratio']:>5.2f}x mem"
-                if a
-                else f"{'n/a':>30}"
-            )
+            cell = "n/a"
+            if a:
+                cell = f"{a['time_ratio']:.2f}x t {a['cpu_time_ratio']:.2f}x cpu {a['memory_ratio']:.2f}x mem"
+            cells.append(f"{cell:>{widths[label]}}")
         ref = r["arms"][r["reference"]]
         row = f"{r['model']:<13}{r['mode']:<7}{r['seq_len']:>5}{r['batch_size']:>4}x{r['grad_accum']:<3}"
         print(
@@ -410,7 +468,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--arms",
         nargs="+",
-        default=list(COMPARED_ARMS),
+        default=["hf_private", "opacus-hooks", "opacus-ghost"],
         choices=list(COMPARED_ARMS),
         help="arms compared with the non-private reference",
     )
