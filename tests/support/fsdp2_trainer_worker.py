@@ -16,6 +16,10 @@ clipped sum; the example `--scaled` has its loss weighted by `WEIGHT_DOWN`, resp
 `--state-dict-type`; `--kill-at S` interrupts it after step S, `--resume` resumes it from its newest checkpoint; the
 full model and optimizer state are recorded at each save and when the resumed run begins); `budget` (a secret seed,
 target ε, σ calibrated for `STEPS["budget"]` steps, then asked for `BUDGET_ASKED`: the budget must stop it).
+Options of the `noisy` case: `--users` (user-level units: `USERS` users of unequal sizes, `EXAMPLES_PER_USER` each
+at most), `--checkpointing args|reentrant|fsdp` (activation checkpointing asked for by `gradient_checkpointing=True`,
+non-reentrant or reentrant, resp. `fsdp_config["activation_checkpointing"]`; the result counts the forwards of the
+model and of its first decoder layer's first norm, which a recompute begins once more).
 """
 
 from __future__ import annotations
@@ -51,10 +55,12 @@ STEPS = {"noisy": 3, "clipped": 1, "neighbour": 1, "checkpointed": 3, "budget": 
 WEIGHT_DOWN, WEIGHT_UP = 1e-6, 1e6  # the scaled example's loss weight in `clipped` and `neighbour`
 BUDGET_EPSILON, BUDGET_ASKED = 2.0, 40
 CHECKPOINT_LEARNING_RATE = 1e-3  # AdamW: the steps the checkpoint tests compare stay small
+USERS, EXAMPLES_PER_USER = 11, 2  # --users: user u holds the examples i with i % USERS == u (2 or 3 of them)
 
 
-def dataset():
-    return tiny.lm_dataset(DATASET_SIZE)
+def dataset(users: bool = False):
+    data = tiny.lm_dataset(DATASET_SIZE)
+    return data.add_column("user_id", [i % USERS for i in range(DATASET_SIZE)]) if users else data
 
 
 def scaled_loss(example: int, weight: float):
@@ -76,7 +82,13 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
     fsdp_config = {"fsdp_version": 2}
     if options.state_dict_type is not None:
         fsdp_config["state_dict_type"] = options.state_dict_type
+    if options.checkpointing == "fsdp":
+        fsdp_config["activation_checkpointing"] = True
     sharding = {"fsdp": True, "fsdp_config": fsdp_config} if world_size > 1 else {}
+    checkpointing = {}
+    if options.checkpointing in ("args", "reentrant"):
+        reentrant = {"use_reentrant": options.checkpointing == "reentrant"}
+        checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": reentrant}
     checkpointed = case == "checkpointed"
     args = TrainingArguments(
         output_dir=str(out),
@@ -96,6 +108,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
         disable_tqdm=True,
         dataloader_num_workers=0,
         **sharding,
+        **checkpointing,
     )
     sampled = _record_samples()
     if case in ("clipped", "neighbour"):  # test only: no noise, so the released update is the clipped sum alone
@@ -104,13 +117,22 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
     dp_config = DPConfig(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP, noise_seed=11)
     if case == "budget":  # a secret seed, as the one-process budget test
         dp_config = DPConfig(target_epsilon=BUDGET_EPSILON, max_grad_norm=CLIP)
+    if options.users:
+        dp_config = DPConfig(
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_grad_norm=CLIP,
+            noise_seed=11,
+            privacy_unit="user",
+            user_column="user_id",
+            examples_per_user=EXAMPLES_PER_USER,
+        )
     loss = None
     if options.scaled is not None:
         loss = scaled_loss(options.scaled, WEIGHT_UP if case == "neighbour" else WEIGHT_DOWN)
     trainer = PrivateTrainer(
         model=model,
         args=args,
-        train_dataset=dataset(),
+        train_dataset=dataset(options.users),
         data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
         dp_config=dp_config,
         per_example_loss=loss,
@@ -122,6 +144,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
     if options.kill_at is not None:
         trainer.add_callback(KillAtStep(options.kill_at))
     warnings = _record_warnings()
+    forwards = _count_forwards(trainer.model)
     try:
         trainer.train(resume_from_checkpoint=True if options.resume else None)
     except KeyboardInterrupt:  # --kill-at: the checkpoints written so far are what a resume starts from
@@ -152,6 +175,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
                 "accelerate_fsdp2_at_save": trainer.accelerator.is_fsdp2,
                 "states": states.recorded,
                 "warnings": warnings,
+                "forwards": forwards,
             },
             out / ("resumed.pt" if options.resume else "result.pt"),
         )
@@ -185,6 +209,16 @@ class _StateRecorder(TrainerCallback):
         self.recorded["saved"][state.global_step] = self._state()
 
 
+def _count_forwards(model) -> dict[str, int]:
+    """How many forwards the model and its first decoder layer's first norm began (checkpointed: the norm's twice a
+    pass, its recompute in backward; a pre-hook, since a recompute stops once it has what backward reads)."""
+    counts = {"model": 0, "layer": 0}
+    norm = next(m for name, m in model.named_modules() if "layers.0." in name and name.endswith("input_layernorm"))
+    for name, module in (("model", model), ("layer", norm)):
+        module.register_forward_pre_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
 def _record_warnings() -> list[str]:
     """hf_private's WARNING lines on this process."""
     lines: list[str] = []
@@ -216,6 +250,8 @@ if __name__ == "__main__":
     parser.add_argument("--state-dict-type", choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"], default=None)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--users", action="store_true", help="user-level privacy units")
+    parser.add_argument("--checkpointing", choices=["args", "reentrant", "fsdp"], default=None)
     ns = parser.parse_args()
     torch.set_num_threads(1)
     run(ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")), ns)

@@ -709,10 +709,14 @@ ROWS = [
         args={"fsdp": True, "fsdp_config": {"fsdp_version": 1}},
     ),
     _row(
-        "fsdp2-with-activation-checkpointing",
-        NotImplementedError,
-        "Sharded (FSDP2) private training does not support activation checkpointing yet",
-        args={"fsdp": True, "fsdp_config": {"fsdp_version": 2}, "gradient_checkpointing": True},
+        "fsdp2-with-activation-checkpointing-asked-twice",
+        ValueError,
+        "Activation checkpointing is asked for twice: fsdp_config['activation_checkpointing'] (FSDP's own) and",
+        args={
+            "fsdp": True,
+            "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True},
+            "gradient_checkpointing": True,
+        },
     ),
     _row(
         "fsdp2-on-one-process",
