@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.constants import FSDP_MODEL_NAME
-from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from ..data.chunks import PhysicalChunk
+from ..data.chunks import PhysicalChunk, unit_sizes_of
 from ..engine.sharding import is_sharded
 from ..logs import get_logger
 from ..optimizer import noisy_optimizer
@@ -85,18 +85,21 @@ def check_sharding(
     plugin = requested_plugin(args)
     assert plugin is not None
     check_sharded_mesh(args)
+    if args.gradient_checkpointing and plugin.activation_checkpointing:  # as Trainer refuses it on a GPU
+        raise ValueError(
+            "Activation checkpointing is asked for twice: fsdp_config['activation_checkpointing'] (FSDP's own) and "
+            "gradient_checkpointing=True. Keep one of them (FSDP's own spares an all-gather in backward)."
+        )
     refused = {
         "partly frozen models other than PEFT ones (saved as a private adapter)": not _is_peft(model)
         and not all(p.requires_grad for p in model.parameters()),
         f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
-        "user-level privacy units": dp_config.privacy_unit == "user",
         "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
         "BandMF (noise_mechanism='band-mf')": dp_config.noise_mechanism == "band-mf",  # its history is unsharded
         # TRL's SFT and DPO trainers train sharded (DPO's reference model sharded too), without these yet
         "TRL's packing and padding_free": bool(getattr(args, "packing", False) or getattr(args, "padding_free", False)),
         "DPO's precompute_ref_log_probs": bool(getattr(args, "precompute_ref_log_probs", False)),
         "DPO's sync_ref_model": bool(getattr(args, "sync_ref_model", False)),
-        "activation checkpointing": bool(args.gradient_checkpointing or plugin.activation_checkpointing),
         "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
         "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
         "fp16 mixed precision (bf16=True is supported)": bool(args.fp16),
@@ -146,6 +149,10 @@ def shard_for_training(trainer: Trainer, plugin: FullyShardedDataParallelPlugin)
     model = trainer.model
     assert model is not None  # preflight refused a missing model
     plugin.mixed_precision_policy = sharded_precision_policy(trainer.args, plugin)
+    if plugin.activation_checkpointing:  # as Accelerate's FSDP2 `prepare`: each layer of its wrap policy, then shard
+        plugin.set_auto_wrap_policy(model)
+        fsdp2_apply_ac(trainer.accelerator, model)
+        plugin.activation_checkpointing = False  # applied: `prepare` would wrap it again, and fail on the FSDP layers
     fsdp2_prepare_model(trainer.accelerator, model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not is_sharded(trainable):  # refuses a mix of sharded and whole trainable parameters by itself
@@ -235,7 +242,7 @@ def join_the_other_chunks(trainer: Any, model: nn.Module, engine: Any, padding: 
     (the same forwards on every process)."""
     if padding:
         dataset, collate = trainer.training_data()
-        inputs = padding_inputs(collate([dataset[0]]))
+        inputs = padding_inputs(unit_sizes_of(collate([dataset[0]]))[0])  # no user's unit sizes: a plain row
         rows = trainer.trainer_family.rows_per_unit(model, inputs)
     for _ in range(padding):
         model.train()
