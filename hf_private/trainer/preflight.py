@@ -105,7 +105,7 @@ def check_before_trainer(
     if args is not None:  # else Trainer makes default arguments: check_built_trainer checks them
         check_arguments(args, dp_config.initial_clip_norm, custom_loss, trainer_class, family, model)
         check_user_level_arguments(args, dp_config)
-        check_sharding(args, model, dp_config, trainer_class)  # before Trainer, which refuses FSDP on one process
+        check_sharding(args, model, dp_config)  # before Trainer, which refuses FSDP on one process
     return Preflight(dataset_size, dp_config.resolve_delta(dataset_size), labels, family, unit, model, users)
 
 

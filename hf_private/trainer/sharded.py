@@ -70,9 +70,7 @@ def requested_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin 
     return None
 
 
-def check_sharding(
-    args: TrainingArguments, model: nn.Module, dp_config: MethodConfig, trainer_class: type[Trainer]
-) -> None:
+def check_sharding(args: TrainingArguments, model: nn.Module, dp_config: MethodConfig) -> None:
     """Refuse, by name, what sharded private training does not support (yet), before Trainer is built."""
     if args.fsdp_plugin_args is not None:
         version = int(args.fsdp_plugin_args.get("fsdp_version", 2))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, SFTConfig
 
-from hf_private import DPConfig, privatize
+from hf_private import DPConfig
 from hf_private.trainer.sharded import check_sharding
 from tests.support import fsdp2_trl_worker as worker
 from tests.support import tiny
@@ -106,20 +106,19 @@ def test_the_ledger_and_the_report_equal_the_one_process_run(runs, case):
 
 
 @pytest.mark.parametrize(
-    ("trainer_class", "config_class", "setting", "named"),
+    ("config_class", "setting", "named"),
     [
-        (SFTTrainer, SFTConfig, {"packing": True}, "TRL's packing and padding_free"),
-        (SFTTrainer, SFTConfig, {"padding_free": True}, "TRL's packing and padding_free"),
-        (DPOTrainer, DPOConfig, {"precompute_ref_log_probs": True}, "DPO's precompute_ref_log_probs"),
-        (DPOTrainer, DPOConfig, {"sync_ref_model": True}, "DPO's sync_ref_model"),
+        (SFTConfig, {"packing": True}, "TRL's packing and padding_free"),
+        (SFTConfig, {"padding_free": True}, "TRL's packing and padding_free"),
+        (DPOConfig, {"precompute_ref_log_probs": True}, "DPO's precompute_ref_log_probs"),
+        (DPOConfig, {"sync_ref_model": True}, "DPO's sync_ref_model"),
     ],
 )
-def test_what_stays_refused_with_trl_under_sharding(tmp_path, trainer_class, config_class, setting, named):
-    """TRL's trainers pass the table (one process is then refused); these settings, untested sharded, do not."""
+def test_what_stays_refused_with_trl_under_sharding(tmp_path, config_class, setting, named):
+    """TRL's configurations pass the table (one process is then refused); these settings, untested sharded, do not."""
     settings = dict(TRL_TEST_ARGS, fsdp=True, fsdp_config={"fsdp_version": 2})
     dp_config = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0)
-    private = privatize(trainer_class)
     with pytest.raises(ValueError, match="FSDP2 with one process shards nothing"):
-        check_sharding(config_class(str(tmp_path), **settings), tiny.llama(), dp_config, private)
+        check_sharding(config_class(str(tmp_path), **settings), tiny.llama(), dp_config)
     with pytest.raises(NotImplementedError, match=named):
-        check_sharding(config_class(str(tmp_path), **settings, **setting), tiny.llama(), dp_config, private)
+        check_sharding(config_class(str(tmp_path), **settings, **setting), tiny.llama(), dp_config)

@@ -164,4 +164,4 @@ def test_fsdp2_is_refused_by_name(monkeypatch):
         torch_compile=False,
     )
     with pytest.raises(NotImplementedError, match=r"BandMF \(noise_mechanism='band-mf'\)"):
-        sharded.check_sharding(args, tiny.bert(), band_mf(2), object)
+        sharded.check_sharding(args, tiny.bert(), band_mf(2))

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import TrainingArguments
 
-from hf_private import DPConfig, PrivateTrainer
+from hf_private import DPConfig
 from hf_private.trainer.sharded import check_sharding
 from hf_private.trainer.sharded_precision import sharded_precision_policy
 from tests.support import fsdp2_lora_worker as worker
@@ -111,7 +111,7 @@ def test_bf16_replaces_accelerates_policy_with_float32_reductions_and_other_poli
 def _check(tmp_path, model, **args) -> None:
     settings = dict(fsdp=True, fsdp_config={"fsdp_version": 2}, use_cpu=True, report_to="none", save_strategy="no")
     sharding = TrainingArguments(output_dir=str(tmp_path), **{**settings, **args})
-    check_sharding(sharding, model, DPConfig(noise_multiplier=1.0, max_grad_norm=1.0), PrivateTrainer)
+    check_sharding(sharding, model, DPConfig(noise_multiplier=1.0, max_grad_norm=1.0))
 
 
 def test_what_stays_refused_next_to_lora_and_bf16(tmp_path):
