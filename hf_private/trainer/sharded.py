@@ -101,8 +101,6 @@ def check_sharding(args: TrainingArguments, model: nn.Module, dp_config: MethodC
         "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
         "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
         "fp16 mixed precision (bf16=True is supported)": bool(args.fp16),
-        # a PEFT model's checkpoints save, but resuming fails in torch's set_optimizer_state_dict (torch 2.13)
-        "checkpoints of PEFT models (save_strategy other than 'no')": _is_peft(model) and args.save_strategy != "no",
         "torch.compile": bool(args.torch_compile),
     }
     names = [name for name, hit in refused.items() if hit]

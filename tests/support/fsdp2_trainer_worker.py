@@ -19,7 +19,8 @@ target ε, σ calibrated for `STEPS["budget"]` steps, then asked for `BUDGET_ASK
 Options of the `noisy` case: `--users` (user-level units: `USERS` users of unequal sizes, `EXAMPLES_PER_USER` each
 at most), `--checkpointing args|reentrant|fsdp` (activation checkpointing asked for by `gradient_checkpointing=True`,
 non-reentrant or reentrant, resp. `fsdp_config["activation_checkpointing"]`; the result counts the forwards of the
-model and of its first decoder layer's first norm, which a recompute begins once more).
+model and of its first decoder layer's first norm, which a recompute begins once more). Option of the
+`checkpointed` case: `--lora` (a PeftModel, LoRA as tests/support/fsdp2_lora_worker.py's on the tiny Llama).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def scaled_loss(example: int, weight: float):
 def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> None:
     model = tiny.llama()
     model.double()  # the comparison with one process is at 1e-5: keep summation-order error far below it
+    if options.lora:  # a PeftModel: LoRA adapters trained, the base frozen (and sharded too)
+        from peft import LoraConfig, get_peft_model
+
+        from tests.support.fsdp2_lora_worker import LORA  # that module imports this one: here, not at the top
+
+        model = get_peft_model(model, LoraConfig(**LORA))
     fsdp_config = {"fsdp_version": 2}
     if options.state_dict_type is not None:
         fsdp_config["state_dict_type"] = options.state_dict_type
@@ -251,6 +258,7 @@ if __name__ == "__main__":
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--users", action="store_true", help="user-level privacy units")
+    parser.add_argument("--lora", action="store_true", help="LoRA on the tiny Llama (a PeftModel)")
     parser.add_argument("--checkpointing", choices=["args", "reentrant", "fsdp"], default=None)
     ns = parser.parse_args()
     torch.set_num_threads(1)
