@@ -93,7 +93,9 @@ def check_sharding(args: TrainingArguments, model: nn.Module, dp_config: MethodC
         and not all(p.requires_grad for p in model.parameters()),
         f"the {type(dp_config).__name__} method (only DPConfig)": type(dp_config).__name__ != "DPConfig",
         "adaptive clipping": dp_config.max_grad_norm == "adaptive",  # its step-end update reads whole weights
-        "BandMF (noise_mechanism='band-mf')": dp_config.noise_mechanism == "band-mf",  # its history is unsharded
+        # their noise histories are whole tensors, not shards
+        f"correlated noise (noise_mechanism={dp_config.noise_mechanism!r})": dp_config.noise_mechanism
+        in ("band-mf", "band-inv-mf"),
         # TRL's SFT and DPO trainers train sharded (DPO's reference model sharded too), without these yet
         "TRL's packing and padding_free": bool(getattr(args, "packing", False) or getattr(args, "padding_free", False)),
         "DPO's precompute_ref_log_probs": bool(getattr(args, "precompute_ref_log_probs", False)),

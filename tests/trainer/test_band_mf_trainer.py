@@ -163,5 +163,8 @@ def test_fsdp2_is_refused_by_name(monkeypatch):
         eval_strategy="no",
         torch_compile=False,
     )
-    with pytest.raises(NotImplementedError, match=r"BandMF \(noise_mechanism='band-mf'\)"):
-        sharded.check_sharding(args, tiny.bert(), band_mf(2))
+    for mechanism in ("band-mf", "band-inv-mf"):
+        config = band_mf(2)
+        config.noise_mechanism = mechanism
+        with pytest.raises(NotImplementedError, match=rf"correlated noise \(noise_mechanism='{mechanism}'\)"):
+            sharded.check_sharding(args, tiny.bert(), config)
