@@ -101,7 +101,6 @@ def check_sharding(args: TrainingArguments, model: nn.Module, dp_config: MethodC
         "DPO's precompute_ref_log_probs": bool(getattr(args, "precompute_ref_log_probs", False)),
         "DPO's sync_ref_model": bool(getattr(args, "sync_ref_model", False)),
         "CPU offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-        "evaluation during training (eval_strategy other than 'no')": args.eval_strategy != "no",
         "fp16 mixed precision (bf16=True is supported)": bool(args.fp16),
         "torch.compile": bool(args.torch_compile),
     }

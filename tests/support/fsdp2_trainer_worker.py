@@ -21,6 +21,7 @@ at most), `--checkpointing args|reentrant|fsdp` (activation checkpointing asked 
 non-reentrant or reentrant, resp. `fsdp_config["activation_checkpointing"]`; the result counts the forwards of the
 model and of its first decoder layer's first norm, which a recompute begins once more). Option of the
 `checkpointed` case: `--lora` (a PeftModel, LoRA as tests/support/fsdp2_lora_worker.py's on the tiny Llama).
+`--evaluate`: Trainer evaluates on `eval_dataset()` after every step; the result lists the eval losses.
 """
 
 from __future__ import annotations
@@ -56,12 +57,20 @@ STEPS = {"noisy": 3, "clipped": 1, "neighbour": 1, "checkpointed": 3, "budget": 
 WEIGHT_DOWN, WEIGHT_UP = 1e-6, 1e6  # the scaled example's loss weight in `clipped` and `neighbour`
 BUDGET_EPSILON, BUDGET_ASKED = 2.0, 40
 CHECKPOINT_LEARNING_RATE = 1e-3  # AdamW: the steps the checkpoint tests compare stay small
+EVAL_SIZE, EVAL_LENGTH = 12, 4  # `--evaluate`: every row of tiny.lm_dataset(12, seed=5) has at least 4 tokens
 USERS, EXAMPLES_PER_USER = 11, 2  # --users: user u holds the examples i with i % USERS == u (2 or 3 of them)
 
 
 def dataset(users: bool = False):
     data = tiny.lm_dataset(DATASET_SIZE)
     return data.add_column("user_id", [i % USERS for i in range(DATASET_SIZE)]) if users else data
+
+
+def eval_dataset():
+    """`EVAL_SIZE` rows cut to `EVAL_LENGTH` tokens each: Trainer weighs each process's eval loss by its tokens, so with
+    rows of one length the loss of every way of batching and spreading them over processes is their mean."""
+    rows = tiny.lm_dataset(EVAL_SIZE, seed=5)
+    return rows.map(lambda row: {key: value[:EVAL_LENGTH] for key, value in row.items()})
 
 
 def scaled_loss(example: int, weight: float):
@@ -97,6 +106,9 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
         reentrant = {"use_reentrant": options.checkpointing == "reentrant"}
         checkpointing = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": reentrant}
     checkpointed = case == "checkpointed"
+    evaluation = (
+        {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2} if options.evaluate else {}
+    )
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=LOGICAL_BATCH // (GRAD_ACCUM * world_size),
@@ -116,6 +128,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
         dataloader_num_workers=0,
         **sharding,
         **checkpointing,
+        **evaluation,
     )
     sampled = _record_samples()
     if case in ("clipped", "neighbour"):  # test only: no noise, so the released update is the clipped sum alone
@@ -140,6 +153,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
         model=model,
         args=args,
         train_dataset=dataset(options.users),
+        eval_dataset=eval_dataset() if options.evaluate else None,
         data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
         dp_config=dp_config,
         per_example_loss=loss,
@@ -183,6 +197,7 @@ def run(case: str, out: Path, world_size: int, options: argparse.Namespace) -> N
                 "states": states.recorded,
                 "warnings": warnings,
                 "forwards": forwards,
+                "eval_losses": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
             },
             out / ("resumed.pt" if options.resume else "result.pt"),
         )
@@ -259,6 +274,7 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--users", action="store_true", help="user-level privacy units")
     parser.add_argument("--lora", action="store_true", help="LoRA on the tiny Llama (a PeftModel)")
+    parser.add_argument("--evaluate", action="store_true", help="evaluate on eval_dataset() after every step")
     parser.add_argument("--checkpointing", choices=["args", "reentrant", "fsdp"], default=None)
     ns = parser.parse_args()
     torch.set_num_threads(1)

@@ -1,6 +1,7 @@
-"""Sharded (FSDP2) activation checkpointing and user-level units through `PrivateTrainer` (issue 49): two gloo
-processes against one unsharded process with the same arguments and test seed, as tests/trainer/test_fsdp2_trainer.py
-runs them (the same worker, tests/support/fsdp2_trainer_worker.py, with its `--checkpointing` and `--users` options).
+"""Sharded (FSDP2) activation checkpointing, user-level units and evaluation during training through `PrivateTrainer`
+(issue 49): two gloo processes against one unsharded process with the same arguments and test seed, as
+tests/trainer/test_fsdp2_trainer.py runs them (the same worker, tests/support/fsdp2_trainer_worker.py, with its
+`--checkpointing`, `--users` and `--evaluate` options).
 """
 
 from __future__ import annotations
@@ -93,3 +94,20 @@ def test_a_sharded_user_level_run_accounts_for_users(users):
     assert figure[0] == pytest.approx(figure[1], rel=1e-12) and figure[0] > 0
     assert _ledger(users[2]) == _ledger(users[1])
     assert "FSDP2" in users[2]["card"] and "user" in users[2]["card"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory) -> dict[int, dict]:
+    """The `noisy` run evaluated after every step, 1 process and 2 sharded ones (launched one after the other)."""
+    root = tmp_path_factory.mktemp("fsdp2_evaluate")
+    for n in (1, 2):
+        _run_all(root, {f"world{n}": (n, root / f"world{n}", ["--case", "noisy", "--evaluate"])})
+    return {n: _result(root / f"world{n}") for n in (1, 2)}
+
+
+def test_a_sharded_run_evaluates_during_training_as_one_process_does(evaluated):
+    one, sharded = evaluated[1], evaluated[2]
+    assert len(sharded["eval_losses"]) == len(one["eval_losses"]) == worker.STEPS["noisy"]
+    assert sharded["eval_losses"] == pytest.approx(one["eval_losses"], rel=1e-6)
+    assert len(set(one["eval_losses"])) == worker.STEPS["noisy"], "each evaluation reads the weights of its step"
+    assert _relative(sharded["after"], one["after"]) < 1e-5  # evaluating changes nothing that is released
