@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from benchmarks.memory import peak_bytes, reset_peak
 from benchmarks.trl_speed import build_model, release_memory, rss_bytes, sft_dataset, word_tokenizer
@@ -68,32 +69,24 @@ def spec_for(layout: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- one process
-class _Measure:
-    """A TrainerCallback (built lazily: transformers imports late) timing the steps after warmup, resetting the
-    high-water mark when they begin; `counted` is filled by the batch-counting wrapper."""
+class _Measure(TrainerCallback):
+    """Times the steps after warmup, resetting the high-water mark when they begin; `counted` is filled by the
+    batch-counting wrapper."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.wall, self.cpu, self.counted = warmup, [], [], []
         self._started = (0.0, 0.0)
 
-    def callback(self):
-        from transformers import TrainerCallback
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup:
+            release_memory()
+            reset_peak(CPU)
+        self._started = (time.perf_counter(), time.process_time())
 
-        measure = self
-
-        class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                if state.global_step == measure.warmup:
-                    release_memory()
-                    reset_peak(CPU)
-                measure._started = (time.perf_counter(), time.process_time())
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step > measure.warmup:
-                    measure.wall.append(time.perf_counter() - measure._started[0])
-                    measure.cpu.append(time.process_time() - measure._started[1])
-
-        return Callback()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step > self.warmup:
+            self.wall.append(time.perf_counter() - self._started[0])
+            self.cpu.append(time.process_time() - self._started[1])
 
 
 def train_one_process(spec: dict[str, Any], out: Path) -> None:
@@ -132,7 +125,7 @@ def train_one_process(spec: dict[str, Any], out: Path) -> None:
             dp_config=DPConfig(noise_multiplier=SIGMA, max_grad_norm=CLIP, noise_seed=NOISE_SEED),
         )
         measure = _Measure(spec["warmup"])
-        trainer.add_callback(measure.callback())
+        trainer.add_callback(measure)
         fetch = trainer.get_batch_samples
 
         def counted(*args, **kwargs):
