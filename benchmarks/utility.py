@@ -7,6 +7,16 @@
     python -m benchmarks.utility --plots          # only draw the PNGs from the records
     python -m benchmarks.utility --table          # only print docs/benchmarks.md's table from the records
 
+The correlated-noise and adaptive-clipping runs (issue 50): DP-LoRA for 3 epochs (234 steps), one invocation per arm,
+ε and seed, e.g.
+
+    python -m benchmarks.utility --methods lora --no-nonprivate --epsilons 8 --seed 43 \
+        --results benchmarks/results/utility_sst2_correlated.jsonl --set lora.epochs=3 \
+        lora.options.noise_mechanism=band-mf lora.options.bands=auto
+    (lora.options.noise_mechanism=band-inv-mf lora.options.bands=78; lora.options.max_grad_norm=adaptive with
+    --clip-norm auto, where C starts; lora.clip=1 for the fixed-C sweep)
+    python -m benchmarks.utility --arms-table --results benchmarks/results/utility_sst2_correlated.jsonl
+
 The new-user runs (README, Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
 
     python -m benchmarks.utility --clip-norm auto --head cls --methods dpsgd bitfit lora --epsilons 8 \
@@ -104,14 +114,24 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)  # the config's method-specific fields
 
 
+# Config fields that shape only the noise or the clip, not what trains: left out when a config is built only to ask
+# the method what it trains (bands="auto" needs a target ε, adaptive clipping a starting C)
+NOISE_AND_CLIP_OPTIONS = frozenset(
+    {"noise_mechanism", "bands", "max_grad_norm", "target_quantile", "clip_learning_rate", "clip_count_noise"}
+)
+
+
 def dp_config(spec_config: str, options: dict[str, Any], epsilon: float | None, clip: float | None):
-    """The hf_private config of a run; epsilon None builds one only to ask the method what it trains."""
+    """The hf_private config of a run; epsilon None builds one only to ask the method what it trains. With the
+    option max_grad_norm="adaptive", `clip` is where C starts (initial_max_grad_norm)."""
     import hf_private
 
     config_cls = getattr(hf_private, spec_config)
     if epsilon is None:
-        return config_cls(noise_multiplier=1.0, **options)
-    return config_cls(target_epsilon=epsilon, max_grad_norm=clip, **options)
+        kept = {k: v for k, v in options.items() if k not in NOISE_AND_CLIP_OPTIONS}
+        return config_cls(noise_multiplier=1.0, **kept)
+    clip_field = "initial_max_grad_norm" if options.get("max_grad_norm") == "adaptive" else "max_grad_norm"
+    return config_cls(target_epsilon=epsilon, **{clip_field: clip}, **options)
 
 
 def nonprivate_model(model, spec_config: str, options: dict[str, Any]):
@@ -252,8 +272,9 @@ class RunSpec:
 
     @property
     def title(self) -> str:
+        noise_and_clip = [f"{k}={v}" for k, v in self.options.items() if k in NOISE_AND_CLIP_OPTIONS]
         return f"{METHODS[self.method].label if self.method in METHODS else self.method} " + (
-            "non-private" if self.epsilon is None else f"ε={self.epsilon:g}"
+            "non-private" if self.epsilon is None else " ".join([f"ε={self.epsilon:g}", *noise_and_clip])
         )
 
 
@@ -294,9 +315,21 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _option_value(text: str) -> Any:
+    """An --set option's value as the config field wants it: an int, a float, or the text ("band-mf", "auto")."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def apply_overrides(methods: dict[str, Method], overrides: list[str], which: str) -> dict[str, Method]:
     """`--set METHOD.FIELD=VALUE` (FIELD a Hyper field) on the `which` setting (dp, or quick with --quick);
-    `METHOD.nonprivate.FIELD=VALUE` (or dp./quick.) names the setting."""
+    `METHOD.nonprivate.FIELD=VALUE` (or dp./quick.) names the setting. `METHOD.options.FIELD=VALUE` sets a field of
+    the method's hf_private config (noise_mechanism=band-mf, bands=auto, max_grad_norm=adaptive: the Hyper clip is
+    then where C starts)."""
     methods = dict(methods)
     for item in overrides:
         try:
@@ -306,6 +339,14 @@ def apply_overrides(methods: dict[str, Method], overrides: list[str], which: str
             raise SystemExit(f"--set takes METHOD.FIELD=VALUE, got {item!r}.") from None
         if name not in methods:
             raise SystemExit(f"--set: unknown method {name!r}; known: {', '.join(methods)}.")
+        if key.startswith("options."):
+            option = key.removeprefix("options.")
+            config_fields = {f.name for f in dataclasses.fields(dp_config(methods[name].config, {}, None, None))}
+            if option not in config_fields:
+                raise SystemExit(f"--set: {option!r} is not a field of {methods[name].config}.")
+            options = {**methods[name].options, option: _option_value(value)}
+            methods[name] = dataclasses.replace(methods[name], options=options)
+            continue
         prefix, _, key = key.rpartition(".")  # lora.nonprivate.lr: another setting than `which`
         setting = prefix or which
         if setting not in ("dp", "quick", "nonprivate"):
@@ -346,6 +387,7 @@ def plan(args, methods: dict[str, Method], data_dir: Path, model_dir: Path) -> l
             str(data_dir),
             str(model_dir),
             args.model_name,
+            seed=args.seed,
             holdout=args.holdout,
             head=args.head,
             clip_norm=args.clip_norm,
@@ -652,6 +694,9 @@ def run_one(spec: RunSpec, threads: int | None = None) -> dict[str, Any]:
             clip_norm=spec.clip_norm,
             guarantee=report["guarantee"],
             dp_method=report["method"],
+            adaptive_clipping=report.get("adaptive_clipping"),
+            band_mf=report.get("band_mf"),
+            clip_logged=[[e["step"], e["max_grad_norm"]] for e in trainer.state.log_history if "max_grad_norm" in e],
             epsilon_curve=_epsilon_curve(report),
             epsilon_logged=[
                 [e["step"], e["epsilon"]] for e in trainer.state.log_history if "epsilon" in e and "loss" in e
@@ -760,6 +805,11 @@ def parse_args(argv: list[str] | None):
     )
     parser.add_argument("--plots", action="store_true", help="only draw the PNGs from the records")
     parser.add_argument("--table", action="store_true", help="only print docs/benchmarks.md's table of the records")
+    parser.add_argument(
+        "--arms-table",
+        action="store_true",
+        help="only print the table per noise mechanism and clip rule (seeds averaged) of the records",
+    )
     parser.add_argument("--list", action="store_true", help="print the plan and which runs are done; run nothing")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     parser.add_argument("--epsilons", nargs="+", type=float, default=None)
@@ -778,7 +828,8 @@ def parse_args(argv: list[str] | None):
         nargs="+",
         default=[],
         metavar="METHOD.FIELD=VALUE",
-        help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3",
+        help="override a table entry for this invocation, e.g. lora.lr=1e-2 bitfit.nonprivate.lr=1e-3 "
+        "lora.options.noise_mechanism=band-mf lora.options.bands=auto lora.options.max_grad_norm=adaptive",
     )
     parser.add_argument(
         "--holdout",
@@ -800,6 +851,12 @@ def parse_args(argv: list[str] | None):
         default="table",
         help="table: each method's C from METHODS; auto: the median per-example gradient norm at "
         f"initialisation on public_calibration_texts({CALIBRATION_EXAMPLES}), as the README shows",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=SEED,
+        help=f"head initialisation, dropout and the training subset (default {SEED}); a new seed is a new run",
     )
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
@@ -842,6 +899,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         from benchmarks.utility_plots import markdown_table
 
         print(markdown_table(read_records(path), order=list(METHODS)))
+        return []
+    if args.arms_table:
+        from benchmarks.utility_plots import arms_table
+
+        print(arms_table(read_records(path)))
         return []
     if args.plots:
         from benchmarks.utility_plots import draw_all

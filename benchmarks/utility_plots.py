@@ -228,3 +228,53 @@ def markdown_table(records: list[dict[str, Any]], order: list[str] | None = None
 
 def _pair(private: dict[str, Any] | None, twin: dict[str, Any] | None, show) -> str:
     return " / ".join("–" if r is None else show(r) for r in (private, twin))
+
+
+def arm_label(record: dict[str, Any]) -> str:
+    """A run's arm: its noise mechanism and clip rule (the fixed C, or adaptive with its target quantile)."""
+    options = record.get("options") or {}
+    mechanism = options.get("noise_mechanism", "dp-sgd")
+    noise = {"dp-sgd": "DP-SGD", "band-mf": "BandMF", "band-inv-mf": "banded inverse"}.get(mechanism, mechanism)
+    if "bands" in options:
+        noise += f" (bands={options['bands']})"
+    if options.get("max_grad_norm") == "adaptive":
+        return f"{noise}, adaptive C (quantile {options.get('target_quantile', 0.5):g})"
+    return f"{noise}, C = {record['max_grad_norm']:g}"
+
+
+def arms_table(records: list[dict[str, Any]]) -> str:
+    """Dev accuracy per arm (noise mechanism and clip rule, `arm_label`) and ε, each cell the mean over the seeds
+    run, with every seed's accuracy, the bands BandMF chose and where adaptive C ended: the correlated-noise and
+    adaptive-clipping comparison of docs/benchmarks.md. Every record counts (seeds are replicates, not re-runs)."""
+    cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("private") and record.get("eval_split", "dev") == "dev":
+            cells.setdefault((arm_label(record), record["epsilon_target"]), []).append(record)
+    epsilons = sorted({eps for _, eps in cells}, reverse=True)
+    arms = list(dict.fromkeys(arm for arm, _ in cells))
+    lines = ["| arm | " + " | ".join(f"ε = {eps:g}" for eps in epsilons) + " |", "|" + "---|" * (len(epsilons) + 1)]
+    for arm in arms:
+        row = [arm]
+        for eps in epsilons:
+            runs = cells.get((arm, eps), [])
+            row.append(_arm_cell(runs) if runs else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _arm_cell(runs: list[dict[str, Any]]) -> str:
+    accuracies = [r["accuracy"] for r in runs]
+    cell = f"{sum(accuracies) / len(accuracies):.1%}"
+    if len(runs) > 1:
+        cell += " (" + ", ".join(f"{a:.1%}" for a in accuracies) + ")"
+    notes = []
+    chosen = sorted({r["band_mf"]["bands"] for r in runs if (r.get("band_mf") or {}).get("bands_chosen_by") == "auto"})
+    if chosen:
+        notes.append("b = " + "/".join(map(str, chosen)))
+    ends = [r["adaptive_clipping"]["final_max_grad_norm"] for r in runs if r.get("adaptive_clipping")]
+    if ends:
+        start = runs[0]["adaptive_clipping"]["initial_max_grad_norm"]
+        notes.append(f"C {start:.2f} → " + "/".join(f"{c:.2f}" for c in ends))
+    if any(r.get("loss_rose") for r in runs):
+        notes.append("loss rose")
+    return cell + (f"; {', '.join(notes)}" if notes else "")

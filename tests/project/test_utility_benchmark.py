@@ -182,3 +182,42 @@ def test_auto_clip_norm_is_the_readme_measurement(tiny_setup):
     assert record["clip_norm"] == "auto" and record["max_grad_norm"] == pytest.approx(expected)
     assert table["max_grad_norm"] == utility.METHODS["bitfit"].dp.clip and record["run_id"] != table["run_id"]
     assert 0.5 <= record["eval_top_class_share"] <= 1.0 and "collapse_warning" in record
+
+
+def test_config_options_select_correlated_noise_and_adaptive_clipping(tiny_setup):
+    """--set METHOD.options.FIELD=VALUE reaches the method's hf_private config: BandMF's bands, and adaptive clipping
+    starting at the table's C, each a run of its own with the mechanism's facts and C's trajectory recorded."""
+    data, model_dir, results = tiny_setup
+
+    def run(*options: str) -> dict:
+        (record,) = utility.main([*_argv(data, model_dir, results, *options), "--methods", "lora", "--no-nonprivate"])
+        return record
+
+    band = run("lora.options.noise_mechanism=band-mf", "lora.options.bands=2")
+    adaptive = run("lora.options.max_grad_norm=adaptive", "lora.options.target_quantile=0.7")
+    plain = run()
+    assert len({band["run_id"], adaptive["run_id"], plain["run_id"]}) == 3
+    assert band["options"]["bands"] == 2 and band["band_mf"]["bands"] == 2 and band["adaptive_clipping"] is None
+    assert plain["band_mf"] is None and plain["adaptive_clipping"] is None and plain["clip_logged"] == []
+    facts = adaptive["adaptive_clipping"]
+    assert facts["initial_max_grad_norm"] == utility.METHODS["lora"].dp.clip and facts["target_quantile"] == 0.7
+    assert facts["updates"] == adaptive["steps"] == len(adaptive["clip_logged"])
+    assert adaptive["clip_logged"][0][1] == facts["initial_max_grad_norm"]
+    for record in (band, adaptive):
+        assert record["epsilon"] <= 8.0 + 1e-9
+
+    rows = utility_plots.arms_table([band, adaptive, plain, plain]).splitlines()[2:]  # a seed twice: averaged
+    clip = utility.METHODS["lora"].dp.clip
+    assert [row.split(" | ")[0] for row in rows] == [
+        f"| BandMF (bands=2), C = {clip:g}",
+        "| DP-SGD, adaptive C (quantile 0.7)",
+        f"| DP-SGD, C = {clip:g}",
+    ]
+    assert f"{plain['accuracy']:.1%} ({plain['accuracy']:.1%}, {plain['accuracy']:.1%})" in rows[2]
+    assert f"C {clip:.2f} → {facts['final_max_grad_norm']:.2f}" in rows[1]
+
+
+def test_config_options_are_checked_against_the_config(tiny_setup):
+    data, model_dir, results = tiny_setup
+    with pytest.raises(SystemExit, match="'bands_typo' is not a field of DPLoRAConfig"):
+        utility.main([*_argv(data, model_dir, results), "lora.options.bands_typo=2"])
