@@ -231,15 +231,16 @@ def _pair(private: dict[str, Any] | None, twin: dict[str, Any] | None, show) -> 
 
 
 def arm_label(record: dict[str, Any]) -> str:
-    """A run's arm: its noise mechanism and clip rule (the fixed C, or adaptive with its target quantile)."""
+    """A run's arm: its noise mechanism, clip rule (the fixed C, or adaptive with its target quantile) and lr."""
     options = record.get("options") or {}
+    lr = f", lr {record['hyperparameters']['lr']:g}"
     mechanism = options.get("noise_mechanism", "dp-sgd")
     noise = {"dp-sgd": "DP-SGD", "band-mf": "BandMF", "band-inv-mf": "banded inverse"}.get(mechanism, mechanism)
     if "bands" in options:
         noise += f" (bands={options['bands']})"
     if options.get("max_grad_norm") == "adaptive":
-        return f"{noise}, adaptive C (quantile {options.get('target_quantile', 0.5):g})"
-    return f"{noise}, C = {record['max_grad_norm']:g}"
+        return f"{noise}, adaptive C (quantile {options.get('target_quantile', 0.5):g}){lr}"
+    return f"{noise}, C = {record['max_grad_norm']:g}{lr}"
 
 
 def arms_table(records: list[dict[str, Any]]) -> str:

@@ -207,11 +207,11 @@ def test_config_options_select_correlated_noise_and_adaptive_clipping(tiny_setup
         assert record["epsilon"] <= 8.0 + 1e-9
 
     rows = utility_plots.arms_table([band, adaptive, plain, plain]).splitlines()[2:]  # a seed twice: averaged
-    clip = utility.METHODS["lora"].dp.clip
+    clip, lr = utility.METHODS["lora"].dp.clip, utility.METHODS["lora"].dp.lr
     assert [row.split(" | ")[0] for row in rows] == [
-        f"| BandMF (bands=2), C = {clip:g}",
-        "| DP-SGD, adaptive C (quantile 0.7)",
-        f"| DP-SGD, C = {clip:g}",
+        f"| BandMF (bands=2), C = {clip:g}, lr {lr:g}",
+        f"| DP-SGD, adaptive C (quantile 0.7), lr {lr:g}",
+        f"| DP-SGD, C = {clip:g}, lr {lr:g}",
     ]
     assert f"{plain['accuracy']:.1%} ({plain['accuracy']:.1%}, {plain['accuracy']:.1%})" in rows[2]
     assert f"C {clip:.2f} → {facts['final_max_grad_norm']:.2f}" in rows[1]
