@@ -257,6 +257,12 @@ def strategy(n: int, bands: int, cache_dir: str | os.PathLike | None = None) -> 
     return c
 
 
+def step_noise_factor(c: Sequence[float] | np.ndarray, n: int) -> float:
+    """‖row n of C⁻¹‖: the std of the noise step n adds, in units of σ·C (DP-SGD: 1). It is the per-step noise an
+    optimizer that divides by the gradient's running RMS (Adam) sees, where plain SGD sees only the prefix sums."""
+    return float(np.linalg.norm(inverse_coefficients(np.asarray(c, dtype=np.float64), int(n))))
+
+
 def strategy_matrix(c: Sequence[float], n: int) -> torch.Tensor:
     """The n×n lower-triangular banded Toeplitz C with first column `c` (float64; for tests and small n)."""
     matrix = torch.zeros(n, n, dtype=torch.float64)

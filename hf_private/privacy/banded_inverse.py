@@ -43,6 +43,11 @@ def strategy_coefficients(bands: int, n: int) -> np.ndarray:
     return signal.lfilter([1.0], bisr_coefficients(bands), impulse)
 
 
+def step_noise_factor(bands: int) -> float:
+    """‖d‖: the std of the noise a step adds once b draws have run, in units of σ·C (b = 1: DP-SGD's 1)."""
+    return float(np.linalg.norm(bisr_coefficients(bands)))
+
+
 @functools.lru_cache(maxsize=256)
 def sensitivity(bands: int, steps: int) -> float:
     """max over partitions p of ‖C 1_π‖, π = {p, p + b, …} ∩ [0, steps): the L2 sensitivity of the `steps` releases

@@ -26,6 +26,7 @@ import torch
 
 from ..data.sampling import PartitionedPoissonBatchSampler, band_partitions
 from ..optimizer import NoisyOptimizer
+from ..privacy import band_mf, banded_inverse
 from ..privacy.band_auto import choose_bands
 from ..privacy.band_inv_mf import BAND_INV_MF_MECHANISM, BandedInverseNoise
 from ..privacy.band_mf import AUTO_BANDS, BAND_MF_MECHANISM, BandedNoise, check_band_mf_run, check_bands, strategy
@@ -150,9 +151,37 @@ class BandMF:
             step=step,
         )
 
+    @property
+    def step_noise_factor(self) -> float:
+        """The std of one step's noise once the history is full, in units of σ·C (DP-SGD: 1)."""
+        if self.mechanism == BAND_INV_MF_MECHANISM:
+            return banded_inverse.step_noise_factor(self.bands)
+        return band_mf.step_noise_factor(self.coefficients, self.planned_steps)
+
+    def step_noise_line(self, noise_multiplier: float) -> str:
+        """What the correlated noise does to each step, for the run's log: Adam-type optimizers see it."""
+        factor = self.step_noise_factor
+        line = (
+            f"Correlated noise ({self.mechanism}, b={self.bands}): once its history is full each step adds noise of "
+            f"std {factor:.3g}·σ·C = {factor * noise_multiplier:.4g}·C"
+        )
+        if self.auto_table is not None:  # b = 1 is DP-SGD at the same target: the comparison a user wants
+            independent = next(row["noise_multiplier"] for row in self.auto_table if row["bands"] == 1)
+            line += f", {factor * noise_multiplier / independent:.2f}× DP-SGD's {independent:.4g}·C at this target ε"
+        return (
+            line + ". Adam-type optimizers (AdamW) divide each update by the gradient's running RMS, which this noise "
+            "dominates, so their signal steps shrink by the ratio of the per-step noise to DP-SGD's: raise the "
+            "learning rate by it (on SST-2 with DP-LoRA that recovered most of the gap; docs: Benchmarks)."
+        )
+
     def report(self) -> dict[str, Any]:
         """The card's `privacy.band_mf` block: what anyone needs to recompute ε and the noise's correlation."""
-        report: dict[str, Any] = {"mechanism": self.mechanism, "bands": self.bands, "sample_rate": self.sample_rate}
+        report: dict[str, Any] = {
+            "mechanism": self.mechanism,
+            "bands": self.bands,
+            "sample_rate": self.sample_rate,
+            "step_noise_factor": self.step_noise_factor,
+        }
         if self.mechanism == BAND_INV_MF_MECHANISM:
             report["noise_coefficients"] = list(self.coefficients)
             report["sensitivity"] = sensitivity(self.bands, self.planned_steps)

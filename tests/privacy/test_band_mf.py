@@ -188,3 +188,19 @@ def test_event_validation():
         MechanismGroup("x", 1.0, 0.1, 3, bands=2)
     with pytest.raises(ValueError, match="positive integer"):
         bm.band_mf_event("x", 1.0, 0.1, 0, 3)
+
+
+def test_step_noise_factor_is_the_std_a_late_step_adds():
+    """The factor in the log and on the card is ‖row n of C⁻¹‖, the std of step n's noise per σ·C: 1 for one band
+    (DP-SGD), above 1 for a real strategy (its columns have norm 1, so C⁻¹'s rows are longer)."""
+    from hf_private.privacy import banded_inverse
+
+    n = 40
+    c = bm.optimise_strategy(n, 4)
+    rows = torch.linalg.inv(bm.strategy_matrix(c, n))
+    assert bm.step_noise_factor(c, n) == pytest.approx(float(rows[-1].norm()), rel=1e-10)
+    assert bm.step_noise_factor([1.0], n) == 1.0 and bm.step_noise_factor(c, n) > 1.2
+    d = banded_inverse.bisr_coefficients(6)
+    inverse = torch.linalg.inv(bm.strategy_matrix(banded_inverse.strategy_coefficients(6, n), n))
+    assert banded_inverse.step_noise_factor(6) == pytest.approx(float(inverse[-1].norm()), rel=1e-9)
+    assert banded_inverse.step_noise_factor(6) == pytest.approx(float((d**2).sum() ** 0.5))

@@ -4,6 +4,8 @@ same weights, resume, refusals by name; "auto" picks the least-error b and the c
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import yaml
@@ -13,13 +15,14 @@ from dp_accounting.pld import pld_privacy_accountant
 from hf_private import DPConfig
 from hf_private.methods.frost import FrostConfig
 from hf_private.privacy import band_auto, band_inv_mf
-from hf_private.privacy.band_mf import prefix_loss, strategy
+from hf_private.privacy.band_mf import prefix_loss, step_noise_factor, strategy
 from hf_private.privacy.banded_inverse import sensitivity
 from hf_private.privacy.calibration import calibrate_noise_multiplier
 from hf_private.release.artifacts import BAND_MF_STATE_NAME
 from tests.support import tiny
 from tests.support.helpers import KillAtStep, make_trainer
 
+HF_LOGGER = "transformers.hf_private"
 DATA = dict(dataset=tiny.sentiment_dataset(64), per_device_train_batch_size=8)  # B = 8 of N = 64: q = 1/8
 
 
@@ -50,6 +53,8 @@ def test_four_bands_train_and_the_card_epsilon_is_one_gaussian(tmp_path):
     report = trainer.privacy_report()
     (entry,) = report["mechanisms"]
     assert entry["mechanism"] == "band_inv_mf" and entry["bands"] == 4 and entry["steps"] == 6
+    bisr = [1, -1 / 2, -1 / 8, -1 / 16]  # the step's noise: these times the last 4 draws
+    assert report["band_mf"]["step_noise_factor"] == pytest.approx(sum(d * d for d in bisr) ** 0.5)
     assert trainer.privacy_run.optimizer.banded_noise is trainer.privacy_run.band_mf.noise
     assert trainer.privacy_run.band_mf.noise.step == 6 and trainer.privacy_run.band_mf.noise.layout == "store"
     card_text = (tmp_path / "checkpoint-6" / "README.md").read_text()
@@ -128,11 +133,18 @@ def test_auto_picks_the_minimiser_of_the_error_table():
     assert errors[chosen] < errors[1]  # correlation pays here
 
 
-def test_auto_through_the_trainer_records_the_choice(tmp_path):
+def test_auto_through_the_trainer_records_the_choice(tmp_path, caplog):
     dp = DPConfig(target_epsilon=8.0, noise_mechanism="band-mf", bands="auto")
-    trainer = make_trainer(tmp_path, dp=dp, max_steps=6, **DATA)
-    trainer.train()
+    with caplog.at_level(logging.WARNING, logger=HF_LOGGER):
+        trainer = make_trainer(tmp_path, dp=dp, max_steps=6, **DATA)
+        trainer.train()
     facts = trainer.privacy_report()["band_mf"]
     assert facts["bands_chosen_by"] == "auto" and [row["bands"] for row in facts["auto_candidates"]] == [1, 2, 4]
     best = min(facts["auto_candidates"], key=lambda row: row["error"])["bands"]
     assert facts["bands"] == best == trainer.privacy_report()["mechanisms"][0]["bands"]
+    # the per-step noise an Adam-type optimizer sees, on the card and in the log against DP-SGD's at the same target
+    assert facts["step_noise_factor"] == pytest.approx(step_noise_factor(strategy(6, best), 6))
+    sigma, independent = trainer.privacy_report()["noise_multiplier"], facts["auto_candidates"][0]["noise_multiplier"]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Correlated noise")]
+    assert f"{facts['step_noise_factor'] * sigma:.4g}·C" in line
+    assert f"× DP-SGD's {independent:.4g}·C at this target ε" in line
