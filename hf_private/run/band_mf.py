@@ -171,7 +171,7 @@ class BandMF:
         return (
             line + ". Adam-type optimizers (AdamW) divide each update by the gradient's running RMS, which this noise "
             "dominates, so their signal steps shrink by the ratio of the per-step noise to DP-SGD's: raise the "
-            "learning rate by it (on SST-2 with DP-LoRA that recovered most of the gap; docs: Benchmarks)."
+            "learning rate by it (docs: Benchmarks, correlated noise on SST-2)."
         )
 
     def report(self) -> dict[str, Any]:
