@@ -341,7 +341,9 @@ def apply_overrides(methods: dict[str, Method], overrides: list[str], which: str
             raise SystemExit(f"--set: unknown method {name!r}; known: {', '.join(methods)}.")
         if key.startswith("options."):
             option = key.removeprefix("options.")
-            config_fields = {f.name for f in dataclasses.fields(dp_config(methods[name].config, {}, None, None))}
+            import hf_private
+
+            config_fields = {f.name for f in dataclasses.fields(getattr(hf_private, methods[name].config))}
             if option not in config_fields:
                 raise SystemExit(f"--set: {option!r} is not a field of {methods[name].config}.")
             options = {**methods[name].options, option: _option_value(value)}
