@@ -120,7 +120,8 @@ class MethodConfig:
         default=1,
         metadata={
             "help": "The number of bands b of 'band-mf' or 'band-inv-mf' (1 is DP-SGD exactly; at most the steps); "
-            "'auto' (band-mf with a target_epsilon): the b of least expected prefix-sum error (`band_auto`)."
+            "'auto' (with a target_epsilon): the b of least expected prefix-sum error (`band_auto`), 1 (DP-SGD) where "
+            "no b lowers it."
         },
     )
     accountant: str = field(

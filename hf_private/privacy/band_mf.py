@@ -67,10 +67,10 @@ def check_band_mf_settings(config: Any) -> None:
     if mechanism not in NOISE_MECHANISMS:
         raise ValueError(f"noise_mechanism must be one of {', '.join(map(repr, NOISE_MECHANISMS))}, got {mechanism!r}.")
     if config.bands == AUTO_BANDS:
-        if mechanism != BAND_MF_MECHANISM or config.target_epsilon is None:
+        if mechanism == DP_SGD or config.target_epsilon is None:
             raise ValueError(
-                f"bands='auto' picks b for noise_mechanism={BAND_MF_MECHANISM!r} by the error at a target ε: set "
-                f"noise_mechanism={BAND_MF_MECHANISM!r} and target_epsilon, or give bands as an integer."
+                f"bands='auto' picks b for noise_mechanism={BAND_MF_MECHANISM!r} or 'band-inv-mf' by the error at a "
+                "target ε: set one of them and target_epsilon, or give bands as an integer."
             )
     else:
         check_bands(config.bands)

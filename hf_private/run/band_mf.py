@@ -11,7 +11,7 @@ as secret as the noise), so a resumed run continues the same noise sequence and 
 The banded-inverse mechanism (`noise_mechanism="band-inv-mf"`, `privacy.band_inv_mf`) shares all of this but the
 strategy and the accounting: its stage is a `banded_inverse` one (one un-amplified Gaussian), and its noise
 (`BandedInverseNoise`) draws from the optimizer's own secret stream, so it is built when the optimizer is attached.
-`bands="auto"` (BandMF) is resolved here, before the plan, by `privacy.band_auto.choose_bands`.
+`bands="auto"` (either mechanism) is resolved here, before the plan, by `privacy.band_auto.choose_bands`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,13 @@ def resolve_bands(
     else:
         steps = math.ceil(schedule["epochs"] * steps_per_epoch(expected_batch_size / dataset_size))
     bands, table = choose_bands(
-        config.target_epsilon, delta, steps, expected_batch_size, dataset_size, accountant=config.accountant
+        config.target_epsilon,
+        delta,
+        steps,
+        expected_batch_size,
+        dataset_size,
+        accountant=config.accountant,
+        mechanism=config.noise_mechanism,
     )
     return bands, [row._asdict() for row in table]
 

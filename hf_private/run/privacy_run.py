@@ -522,7 +522,7 @@ class PrivacyRun:
             noise_multiplier=self.noise_multiplier,
         ):
             logger.warning("%s", line)
-        if self.band_mf is not None:  # what an Adam-type optimizer sees of the correlated noise
+        if self.band_mf is not None and self.band_mf.bands > 1:  # what an Adam-type optimizer sees of the correlation
             logger.warning("%s", self.band_mf.step_noise_line(self.noise_multiplier))
         for line in self.engine.rule_lines():  # which per-example gradient rule each trainable module uses
             logger.warning("%s", line)

@@ -16,7 +16,7 @@ from hf_private import DPConfig
 from hf_private.methods.frost import FrostConfig
 from hf_private.privacy import band_auto, band_inv_mf
 from hf_private.privacy.band_mf import prefix_loss, step_noise_factor, strategy
-from hf_private.privacy.banded_inverse import sensitivity
+from hf_private.privacy.banded_inverse import bisr_coefficients, sensitivity
 from hf_private.privacy.calibration import calibrate_noise_multiplier
 from hf_private.release.artifacts import BAND_MF_STATE_NAME
 from tests.support import tiny
@@ -107,10 +107,12 @@ def test_refusals_name_what_to_change():
         inverse(2, privacy_unit="user", user_column="user")
     with pytest.raises(ValueError, match="'band-inv-mf' is not supported with max_grad_norm='adaptive'"):
         inverse(2, max_grad_norm="adaptive", initial_max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="bands='auto' picks b for noise_mechanism='band-mf'"):
-        inverse("auto")
+    with pytest.raises(ValueError, match="bands='auto' picks b for noise_mechanism='band-mf' or 'band-inv-mf'"):
+        DPConfig(target_epsilon=8.0, bands="auto")
     with pytest.raises(ValueError, match="bands='auto'.*target_epsilon"):
         DPConfig(noise_multiplier=1.0, noise_mechanism="band-mf", bands="auto")
+    with pytest.raises(ValueError, match="bands='auto'.*target_epsilon"):
+        inverse("auto", target_epsilon=None, noise_multiplier=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- bands="auto"
@@ -131,6 +133,53 @@ def test_auto_picks_the_minimiser_of_the_error_table():
     assert chosen == min(errors, key=errors.get)
     assert [row.error for row in table] == pytest.approx([errors[b] for b in errors], rel=1e-9)
     assert errors[chosen] < errors[1]  # correlation pays here
+
+
+def test_inverse_prefix_loss_is_the_filter_matrix_weighed_by_the_prefix_sums():
+    for bands, n in ((1, 5), (3, 7), (8, 5)):  # b > n: the filter is cut at n
+        d = bisr_coefficients(min(bands, n))
+        filter_matrix = sum(
+            torch.diag(torch.full((n - j,), float(d[j]), dtype=torch.float64), -j) for j in range(len(d))
+        )
+        prefix = torch.tril(torch.ones(n, n, dtype=torch.float64))
+        expected = torch.linalg.matrix_norm(prefix @ filter_matrix) ** 2
+        assert band_auto.inverse_prefix_loss(bands, n) == pytest.approx(float(expected), rel=1e-12)
+
+
+def test_inverse_auto_weighs_each_b_by_its_unamplified_sigma_and_keeps_dp_sgd_where_it_wins(caplog):
+    steps, batch, size = 40, 8, 256
+    chosen = {}
+    for epsilon in (8.0, 0.5):
+        with caplog.at_level(logging.WARNING, logger=HF_LOGGER):
+            chosen[epsilon], table = band_auto.choose_bands(
+                epsilon, 1e-5, steps, batch, size, accountant="rdp", mechanism="band-inv-mf"
+            )
+        assert [row.bands for row in table] == [1, 2, 4, 8, 16, 32]
+        dp_sgd = calibrate_noise_multiplier(epsilon, 1e-5, batch / size, steps, accountant="rdp")
+        errors = {1: dp_sgd**2 * steps * (steps + 1) / 2}  # b = 1: DP-SGD, amplified; its error ‖A‖_F² σ²
+        for b in (2, 4, 8, 16, 32):  # one Gaussian at σ / sensitivity: no amplification
+            sigma = calibrate_noise_multiplier(
+                epsilon, 1e-5, b * batch / size, steps, accountant="rdp", bands=b, banded_inverse=True
+            )
+            errors[b] = sigma**2 * band_auto.inverse_prefix_loss(b, steps)
+        assert [row.error for row in table] == pytest.approx([errors[b] for b in errors], rel=1e-9)
+        assert chosen[epsilon] == min(errors, key=errors.get)
+    assert chosen[8.0] > 1 and chosen[0.5] == 1  # at small ε no banded inverse beats amplified DP-SGD ...
+    (warning,) = [r.getMessage() for r in caplog.records if "chose b=1" in r.getMessage()]
+    assert "(band-inv-mf) chose b=1, which is DP-SGD: at ε=0.5" in warning  # ... and the log says so
+
+
+def test_inverse_auto_through_the_trainer_records_the_choice(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=HF_LOGGER):
+        trainer = make_trainer(tmp_path, dp=inverse("auto"), max_steps=8, **DATA)  # 8 steps: each example once at b=8
+        trainer.train()
+    report = trainer.privacy_report()
+    facts = report["band_mf"]
+    assert facts["bands_chosen_by"] == "auto" and [row["bands"] for row in facts["auto_candidates"]] == [1, 2, 4, 8]
+    assert facts["bands"] == min(facts["auto_candidates"], key=lambda row: row["error"])["bands"] == 8
+    assert report["mechanisms"][0]["mechanism"] == "band_inv_mf" and report["mechanisms"][0]["bands"] == 8
+    assert trainer.privacy_run.band_mf.noise.step == 8
+    assert any(r.getMessage().startswith("Correlated noise (band-inv-mf, b=8)") for r in caplog.records)
 
 
 def test_auto_through_the_trainer_records_the_choice(tmp_path, caplog):
