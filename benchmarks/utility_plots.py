@@ -230,12 +230,18 @@ def _pair(private: dict[str, Any] | None, twin: dict[str, Any] | None, show) -> 
     return " / ".join("–" if r is None else show(r) for r in (private, twin))
 
 
+#: what a method's records train, as the arms table names it (the others by their label)
+TRAINING_MODES = {"lora": "LoRA", "dpsgd": "full"}
+
+
 def arm_label(record: dict[str, Any]) -> str:
-    """A run's arm: its noise mechanism, clip rule (the fixed C, or adaptive with its target quantile) and lr."""
+    """A run's arm: what it trains (LoRA or the full model), its noise mechanism, clip rule (the fixed C, or adaptive
+    with its target quantile) and lr."""
     options = record.get("options") or {}
     lr = f", lr {record['hyperparameters']['lr']:g}"
     mechanism = options.get("noise_mechanism", "dp-sgd")
     noise = {"dp-sgd": "DP-SGD", "band-mf": "BandMF", "band-inv-mf": "banded inverse"}.get(mechanism, mechanism)
+    noise = f"{TRAINING_MODES.get(record['method'], record['label'])}: {noise}"
     if "bands" in options:
         noise += f" (bands={options['bands']})"
     if options.get("max_grad_norm") == "adaptive":
@@ -248,11 +254,14 @@ def arms_table(records: list[dict[str, Any]]) -> str:
     run, with every seed's accuracy, the bands BandMF chose and where adaptive C ended: the correlated-noise and
     adaptive-clipping comparison of docs/benchmarks.md. Every record counts (seeds are replicates, not re-runs)."""
     cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    first: dict[str, dict[str, Any]] = {}  # each arm's first record, to order the rows
     for record in records:
         if record.get("private") and record.get("eval_split", "dev") == "dev":
             cells.setdefault((arm_label(record), record["epsilon_target"]), []).append(record)
+            first.setdefault(arm_label(record), record)
     epsilons = sorted({eps for _, eps in cells}, reverse=True)
-    arms = list(dict.fromkeys(arm for arm, _ in cells))
+    method_order = list(dict.fromkeys(record["method"] for record in first.values()))
+    arms = sorted(first, key=lambda arm: _arm_order(first[arm], method_order))
     lines = ["| arm | " + " | ".join(f"ε = {eps:g}" for eps in epsilons) + " |", "|" + "---|" * (len(epsilons) + 1)]
     for arm in arms:
         row = [arm]
@@ -261,6 +270,15 @@ def arms_table(records: list[dict[str, Any]]) -> str:
             row.append(_arm_cell(runs) if runs else "–")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _arm_order(record: dict[str, Any], method_order: list[str]) -> tuple[Any, ...]:
+    """Rows by method, then DP-SGD's fixed C, adaptive C, BandMF, the banded inverse; each by C and lr."""
+    options = record.get("options") or {}
+    mechanism = ("dp-sgd", "band-mf", "band-inv-mf").index(options.get("noise_mechanism", "dp-sgd"))
+    adaptive = options.get("max_grad_norm") == "adaptive"
+    lr, clip = record["hyperparameters"]["lr"], record["max_grad_norm"]
+    return (method_order.index(record["method"]), mechanism, adaptive, options.get("target_quantile", 0), clip, lr)
 
 
 def _arm_cell(runs: list[dict[str, Any]]) -> str:

@@ -208,12 +208,12 @@ def test_config_options_select_correlated_noise_and_adaptive_clipping(tiny_setup
 
     rows = utility_plots.arms_table([band, adaptive, plain, plain]).splitlines()[2:]  # a seed twice: averaged
     clip, lr = utility.METHODS["lora"].dp.clip, utility.METHODS["lora"].dp.lr
-    assert [row.split(" | ")[0] for row in rows] == [
-        f"| BandMF (bands=2), C = {clip:g}, lr {lr:g}",
-        f"| DP-SGD, adaptive C (quantile 0.7), lr {lr:g}",
-        f"| DP-SGD, C = {clip:g}, lr {lr:g}",
+    assert [row.split(" | ")[0] for row in rows] == [  # fixed C, adaptive C, then correlated noise
+        f"| LoRA: DP-SGD, C = {clip:g}, lr {lr:g}",
+        f"| LoRA: DP-SGD, adaptive C (quantile 0.7), lr {lr:g}",
+        f"| LoRA: BandMF (bands=2), C = {clip:g}, lr {lr:g}",
     ]
-    assert f"{plain['accuracy']:.1%} ({plain['accuracy']:.1%}, {plain['accuracy']:.1%})" in rows[2]
+    assert f"{plain['accuracy']:.1%} ({plain['accuracy']:.1%}, {plain['accuracy']:.1%})" in rows[0]
     assert f"C {clip:.2f} → {facts['final_max_grad_norm']:.2f}" in rows[1]
 
 
