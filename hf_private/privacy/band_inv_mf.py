@@ -105,6 +105,8 @@ class BandedInverseNoise:
         # w_{t−j}'s draws, oldest first: a flat fp32 tensor (stored, or loaded from a checkpoint) or (request, std)
         self._history: deque[torch.Tensor | tuple[int, float]] = deque(maxlen=max(self.bands - 1, 0))
         self._box_muller = BoxMuller(self.pairs, self.device)
+        self._raw = bytearray(PAIR_BYTES * self.pairs)  # one request's keystream, reused by every draw
+        self._raw_tensor = torch.frombuffer(self._raw, dtype=torch.uint8)
         self._values = torch.empty(2 * self.pairs, dtype=torch.float32, device=self.device)
         self._sum = torch.empty(2 * self.pairs, dtype=torch.float32, device=self.device)
 
@@ -121,9 +123,8 @@ class BandedInverseNoise:
     def _draw(self, request: int, length: int, std: float) -> torch.Tensor:
         """The `length` values `GaussianSampler` draws from one request (its `_chunk`), into the reused buffer."""
         pairs = (length + 1) // 2
-        raw = bytearray(PAIR_BYTES * pairs)
-        self.random.fill_at_(raw, request, 0)
-        raw_tensor = torch.frombuffer(raw, dtype=torch.uint8).to(self.device)
+        self.random.fill_at_(memoryview(self._raw)[: PAIR_BYTES * pairs], request, 0)
+        raw_tensor = self._raw_tensor[: PAIR_BYTES * pairs].to(self.device)
         values = self._values[: 2 * pairs]
         self._box_muller.normals_(raw_tensor[: 8 * pairs], raw_tensor[8 * pairs :], std, values[:pairs], values[pairs:])
         return values[:length]
@@ -151,8 +152,8 @@ class BandedInverseNoise:
                 current[offset : offset + length].copy_(z)
             w = torch.mul(z, self.coefficients[0], out=self._sum[:length])
             for j, past in enumerate(reversed(self._history), start=1):
-                if isinstance(past, torch.Tensor):
-                    z = self._values[:length].copy_(past[offset : offset + length])
+                if isinstance(past, torch.Tensor):  # read in place: no copy
+                    z = past[offset : offset + length]
                 else:
                     z = self._draw(past[0] + m, length, past[1])
                 w.add_(z, alpha=self.coefficients[j])

@@ -195,8 +195,10 @@ class SecretRandom:
         block, skip = divmod(offset, 64)
         counter = block.to_bytes(4, "little")
         encryptor = Cipher(algorithms.ChaCha20(self._key, counter + self._nonce_of(request)), mode=None).encryptor()
-        stream = encryptor.update(bytes(skip + size))
-        memoryview(buffer).cast("B")[:] = stream[skip:]
+        if skip == 0:  # straight into the buffer, as `fill_` does (regenerated noise reads whole requests)
+            encryptor.update_into(_zeros(size), buffer)
+            return
+        memoryview(buffer).cast("B")[:] = encryptor.update(bytes(skip + size))[skip:]
 
     def fill_(self, buffer: bytearray | memoryview) -> None:
         """Overwrite `buffer` with fresh keystream bytes (one request, one nonce)."""
