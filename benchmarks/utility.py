@@ -14,7 +14,8 @@ The correlated-noise and adaptive-clipping runs (issue 50): DP-LoRA for 3 epochs
         --results benchmarks/results/utility_sst2_correlated.jsonl --set lora.epochs=3 \
         lora.options.noise_mechanism=band-mf lora.options.bands=auto
     (lora.options.noise_mechanism=band-inv-mf lora.options.bands=78; lora.options.max_grad_norm=adaptive with
-    --clip-norm auto, where C starts; lora.clip=1 for the fixed-C sweep)
+    --clip-norm auto, where C starts; lora.clip=1 for the fixed-C sweep; lora.lr=0.019 for the lr raised by the
+    per-step noise ratio the run logs; full fine-tuning: --methods dpsgd --set dpsgd.epochs=3 dpsgd.options...)
     python -m benchmarks.utility --arms-table --results benchmarks/results/utility_sst2_correlated.jsonl
 
 The new-user runs (README, Usage: CLS head against the mean-pooled head, C measured as the README shows), per head:
