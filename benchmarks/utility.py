@@ -122,12 +122,17 @@ NOISE_AND_CLIP_OPTIONS = frozenset(
 )
 
 
+def config_class(name: str) -> type:
+    """The hf_private config class a method entry names (hf_private imported lazily, as elsewhere in this module)."""
+    import hf_private
+
+    return getattr(hf_private, name)
+
+
 def dp_config(spec_config: str, options: dict[str, Any], epsilon: float | None, clip: float | None):
     """The hf_private config of a run; epsilon None builds one only to ask the method what it trains. With the
     option max_grad_norm="adaptive", `clip` is where C starts (initial_max_grad_norm)."""
-    import hf_private
-
-    config_cls = getattr(hf_private, spec_config)
+    config_cls = config_class(spec_config)
     if epsilon is None:
         kept = {k: v for k, v in options.items() if k not in NOISE_AND_CLIP_OPTIONS}
         return config_cls(noise_multiplier=1.0, **kept)
@@ -342,9 +347,7 @@ def apply_overrides(methods: dict[str, Method], overrides: list[str], which: str
             raise SystemExit(f"--set: unknown method {name!r}; known: {', '.join(methods)}.")
         if key.startswith("options."):
             option = key.removeprefix("options.")
-            import hf_private
-
-            config_fields = {f.name for f in dataclasses.fields(getattr(hf_private, methods[name].config))}
+            config_fields = {f.name for f in dataclasses.fields(config_class(methods[name].config))}
             if option not in config_fields:
                 raise SystemExit(f"--set: {option!r} is not a field of {methods[name].config}.")
             options = {**methods[name].options, option: _option_value(value)}

@@ -28,10 +28,8 @@ import math
 import time
 from typing import NamedTuple
 
-import numpy as np
-
 from ..logs import get_logger
-from .band_mf import BAND_MF_MECHANISM, prefix_loss, strategy
+from .band_mf import BAND_MF_MECHANISM, filter_prefix_loss, prefix_loss, strategy
 from .banded_inverse import bisr_coefficients
 from .calibration import calibrate_noise_multiplier
 
@@ -56,13 +54,9 @@ def candidate_bands(steps: int, expected_batch_size: int, dataset_size: int, cap
 
 
 def inverse_prefix_loss(bands: int, n: int) -> float:
-    """‖A D‖_F² for the banded-inverse noise filter D (b-banded lower-triangular Toeplitz, BISR's coefficients): the
-    expected total squared error of the released prefix sums per unit of σ², as `band_mf.prefix_loss` is BandMF's."""
-    d = np.zeros(int(n))
-    coefficients = bisr_coefficients(min(int(bands), int(n)))
-    d[: len(coefficients)] = coefficients
-    e = np.cumsum(d)
-    return float(np.dot(np.arange(n, 0, -1, dtype=np.float64), e * e))
+    """‖A D‖_F² for the banded-inverse noise filter D (BISR's b coefficients): its expected prefix-sum error per unit
+    of σ², as `band_mf.prefix_loss` is BandMF's."""
+    return filter_prefix_loss(bisr_coefficients(min(int(bands), int(n))), n)
 
 
 def _candidate(

@@ -178,11 +178,20 @@ def inverse_coefficients(c: np.ndarray, n: int) -> np.ndarray:
     return signal.lfilter([1.0], np.asarray(c, dtype=np.float64), impulse)
 
 
-def prefix_loss(c: Sequence[float] | np.ndarray, n: int) -> float:
-    """‖A C⁻¹‖_F² for the prefix-sum workload A (lower-triangular ones): the expected total squared error of the
-    released prefix sums at unit noise and unit sensitivity (‖c‖ = 1). The identity (DP-SGD) gives n(n+1)/2."""
-    e = np.cumsum(inverse_coefficients(np.asarray(c, dtype=np.float64), n))
+def filter_prefix_loss(d: Sequence[float] | np.ndarray, n: int) -> float:
+    """‖A D‖_F² for the prefix-sum workload A (lower-triangular ones) and the lower-triangular Toeplitz noise filter D
+    with first column `d` (cut or zero-padded to n): the expected total squared error of n released prefix sums per
+    unit of σ²."""
+    first_column = np.zeros(int(n))
+    first_column[: min(len(d), int(n))] = np.asarray(d, dtype=np.float64)[: int(n)]
+    e = np.cumsum(first_column)
     return float(np.dot(np.arange(n, 0, -1, dtype=np.float64), e * e))
+
+
+def prefix_loss(c: Sequence[float] | np.ndarray, n: int) -> float:
+    """‖A C⁻¹‖_F²: `filter_prefix_loss` of BandMF's noise filter C⁻¹, at unit sensitivity (‖c‖ = 1). The identity
+    (DP-SGD) gives n(n+1)/2."""
+    return filter_prefix_loss(inverse_coefficients(np.asarray(c, dtype=np.float64), n), n)
 
 
 def _normalised_loss_and_grad(theta: np.ndarray, n: int) -> tuple[float, np.ndarray]:
