@@ -45,7 +45,7 @@ from glue_data import (  # noqa: E402
     task_spec,
 )
 from paper_defaults import method_name, split_batch  # noqa: E402
-from process_group import leave_process_group  # noqa: E402
+from process_group import exit_after_success  # noqa: E402
 
 from hf_private import PrivateTrainer, median_gradient_norm, public_calibration_texts  # noqa: E402
 from hf_private.evaluation.metrics import load_glue_metric  # noqa: E402
@@ -492,4 +492,4 @@ if __name__ == "__main__":
     # force: opacus configures the root logger at import time, which would swallow hf_private's INFO lines.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
     main()
-    leave_process_group()
+    exit_after_success()

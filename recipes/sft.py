@@ -30,7 +30,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from paper_defaults import method_name, split_batch  # noqa: E402
-from process_group import leave_process_group  # noqa: E402
+from process_group import exit_after_success  # noqa: E402
 
 from hf_private import privatize  # noqa: E402
 from hf_private.demos.instruction import (  # noqa: E402
@@ -365,4 +365,4 @@ if __name__ == "__main__":
     # force: opacus configures the root logger at import time, which would swallow the recipe's INFO lines.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
     main()
-    leave_process_group()
+    exit_after_success()

@@ -16,6 +16,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from tests.support import tiny
+from tests.support.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_SST2 = ROOT.parent / "shared" / "data" / "sst2"
@@ -416,6 +417,25 @@ def test_shared_sst2_layout_works_as_is():
 
 
 # ---------------------------------------------------------------- accelerate
+def test_a_finished_run_exits_zero_after_the_exit_handlers_with_its_output_flushed(tmp_path):
+    """`exit_after_success` (the recipes' last call) skips only the interpreter's native teardown: Python's exit
+    handlers still run, and output still buffered in the streams is written."""
+    marker = tmp_path / "handler-ran"
+    script = (
+        "import atexit, pathlib, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'recipes')!r})\n"
+        "from process_group import exit_after_success\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "sys.stderr.write('and on stderr')\n"
+        "exit_after_success()\n"
+        "print('never reached')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "buffered, no newline", "and on stderr")
+    assert marker.read_text() == "yes"
+
+
 def test_recipe_runs_unchanged_under_a_two_process_accelerate_launch(tmp_path):
     accelerate = shutil.which("accelerate")
     if accelerate is None:
@@ -430,6 +450,8 @@ def test_recipe_runs_unchanged_under_a_two_process_accelerate_launch(tmp_path):
             "2",
             "--num_machines",
             "1",
+            "--main_process_port",
+            str(free_port()),
             "--mixed_precision",
             "no",
             "--dynamo_backend",

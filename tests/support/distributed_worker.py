@@ -42,7 +42,7 @@ from hf_private.privacy.noise import GaussianNoise  # noqa: E402
 from hf_private.release import card_facts, checkpoints  # noqa: E402
 from hf_private.run.adaptive_clip import AdaptiveClip, CountingClipReducer  # noqa: E402
 from hf_private.run.method_view import MethodView  # noqa: E402
-from recipes.process_group import leave_process_group  # noqa: E402
+from recipes.process_group import exit_after_success  # noqa: E402
 from tests.support import tiny  # noqa: E402
 
 DATASET_SIZE = 64
@@ -238,5 +238,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()
     run(ns.method, ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")))
-    # left to interpreter teardown, a rank was once aborted after its work was done (exit code -6; in three CI runs)
-    leave_process_group()
+    # interpreter teardown once aborted a rank after its work was done (exit code -6; in three CI runs)
+    exit_after_success()
