@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # `pytest -n N`: the workers share the machine's cores, and torch's threads would otherwise each take all of them
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture
 def single_thread():

@@ -17,7 +17,8 @@ What is pinned, and how exactly:
   in an order that depends on the CPU's vector unit, the thread count and the torch build (two threads against one
   moved them by at most 4e-7 of the update); a change in what is clipped, sampled or noised moves them by order 1;
 * a SHA-256 of every trained tensor, bit for bit, where the platform is the one that wrote the file (the same torch,
-  numeric packages and CPU capability): there the arithmetic is entirely determined, and nothing may move at all.
+  numeric packages and CPU capability; rows train on one thread everywhere): there the arithmetic is entirely
+  determined, and nothing may move at all.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def update_figures(update: torch.Tensor) -> list[float]:
 
 
 def run_row(name: str, output_dir) -> dict:
+    """One row's numbers, trained on one thread: the thread count orders the float sums, so the hash must not depend
+    on how many cores the machine has or how many test workers share them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_row(name, output_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_row(name: str, output_dir) -> dict:
     config, factory = ROWS[name]
     torch.manual_seed(0)
     model = factory()

@@ -69,7 +69,7 @@ def test_the_cpu_build_of_torch_is_the_pinned_torch_and_the_fresh_machine_comman
     commands = re.findall(r"^pip install (torch==\S+) && pip install -e (\S+) && (.+)$", quick_start, re.M)
     assert [(extra, then) for _, extra, then in commands] == [
         (".", "python recipes/glue.py"),
-        ('".[test]"', "python -m pytest -q"),
+        ('".[test]"', "python -m pytest -q -n 2 --dist loadscope"),
     ]
     pins = {pin for pin, _, _ in commands}
     assert len(pins) == 1

@@ -14,6 +14,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from hf_private.demos import instruction as instruction_demo
+from tests.support.launch import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -113,26 +114,7 @@ def test_two_process_accelerate_launch_ends_with_identical_ranks(tmp_path, train
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": str(ROOT),
     }
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "recipes/sft.py",
-        "--trainer",
-        trainer,
-        "--output_dir",
-        str(tmp_path),
-        *SMALL,
-    ]
+    command = accelerate_launch("recipes/sft.py", "--trainer", trainer, "--output_dir", str(tmp_path), *SMALL)
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     digests = dict(re.findall(r"^rank (\d) of 2: (.+)$", run.stderr, re.MULTILINE))

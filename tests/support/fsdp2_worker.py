@@ -11,7 +11,6 @@ that the check must refuse (a weight also used outside its module's forward) and
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from hf_private.engine import PerExampleGradientEngine, UnsupportedLayerError, r
 from hf_private.optimizer import NoisyOptimizer
 from hf_private.privacy import GaussianNoise
 from tests.support import tiny
+from tests.support.launch import free_port
 
 WORLD = 2
 NOISE_SEED = 4242
@@ -174,10 +174,7 @@ def _worker(rank: int, port: int, out: str, job: str) -> None:
 
 def _spawn(out: Path, job: str) -> None:
     """Run `job` on `WORLD` gloo processes; fail (rather than wait) if they have not all ended within the timeout."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.spawn(_worker, args=(port, str(out), job), nprocs=WORLD, join=False)
+    context = mp.spawn(_worker, args=(free_port(), str(out), job), nprocs=WORLD, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
         if time.monotonic() >= deadline:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support import distributed_worker as worker
+from tests.support.launch import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els", "frost-users"]
@@ -24,27 +24,9 @@ NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
 def _launch(method: str, case: str, out: Path) -> list[dict]:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(ROOT / "tests" / "support" / "distributed_worker.py"),
-        "--method",
-        method,
-        "--case",
-        case,
-        "--out",
-        str(out),
-    ]
+    command = accelerate_launch(
+        str(ROOT / "tests" / "support" / "distributed_worker.py"), "--method", method, "--case", case, "--out", str(out)
+    )
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

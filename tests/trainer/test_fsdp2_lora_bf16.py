@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from hf_private import DPConfig
 from hf_private.trainer.sharded import check_sharding
 from hf_private.trainer.sharded_precision import sharded_precision_policy
 from tests.support import fsdp2_lora_worker as worker
+from tests.support.launch import torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -37,18 +37,7 @@ def _command(processes: int, out: Path, case: str, scaled: int | None) -> list[s
         args += ["--scaled", str(scaled)]
     if processes == 1:
         return [sys.executable, *args]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={processes}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        *args,
-    ]
+    return torchrun(*args, processes=processes)
 
 
 def _run_side_by_side(root: Path, runs: dict[str, tuple[int, str, int | None]]) -> dict[str, dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from transformers import LlamaForCausalLM
 
 from hf_private.trainer.sharded import check_resumable
 from tests.support import fsdp2_trainer_worker as worker
+from tests.support.launch import torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -33,19 +33,7 @@ def _command(processes: int, out: Path, *worker_args: str) -> list[str]:
     worker_args = ("--out", str(out), *worker_args)
     if processes == 1:
         return [sys.executable, str(WORKER), *worker_args]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={processes}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        str(WORKER),
-        *worker_args,
-    ]
+    return torchrun(str(WORKER), *worker_args, processes=processes)
 
 
 def _run_all(root: Path, launches: dict[str, tuple[int, Path, list[str]]]) -> None:
