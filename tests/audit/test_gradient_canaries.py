@@ -31,15 +31,16 @@ from tests.support.helpers import training_args
 
 DEFAULT_CANARIES = 1000  # run_audit's default m
 # The methods whose input embedding is not always trained. Each needs at least m coordinates it always trains (a
-# canary's own): BiTFiT's biases and DP-FP's and DP-FROST's heads are widened to hold 1000.
+# canary's own): BiTFiT's biases are widened, and DP-FP's and DP-FROST's heads given 32 outputs (32 × 32 weights), to
+# hold 1000.
 METHODS = {
     "dp-lora": (DPLoRAConfig, {}),
     "bitfit": (BitFitConfig, dict(hidden_size=64)),
     "sparse-lowrank-lora": (functools.partial(SparseLowRankConfig, variant="lora"), {}),
     "sparse-lowrank-rgp": (functools.partial(SparseLowRankConfig, variant="rgp"), {}),
-    "dp-fp-head": (functools.partial(DPFPConfig, mode="sound"), dict(hidden_size=512)),
+    "dp-fp-head": (functools.partial(DPFPConfig, mode="sound"), dict(num_labels=32)),
     # DP-FROST trains the embedding only when a selection picks it: its canaries live in the head it always trains
-    "dp-frost": (FrostConfig, dict(hidden_size=512)),
+    "dp-frost": (FrostConfig, dict(num_labels=32)),
 }
 
 
