@@ -1,10 +1,12 @@
 """One training process of the multi-process tests (tests/trainer/test_distributed.py launches it).
 
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 tests/support/distributed_worker.py \
-        --method full --case update --out DIR
+        --method full --case update noise --out DIR
 
-Each rank writes `DIR/rank{R}.pt`: the trainable parameters before and after, the privacy report, and how
-often it wrote the card and the model. The same function runs in one process for the reference run.
+For each case, each rank writes `DIR/CASE/rank{R}.pt`: the trainable parameters before and after, the privacy report,
+and how often it wrote the card and the model. The cases of one launch run one after the other in the same processes
+(a launch costs more than a case), each with the test's patches undone after it. The same function runs in one
+process for the reference run.
 
 Methods: full, lora, bitfit, frost, rgp (and rgp-entropy), users and users-els (DP-SGD at user level, ULS and ELS),
 frost-users (DP-FROST under ULS), adaptive (DP-SGD with max_grad_norm="adaptive").
@@ -19,8 +21,10 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -83,7 +87,32 @@ def build(method: str):
     return model, (BitFitConfig if method == "bitfit" else DPConfig)
 
 
+PATCHED = [
+    (GaussianNoise, "add_"),
+    (MethodView, "release"),
+    (CountingClipReducer, "pop_centred_count"),
+    (AdaptiveClip, "update"),
+    (card_facts, "write_model_card"),
+    (PrivacyLedger, "save"),
+    (checkpoints, "save_private_adapter"),
+]
+
+
+@contextlib.contextmanager
+def patches_undone() -> Iterator[None]:
+    """`run` patches library functions to switch noise off or to record; put them back after it."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in PATCHED]
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def run(method: str, case: str, out: Path, world_size: int) -> None:
+    """One case's training, in this process (one rank of a launch, or the one-process reference), patching as it
+    needs: call it inside `patches_undone()`."""
+    out.mkdir(parents=True, exist_ok=True)
     model, config_class = build(method)
     model.double()  # the comparison with one process is at 1e-6: keep summation-order error far below it
     # rgp-entropy: no test seed, so the carriers' seed comes from OS entropy on rank 0 and must be broadcast
@@ -234,9 +263,11 @@ if __name__ == "__main__":
         ],
         required=True,
     )
-    parser.add_argument("--case", choices=sorted(LEARNING_RATE), required=True)
+    parser.add_argument("--case", choices=sorted(LEARNING_RATE), nargs="+", required=True)
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args()
-    run(ns.method, ns.case, ns.out, int(os.environ.get("WORLD_SIZE", "1")))
+    for case in ns.case:
+        with patches_undone():
+            run(ns.method, case, ns.out / case, int(os.environ.get("WORLD_SIZE", "1")))
     # interpreter teardown once aborted a rank after its work was done (exit code -6; in three CI runs)
     exit_after_success()

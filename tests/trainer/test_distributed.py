@@ -22,28 +22,42 @@ METHODS = ["full", "lora", "bitfit", "frost", "rgp", "users", "users-els", "fros
 NOISE_IS_THE_UPDATE = [m for m in METHODS if m != "rgp"]
 
 
-def _launch(method: str, case: str, out: Path) -> list[dict]:
+def _launch(method: str, cases: list[str], out: Path) -> dict[str, list[dict]]:
+    """Each case's (rank 0, rank 1) results, from one two-process launch running the cases in turn."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = accelerate_launch(
-        str(ROOT / "tests" / "support" / "distributed_worker.py"), "--method", method, "--case", case, "--out", str(out)
+        str(ROOT / "tests" / "support" / "distributed_worker.py"),
+        "--method",
+        method,
+        "--case",
+        *cases,
+        "--out",
+        str(out),
     )
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return {case: [torch.load(out / case / f"rank{r}.pt", weights_only=False) for r in range(2)] for case in cases}
+
+
+def _one_process(method: str, case: str, out: Path) -> dict:
+    with worker.patches_undone():
+        worker.run(method, case, out, world_size=1)
+    return torch.load(out / "rank0.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module", params=METHODS)
-def update_runs(request, tmp_path_factory):
-    """(rank 0, rank 1, one-process reference) of three noise-free steps on the same logical batches."""
+def launched(request, tmp_path_factory) -> tuple[str, dict[str, list[dict]]]:
+    """A method's two-process runs of the update case and (where the update is the noise) the noise case."""
     method = request.param
-    ranks = _launch(method, "update", tmp_path_factory.mktemp(f"{method}-2proc"))
-    single_dir = tmp_path_factory.mktemp(f"{method}-1proc")
-    add_noise, release = worker.GaussianNoise.add_, worker.MethodView.release
-    try:
-        worker.run(method, "update", single_dir, world_size=1)
-    finally:
-        worker.GaussianNoise.add_, worker.MethodView.release = add_noise, release
-    return method, ranks, torch.load(single_dir / "rank0.pt", weights_only=False)
+    cases = ["update", "noise"] if method in NOISE_IS_THE_UPDATE else ["update"]
+    return method, _launch(method, cases, tmp_path_factory.mktemp(f"{method}-2proc"))
+
+
+@pytest.fixture(scope="module")
+def update_runs(launched, tmp_path_factory):
+    """(rank 0, rank 1, one-process reference) of three noise-free steps on the same logical batches."""
+    method, runs = launched
+    return method, runs["update"], _one_process(method, "update", tmp_path_factory.mktemp(f"{method}-1proc"))
 
 
 def test_ranks_hold_identical_parameters(update_runs):
@@ -96,17 +110,18 @@ def test_card_ledger_and_weights_written_once(update_runs):
 def test_rgp_carriers_agree_on_every_rank_without_a_test_seed(tmp_path):
     """The carriers' start vectors come from OS entropy drawn on rank 0 and broadcast: without the broadcast each rank
     would project the (identical) released gradients onto different carriers and the weights would drift apart."""
-    rank0, rank1 = _launch("rgp-entropy", "update", tmp_path)
+    rank0, rank1 = _launch("rgp-entropy", ["update"], tmp_path)["update"]
     assert rank0["wrapped"] == "DistributedDataParallel"
     moved = [n for n in rank0["after"] if not torch.equal(rank0["after"][n], rank0["before"][n])]
     assert moved and all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
 
 
-@pytest.mark.parametrize("method", NOISE_IS_THE_UPDATE)
-def test_noise_is_added_exactly_once(method, tmp_path):
+@pytest.mark.parametrize("launched", NOISE_IS_THE_UPDATE, indirect=True)
+def test_noise_is_added_exactly_once(launched):
     """Zero loss: the update is the noise alone, so (update·qN)² averages σ²C² — not 2σ²C² (noise on every rank)
     and not 0 (no noise). Tolerance: 5 standard errors of a mean of squared standard normals."""
-    rank0, rank1 = _launch(method, "noise", tmp_path)
+    _, runs = launched
+    rank0, rank1 = runs["noise"]
     assert all(torch.equal(rank0["after"][n], rank1["after"][n]) for n in rank0["after"])
     noise = torch.cat([(rank0["after"][n] - rank0["before"][n]).flatten() for n in rank0["after"]])
     noise = noise * worker.LOGICAL_BATCH / worker.LEARNING_RATE["noise"]  # undo the q·N division and the lr
@@ -119,13 +134,8 @@ def test_adaptive_clipping_count_is_released_once(tmp_path):
     """Adaptive clipping under a test seed: each rank counts its shard of the batch, the count is summed and noised
     once, so both ranks release the same noisy count and move C alike, and the whole C trajectory is the one-process
     run's (noise drawn on every rank would add it twice; a count left unsummed would see half the batch)."""
-    rank0, rank1 = _launch("adaptive", "count", tmp_path / "2proc")
-    patched = worker.CountingClipReducer.pop_centred_count, worker.AdaptiveClip.update, worker.MethodView.release
-    try:
-        worker.run("adaptive", "count", tmp_path / "1proc", world_size=1)
-    finally:
-        worker.CountingClipReducer.pop_centred_count, worker.AdaptiveClip.update, worker.MethodView.release = patched
-    single = torch.load(tmp_path / "1proc" / "rank0.pt", weights_only=False)["counts"]
+    rank0, rank1 = _launch("adaptive", ["count"], tmp_path / "2proc")["count"]
+    single = _one_process("adaptive", "count", tmp_path / "1proc")["counts"]
     steps = worker.STEPS["count"]
     assert rank0["wrapped"] == "DistributedDataParallel" and rank0["global_step"] == steps
     assert len(single["clip"]) == len(rank0["counts"]["clip"]) == steps
