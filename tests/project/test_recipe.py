@@ -16,7 +16,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from tests.support import tiny
-from tests.support.launch import free_port
+from tests.support.launch import accelerate_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_SST2 = ROOT.parent / "shared" / "data" / "sst2"
@@ -441,30 +441,13 @@ def test_recipe_runs_unchanged_under_a_two_process_accelerate_launch(tmp_path):
     if accelerate is None:
         pytest.skip("accelerate CLI not on PATH")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = accelerate_launch(
+        "recipes/glue.py",
+        *("--method", "dp-bitfit", "--max_steps", "2", "--output_dir", str(tmp_path), *FAST),
+        launcher=(accelerate, "launch"),
+    )
     run = subprocess.run(
-        [
-            accelerate,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--main_process_port",
-            str(free_port()),
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "recipes/glue.py",
-            "--method",
-            "dp-bitfit",
-            "--max_steps",
-            "2",
-            "--output_dir",
-            str(tmp_path),
-            *FAST,
-        ],
+        command,
         cwd=ROOT,
         env=env,
         capture_output=True,

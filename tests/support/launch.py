@@ -14,13 +14,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def accelerate_launch(script: str, *script_args: str, processes: int = 2) -> list[str]:
+ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
+
+
+def accelerate_launch(
+    script: str, *script_args: str, processes: int = 2, launcher: tuple[str, ...] = ACCELERATE
+) -> list[str]:
     """`accelerate launch` of `script` as data-parallel CPU processes (set ACCELERATE_USE_CPU=1 in the environment),
-    rendezvousing on a free port rather than accelerate's fixed default."""
+    rendezvousing on a free port rather than accelerate's fixed default; `launcher` starts accelerate (its module under
+    this Python, or the CLI as a user types it)."""
     return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
+        *launcher,
         "--multi_gpu",
         "--num_processes",
         str(processes),
