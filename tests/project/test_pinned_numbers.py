@@ -13,9 +13,12 @@ What is pinned, and how exactly:
   numerics (PRV's FFTs, root finding in scipy and dp-accounting), which move with the numeric packages a fresh install
   resolves (a fresh machine moved σ by about 2e-13 relative); any meaningful change to a plan moves them by far more;
 * the released updates (each trained tensor after training minus before it, where it existed before): two figures a
-  tensor (its norm and its projection on a fixed direction), to 1e-4 of the tensor's update norm. Matrix products sum
-  in an order that depends on the CPU's vector unit, the thread count and the torch build (two threads against one
-  moved them by at most 4e-7 of the update); a change in what is clipped, sampled or noised moves them by order 1;
+  tensor (its norm and its projection on a fixed direction), to 1e-4 of the tensor's update norm, or to ten times the
+  drift measured when the file was written, if that is more. Matrix products sum in an order that depends on the
+  CPU's vector unit, the thread count and the torch build; the file records, per tensor, how far the figures moved
+  between one thread and two (`update_drift`): at most 3.4e-6 of the update, except where the exact gradient is zero
+  and the update is the arithmetic's residue (DP-FP paper mode's attention key biases, which moved by a third of
+  their norm). A change in what is clipped, sampled or noised moves the figures by order 1;
 * a SHA-256 of every trained tensor, bit for bit, where the platform is the one that wrote the file (the same torch,
   numeric packages and CPU capability; rows train on one thread everywhere): there the arithmetic is entirely
   determined, and nothing may move at all.
@@ -57,6 +60,7 @@ ROWS = {
 }
 CALIBRATION_RTOL = 1e-9
 UPDATE_TOLERANCE = 1e-4  # of each tensor's update norm
+DRIFT_MARGIN = 10  # times the drift of a tensor's figures between one thread and two, measured by --write
 
 
 def platform() -> dict[str, str]:
@@ -74,15 +78,15 @@ def update_figures(update: torch.Tensor) -> list[float]:
     return [update.norm().item(), (update @ direction / direction.norm()).item()]
 
 
-def run_row(name: str, output_dir) -> dict:
-    """One row's numbers, trained on one thread: the thread count orders the float sums, so the hash must not depend
-    on how many cores the machine has or how many test workers share them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def run_row(name: str, output_dir, threads: int = 1) -> dict:
+    """One row's numbers, trained on one thread (two for --write's drift): the thread count orders the float sums, so
+    the hash must not depend on how many cores the machine has or how many test workers share them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return _train_row(name, output_dir)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _train_row(name: str, output_dir) -> dict:
@@ -138,7 +142,7 @@ def differences(got: dict, pinned: dict, same_platform: bool) -> list[str]:
     for tensor_name in sorted(set(got["updates"]) & set(pinned["updates"])):
         norm, projection = got["updates"][tensor_name]
         pinned_norm, pinned_projection = pinned["updates"][tensor_name]
-        allowed = UPDATE_TOLERANCE * pinned_norm
+        allowed = max(UPDATE_TOLERANCE * pinned_norm, DRIFT_MARGIN * pinned["update_drift"][tensor_name])
         if abs(norm - pinned_norm) > allowed or abs(projection - pinned_projection) > allowed:
             found.append(
                 f"update of {tensor_name}: (norm, projection) = ({norm:.9g}, {projection:.9g}), pinned "
@@ -182,6 +186,25 @@ def test_the_comparison_tolerates_arithmetic_drift_and_nothing_more():
     assert differences(moved(steps=pinned["steps"] + 1), pinned, False)
     assert differences(moved(updates={**pinned["updates"], name: [norm * 1.01, projection]}), pinned, False)
     assert differences(moved(updates={**pinned["updates"], name: [norm, projection + 0.01 * norm]}), pinned, False)
+    residue = moved(update_drift={**pinned["update_drift"], name: 0.05 * norm})  # a tensor the arithmetic moves
+
+    def scaled(factor: float) -> dict:
+        return {**residue, "updates": {**pinned["updates"], name: [norm * factor, projection]}}
+
+    assert differences(scaled(1.3), residue, False) == [] and differences(scaled(1.6), residue, False)
+
+
+def test_the_measured_drift_widens_the_tolerance_only_where_the_gradient_is_exactly_zero():
+    """Where the recorded drift (one thread against two) exceeds 1e-4 of a tensor's norm, its figure is the
+    arithmetic's residue and not a pinned number: that must stay the exception the docstring names."""
+    rows = json.loads(PINNED.read_text())["rows"]
+    widened = {
+        (name, tensor)
+        for name, row in rows.items()
+        for tensor, (norm, _) in row["updates"].items()
+        if DRIFT_MARGIN * row["update_drift"][tensor] > UPDATE_TOLERANCE * norm
+    }
+    assert widened == {("dp-fp/paper", f"bert.encoder.layer.{i}.attention.self.key.bias") for i in (0, 1)}
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
@@ -189,5 +212,11 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
 
     with tempfile.TemporaryDirectory() as directory:
         rows = {name: run_row(name, Path(directory) / name) for name in sorted(ROWS)}
+        for name, row in rows.items():
+            other = run_row(name, Path(directory) / f"{name}-2", threads=2)["updates"]
+            row["update_drift"] = {
+                tensor: max(abs(a - b) for a, b in zip(figures, other[tensor]))
+                for tensor, figures in row["updates"].items()
+            }
     PINNED.write_text(json.dumps({"platform": platform(), "rows": rows}, indent=1, sort_keys=True) + "\n")
     print(json.dumps(rows, indent=1))
