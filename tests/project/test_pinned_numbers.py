@@ -17,8 +17,8 @@ What is pinned, and how exactly:
   drift measured when the file was written, if that is more. Matrix products sum in an order that depends on the
   CPU's vector unit, the thread count and the torch build; the file records, per tensor, how far the figures moved
   between one thread and two (`update_drift`): at most 3.4e-6 of the update, except where the exact gradient is zero
-  and the update is the arithmetic's residue (DP-FP paper mode's attention key biases, which moved by a third of
-  their norm). A change in what is clipped, sampled or noised moves the figures by order 1;
+  and the update is the arithmetic's residue (DP-FP paper mode's attention key biases, which moved by 0.29 and 0.57
+  of their norm). A change in what is clipped, sampled or noised moves the figures by order 1;
 * a SHA-256 of every trained tensor, bit for bit, where the platform is the one that wrote the file (the same torch,
   numeric packages and CPU capability; rows train on one thread everywhere): there the arithmetic is entirely
   determined, and nothing may move at all.
