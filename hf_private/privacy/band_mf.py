@@ -182,8 +182,9 @@ def filter_prefix_loss(d: Sequence[float] | np.ndarray, n: int) -> float:
     """‖A D‖_F² for the prefix-sum workload A (lower-triangular ones) and the lower-triangular Toeplitz noise filter D
     with first column `d` (cut or zero-padded to n): the expected total squared error of n released prefix sums per
     unit of σ²."""
+    kept = np.asarray(d, dtype=np.float64)[: int(n)]
     first_column = np.zeros(int(n))
-    first_column[: min(len(d), int(n))] = np.asarray(d, dtype=np.float64)[: int(n)]
+    first_column[: len(kept)] = kept
     e = np.cumsum(first_column)
     return float(np.dot(np.arange(n, 0, -1, dtype=np.float64), e * e))
 
