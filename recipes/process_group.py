@@ -10,7 +10,7 @@ from typing import NoReturn
 import torch
 
 
-def leave_process_group() -> None:
+def _leave_process_group() -> None:
     """Every rank leaves the process group together, while the interpreter is whole."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -26,7 +26,7 @@ def exit_after_success() -> NoReturn:
     the process group first did not stop it. So Python's exit handlers run as usual (logging's, and any a callback
     registered, e.g. a tracker's), the streams are flushed, and the process ends there. Only a run that returned
     gets here: an exception still ends the process with its traceback and a non-zero status."""
-    leave_process_group()
+    _leave_process_group()
     atexit._run_exitfuncs()  # what interpreter exit would run first; `os._exit` skips them
     sys.stdout.flush()
     sys.stderr.flush()
